@@ -1,0 +1,51 @@
+"""torchpmap: JAX-style ``pmap`` for PyTorch, with named-axis collectives."""
+from torchpmap._api import pmap, vmap
+from torchpmap._collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    pshuffle,
+    psum,
+    psum_scatter,
+    pswapaxes,
+)
+from torchpmap._devices import (
+    Device,
+    device_count,
+    devices,
+    local_device_count,
+    local_devices,
+    process_count,
+    process_index,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "pmap",
+    "vmap",
+    "psum",
+    "pmean",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "psum_scatter",
+    "ppermute",
+    "pshuffle",
+    "pswapaxes",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
+    "Device",
+    "devices",
+    "local_devices",
+    "device_count",
+    "local_device_count",
+    "process_index",
+    "process_count",
+]

@@ -1,0 +1,133 @@
+"""The public transforms ``pmap`` and ``vmap``: signatures and documentation.
+
+The machinery is in :mod:`torchpmap._front` (arguments and axes) and
+:mod:`torchpmap._engines` (running the instances).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+from torchpmap._front import MapOptions, MappedFunction, _as_int_tuple
+
+
+def pmap(
+    fun: Optional[Callable] = None,
+    axis_name: Optional[Hashable] = None,
+    *,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    static_broadcasted_argnums: int | Sequence[int] = (),
+    devices: Optional[Sequence[Any]] = None,
+    axis_size: Optional[int] = None,
+    donate_argnums: int | Sequence[int] = (),
+    randomness: str = "different",
+) -> Callable:
+    """Parallel map: runs ``fun`` once per slice of the mapped axis, as a single program
+    on multiple data, with collectives across the instances addressed by ``axis_name``.
+
+    ``fun`` is written for one slice: the mapped axis is removed from its arguments. The
+    results of all instances are stacked along ``out_axes``. The mapped axis may be
+    larger than the number of devices: each device then runs ``size / device_count``
+    instances, vectorized (JAX raises instead); a size that does not divide evenly is a
+    ValueError.
+
+    Args:
+        fun: the per-instance function. Omit it to get a decorator.
+        axis_name: a name for the mapped axis, used by collectives such as :func:`psum`.
+        in_axes: for each positional argument, which axis to map: an int (negative
+            counts from the end), None to pass the argument unchanged to every instance,
+            or a pytree prefix of the arguments (a tuple with one entry per positional
+            argument, holding ints, None or containers of those). Keyword arguments are
+            always mapped over axis 0. Only tensors and numpy arrays can be mapped;
+            numpy arrays become tensors.
+        out_axes: where to put the mapped axis in each output: an int, None (for a
+            value that is the same on every instance, e.g. a ``psum``: the value of
+            instance 0 is returned, unchecked, as in JAX), or a pytree prefix of the output.
+        static_broadcasted_argnums: positions of arguments passed unchanged to every
+            instance without any conversion; they must be hashable and passed
+            positionally. ``in_axes`` stays indexed by the original positions.
+        devices: the devices to use, in order (default: all of :func:`devices`).
+        axis_size: the expected size of the mapped axis (checked), or the number of
+            instances when no argument is mapped.
+        donate_argnums: positions of arguments whose memory the caller gives up. They
+            are validated; torchpmap does not yet reuse their buffers, so donation is
+            only a hint (the same as JAX on CPU).
+        randomness: how random ops behave across instances, as in ``torch.func.vmap``:
+            ``"different"`` (default: each instance draws its own numbers, as separate
+            devices would, reproducibly under ``torch.manual_seed``), ``"same"`` or
+            ``"error"``.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> def scaled_sum(x):
+        ...     return torchpmap.psum(x * 2.0, axis_name="devices")
+        >>> torchpmap.pmap(scaled_sum, axis_name="devices")(torch.arange(4.))
+        tensor([12., 12., 12., 12.])
+        >>> scale = torchpmap.pmap(lambda x, k: x * k, in_axes=(0, None))
+        >>> scale(torch.arange(6.).reshape(2, 3), 10.0)
+        tensor([[ 0., 10., 20.],
+                [30., 40., 50.]])
+    """
+    if fun is None:
+        return functools.partial(
+            pmap,
+            axis_name=axis_name,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            static_broadcasted_argnums=static_broadcasted_argnums,
+            devices=devices,
+            axis_size=axis_size,
+            donate_argnums=donate_argnums,
+            randomness=randomness,
+        )
+    statics, donated = _as_int_tuple(static_broadcasted_argnums), _as_int_tuple(donate_argnums)
+    if set(statics) & set(donated):
+        raise ValueError(
+            f"pmap: arguments {sorted(set(statics) & set(donated))} are both static and donated; "
+            "static arguments are not tensors and cannot be donated"
+        )
+    opts = MapOptions(
+        kind="pmap",
+        axis_name=axis_name,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        randomness=randomness,
+        axis_size=axis_size,
+        static_argnums=statics,
+        donate_argnums=donated,
+        devices=None if devices is None else tuple(devices),
+    )
+    return MappedFunction(fun, opts)
+
+
+def vmap(
+    fun: Optional[Callable] = None,
+    in_axes: Any = 0,
+    out_axes: Any = 0,
+    axis_name: Optional[Hashable] = None,
+    randomness: str = "error",
+    *,
+    axis_size: Optional[int] = None,
+) -> Callable:
+    """Vectorizing map with named-axis collectives, like ``jax.vmap(..., axis_name=...)``.
+
+    The same program model as :func:`pmap`, run as one vectorized computation where the
+    inputs already are, on any number of instances. ``out_axes=None`` is checked: an
+    output that varies along the axis raises. ``randomness`` defaults to ``"error"``, as
+    in ``torch.func.vmap``.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> f = lambda x: x / torchpmap.psum(x, "batch")
+        >>> torchpmap.vmap(f, axis_name="batch")(torch.tensor([1., 3.]))
+        tensor([0.2500, 0.7500])
+    """
+    if fun is None:
+        return functools.partial(
+            vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name, randomness=randomness, axis_size=axis_size
+        )
+    opts = MapOptions(
+        kind="vmap", axis_name=axis_name, in_axes=in_axes, out_axes=out_axes, randomness=randomness, axis_size=axis_size
+    )
+    return MappedFunction(fun, opts)

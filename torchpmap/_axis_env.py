@@ -1,0 +1,94 @@
+"""The axis environment: which named axes are bound while a mapped function runs.
+
+Every running ``pmap``/``vmap`` that has an ``axis_name`` pushes an :class:`AxisFrame`.
+Collectives look their axis names up here; the innermost binding of a name wins, as in
+JAX. The stack is thread-local because each engine thread runs its own slice of the
+program with its own vmap levels.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Hashable, Iterator
+
+import torch
+
+AxisName = Hashable
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AxisFrame:
+    """One bound named axis.
+
+    Attributes:
+        name: the user's axis name.
+        size: the logical size of the axis (all instances, on all devices).
+        token: ``arange(local_size)`` batched at exactly this axis' vmap level. A collective
+            passes it into its autograd.Function so that the batching rule can tell which
+            vmap level owns the axis. Read as a value it is the local instance index.
+        local_size: how many of the instances run vectorized in this engine slice.
+        offset: the axis index of this slice's first instance (non-zero when the axis is
+            split over several devices or processes).
+        exchange: how the slices of a split axis talk to each other, or None when the
+            whole axis runs in one vectorized slice.
+    """
+
+    name: AxisName
+    size: int
+    token: torch.Tensor
+    local_size: int
+    offset: int = 0
+    exchange: Any = None
+
+
+_state = threading.local()
+
+
+def _stack() -> list[AxisFrame]:
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
+
+
+@contextlib.contextmanager
+def bound(frame: AxisFrame) -> Iterator[AxisFrame]:
+    """Binds ``frame`` for the duration of the block."""
+    stack = _stack()
+    stack.append(frame)
+    try:
+        yield frame
+    finally:
+        stack.pop()
+
+
+def lookup(name: AxisName) -> AxisFrame:
+    """The innermost frame bound to ``name``; ``NameError`` if there is none."""
+    for frame in reversed(_stack()):
+        if frame.name == name:
+            return frame
+    bound_names = [f.name for f in _stack()]
+    where = f"bound axis names: {bound_names}" if bound_names else "no axis is bound here"
+    raise NameError(
+        f"unbound axis name: {name!r} ({where}). Collectives can only name an axis of an "
+        f"enclosing pmap/vmap: pass axis_name={name!r} to the pmap or vmap that maps it."
+    )
+
+
+def normalize_names(axis_name: AxisName | tuple[AxisName, ...], what: str) -> tuple[AxisName, ...]:
+    """``axis_name`` as a non-empty tuple of distinct names."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if not names:
+        raise ValueError(f"{what}: axis_name must name at least one axis, got {axis_name!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what}: axis_name {axis_name!r} names an axis more than once")
+    return names
+
+
+def frames(names: tuple[AxisName, ...]) -> list[AxisFrame]:
+    return [lookup(n) for n in names]
+
+
+def current_frames() -> tuple[AxisFrame, ...]:
+    return tuple(_stack())

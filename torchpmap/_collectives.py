@@ -1,0 +1,423 @@
+"""Collectives: communication between the instances of a mapped axis, addressed by name.
+
+Every function here takes a pytree ``x`` (tensors, numpy arrays or Python numbers at the
+leaves) and an ``axis_name`` that is one name or a tuple of names. A tuple addresses the
+product of those axes in row-major order: the first name is the most significant, so
+``axis_index(("i", "j")) == i * axis_size("j") + j``.
+
+The math of each collective is in :mod:`torchpmap._primitives`; this module checks the
+arguments, splits tuple names into per-axis steps and maps over the pytree.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from torchpmap import _axis_env
+from torchpmap._axis_env import AxisFrame, AxisName
+from torchpmap._compile_guard import refuse_under_compile
+from torchpmap._primitive import bind
+from torchpmap._primitives import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
+
+AxisNames = Any  # a name or a tuple of names
+
+
+# --------------------------------------------------------------------------- plumbing
+
+
+def _leaf_tensor(leaf: Any, what: str) -> torch.Tensor:
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__array__"):
+        return torch.as_tensor(leaf)
+    raise TypeError(f"{what} takes tensors, numpy arrays or Python numbers, got {type(leaf).__name__}: {leaf!r}")
+
+
+def _tree_apply(what: str, x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    refuse_under_compile(what)
+    return pytree.tree_map(lambda leaf: fn(_leaf_tensor(leaf, what)), x)
+
+
+def _frames(axis_name: AxisNames, what: str) -> list[AxisFrame]:
+    return _axis_env.frames(_axis_env.normalize_names(axis_name, what))
+
+
+def _total_size(frames: list[AxisFrame]) -> int:
+    return math.prod(f.size for f in frames)
+
+
+def _axis_phrase(frames: list[AxisFrame]) -> str:
+    if len(frames) == 1:
+        return f"axis {frames[0].name!r} (size {frames[0].size})"
+    names = tuple(f.name for f in frames)
+    return f"axes {names} (sizes {tuple(f.size for f in frames)}, {_total_size(frames)} in all)"
+
+
+def _normalize_dim(dim: int, rank: int, what: str, arg: str) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"{what}: {arg} must be an int, got {dim!r}")
+    if not -rank <= dim < rank:
+        raise ValueError(f"{what}: {arg}={dim} is out of range for a value of rank {rank} (valid: {-rank}..{rank - 1})")
+    return dim % rank
+
+
+def _check_groups(groups: Any, frames: list[AxisFrame], what: str, equal_sizes: bool) -> Groups:
+    """``axis_index_groups`` as a tuple of tuples, checked against the axis size."""
+    if groups is None:
+        return None
+    if len(frames) != 1:
+        raise NotImplementedError(f"{what}: axis_index_groups works with a single axis name, got {_axis_phrase(frames)}")
+    n = frames[0].size
+    try:
+        normalized = tuple(tuple(int(i) for i in g) for g in groups)
+    except TypeError:
+        raise TypeError(f"{what}: axis_index_groups must be a list of lists of axis indices, got {groups!r}") from None
+    members = sorted(i for g in normalized for i in g)
+    if members != list(range(n)):
+        raise ValueError(
+            f"{what}: axis_index_groups={groups!r} must contain every index of {_axis_phrase(frames)} "
+            f"exactly once, i.e. partition 0..{n - 1}"
+        )
+    if equal_sizes and len({len(g) for g in normalized}) > 1:
+        raise ValueError(f"{what}: all groups in axis_index_groups must have the same size, got {groups!r}")
+    return normalized
+
+
+# --------------------------------------------------------------------------- reductions
+
+
+def psum(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+    """Sums ``x`` over the instances of the named axis; every instance gets the total.
+
+    Integer dtypes are kept, booleans are counted (as int64). An ``x`` that is the same on
+    every instance (a constant, say) is multiplied by the axis size. Differentiating
+    gives ``psum`` of the cotangent, JAX pmap's convention: inside ``pmap``,
+    ``grad(lambda x: psum(x, "i"))`` is the axis size on every instance.
+
+    Args:
+        x: a pytree of tensors, numpy arrays or numbers.
+        axis_name: a name bound by an enclosing ``pmap``/``vmap``, or a tuple of names.
+        axis_index_groups: optional partition of the axis indices into groups; each
+            instance then receives the sum over its own group.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> torchpmap.pmap(lambda x: torchpmap.psum(x, "i"), axis_name="i")(torch.arange(4.))
+        tensor([6., 6., 6., 6.])
+        >>> f = lambda x: torchpmap.psum(x, "i", axis_index_groups=[[0, 1], [2, 3]])
+        >>> torchpmap.pmap(f, axis_name="i")(torch.arange(4))
+        tensor([1, 1, 5, 5])
+    """
+    frames = _frames(axis_name, "psum")
+    groups = _check_groups(axis_index_groups, frames, "psum", equal_sizes=False)
+    return _tree_apply("psum", x, lambda t: _reduce(t, frames, lambda f: Psum(f, groups=groups)))
+
+
+def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+    """The mean of ``x`` over the named axis: ``psum(x) / size`` (integers become floats).
+
+    With ``axis_index_groups`` each instance receives the mean over its own group.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> torchpmap.pmap(lambda x: torchpmap.pmean(x, "i"), axis_name="i")(torch.arange(4))
+        tensor([1.5000, 1.5000, 1.5000, 1.5000])
+    """
+    frames = _frames(axis_name, "pmean")
+    groups = _check_groups(axis_index_groups, frames, "pmean", equal_sizes=False)
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        total = _reduce(t, frames, lambda f: Psum(f, groups=groups))
+        if groups is None:
+            return total / _total_size(frames)
+        group_size = [0] * frames[0].size
+        for g in groups:
+            for i in g:
+                group_size[i] = len(g)
+        return total / torch.tensor(group_size, device=t.device)[axis_index(axis_name)]
+
+    return _tree_apply("pmean", x, mean)
+
+
+def pmax(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+    """The elementwise maximum of ``x`` over the named axis. Not differentiable, as in JAX.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> torchpmap.pmap(lambda x: torchpmap.pmax(x, "i"), axis_name="i")(torch.tensor([3, 1, 4, 1]))
+        tensor([4, 4, 4, 4])
+    """
+    return _extremum(x, axis_name, axis_index_groups, "amax", "pmax")
+
+
+def pmin(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+    """The elementwise minimum of ``x`` over the named axis. Not differentiable, as in JAX.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> torchpmap.pmap(lambda x: torchpmap.pmin(x, "i"), axis_name="i")(torch.tensor([3, 1, 4, 1]))
+        tensor([1, 1, 1, 1])
+    """
+    return _extremum(x, axis_name, axis_index_groups, "amin", "pmin")
+
+
+def _extremum(x, axis_name, axis_index_groups, op: str, what: str):
+    frames = _frames(axis_name, what)
+    groups = _check_groups(axis_index_groups, frames, what, equal_sizes=False)
+    return _tree_apply(what, x, lambda t: _reduce(t, frames, lambda f: Pextremum(f, op=op, groups=groups)))
+
+
+def _reduce(t: torch.Tensor, frames: list[AxisFrame], prim: Callable[[AxisFrame], Any]) -> torch.Tensor:
+    for frame in frames:  # a reduction over a product of axes is one reduction per axis
+        t = bind(prim(frame), t)
+    return t
+
+
+# --------------------------------------------------------------------------- gathers and scatters
+
+
+def all_gather(
+    x: Any,
+    axis_name: AxisNames,
+    *,
+    axis: int = 0,
+    tiled: bool = False,
+    axis_index_groups: Sequence[Sequence[int]] | None = None,
+) -> Any:
+    """Every instance receives the values of all instances, stacked along a new ``axis``.
+
+    With ``tiled=True`` they are concatenated along the existing ``axis`` instead. With
+    ``axis_index_groups`` (groups of equal size) each instance gathers its own group.
+    The transpose is :func:`psum_scatter`.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> f = lambda x: torchpmap.all_gather(x, "i")
+        >>> torchpmap.pmap(f, axis_name="i")(torch.arange(3))
+        tensor([[0, 1, 2],
+                [0, 1, 2],
+                [0, 1, 2]])
+    """
+    frames = _frames(axis_name, "all_gather")
+    groups = _check_groups(axis_index_groups, frames, "all_gather", equal_sizes=True)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        if tiled and t.dim() == 0:
+            raise ValueError("all_gather: tiled=True needs a value of rank at least 1 to concatenate along; got a scalar")
+        rank = t.dim() if tiled else t.dim() + 1
+        at = _normalize_dim(axis, rank, "all_gather", "axis")
+        for frame in reversed(frames):  # least significant axis innermost
+            t = bind(AllGather(frame, axis=at, groups=groups), t)
+        return t.flatten(at, at + len(frames) - (0 if tiled else 1))
+
+    return _tree_apply("all_gather", x, gather)
+
+
+def psum_scatter(x: Any, axis_name: AxisNames, *, scatter_dimension: int = 0, tiled: bool = False) -> Any:
+    """``psum`` followed by each instance keeping only its own slice of the total.
+
+    Without ``tiled`` the value's ``scatter_dimension`` must have the axis size and is
+    removed: instance ``k`` receives ``psum(x)[k]`` along it. With ``tiled=True`` it must
+    be divisible by the axis size and instance ``k`` receives the ``k``-th block. The
+    transpose is :func:`all_gather`.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> x = torch.arange(16.).reshape(4, 4)
+        >>> torchpmap.pmap(lambda r: torchpmap.psum_scatter(r, "i"), axis_name="i")(x)
+        tensor([24., 28., 32., 36.])
+    """
+    frames = _frames(axis_name, "psum_scatter")
+    n = _total_size(frames)
+
+    def scatter(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            raise ValueError(f"psum_scatter: needs a value of rank at least 1 to scatter over {_axis_phrase(frames)}; got a scalar")
+        dim = _normalize_dim(scatter_dimension, t.dim(), "psum_scatter", "scatter_dimension")
+        size = t.shape[dim]
+        if not tiled and size != n:
+            raise ValueError(
+                f"psum_scatter: scatter_dimension {scatter_dimension} of the value (shape {tuple(t.shape)}) has size "
+                f"{size}, but it must equal the size of {_axis_phrase(frames)}. Use tiled=True to scatter blocks."
+            )
+        if tiled and size % n:
+            raise ValueError(
+                f"psum_scatter: with tiled=True, scatter_dimension {scatter_dimension} of the value (shape "
+                f"{tuple(t.shape)}) has size {size}, which is not divisible by the size of {_axis_phrase(frames)}"
+            )
+        for k, frame in enumerate(frames):  # most significant axis first, each keeps its block
+            last = k == len(frames) - 1
+            t = bind(PsumScatter(frame, dimension=dim, tiled=tiled or not last), t)
+        return t
+
+    return _tree_apply("psum_scatter", x, scatter)
+
+
+# --------------------------------------------------------------------------- permutations
+
+
+def _check_perm(perm: Any, n: int, frames: list[AxisFrame]) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple((int(s), int(d)) for s, d in perm)
+    except (TypeError, ValueError):
+        raise TypeError(f"ppermute: perm must be a sequence of (source, destination) pairs, got {perm!r}") from None
+    for s, d in pairs:
+        if not (0 <= s < n and 0 <= d < n):
+            raise ValueError(f"ppermute: pair ({s}, {d}) in perm is out of range for {_axis_phrase(frames)}: indices must be in 0..{n - 1}")
+    for role, idx in (("source", 0), ("destination", 1)):
+        seen = [p[idx] for p in pairs]
+        dups = sorted({i for i in seen if seen.count(i) > 1})
+        if dups:
+            raise ValueError(f"ppermute: perm sends {'from' if idx == 0 else 'to'} {role} index {dups[0]} more than once: {perm!r}. Each {role} may appear at most once.")
+    return pairs
+
+
+def ppermute(x: Any, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> Any:
+    """Sends values along the axis: for each ``(source, destination)`` pair in ``perm``,
+    instance ``destination`` receives the value of instance ``source``. Instances that
+    are no destination receive zeros. The transpose is ``ppermute`` with the pairs reversed.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> shift = lambda x: torchpmap.ppermute(x, "i", perm=[(j, (j + 1) % 4) for j in range(4)])
+        >>> torchpmap.pmap(shift, axis_name="i")(torch.arange(4.))
+        tensor([3., 0., 1., 2.])
+    """
+    frames = _frames(axis_name, "ppermute")
+    pairs = _check_perm(perm, _total_size(frames), frames)
+    if len(frames) == 1:
+        return _tree_apply("ppermute", x, lambda t: bind(Ppermute(frames[0], perm=pairs), t))
+    source = [-1] * _total_size(frames)
+    for s, d in pairs:
+        source[d] = s
+    return _tree_apply("ppermute", x, lambda t: _receive_from(t, axis_name, source))
+
+
+def _receive_from(t: torch.Tensor, axis_name: AxisNames, source: list[int]) -> torch.Tensor:
+    """ppermute over a product of axes: gather all values, keep the one from my source."""
+    everyone = all_gather(t, axis_name)
+    mine = torch.tensor(source, device=t.device)[axis_index(axis_name)]
+    received = everyone.index_select(0, mine.clamp(min=0).reshape(1)).squeeze(0)
+    return torch.where(mine >= 0, received, torch.zeros_like(received))
+
+
+def pshuffle(x: Any, axis_name: AxisNames, perm: Sequence[int]) -> Any:
+    """Instance ``i`` receives the value of instance ``perm[i]``; ``perm`` must be a
+    permutation of the axis indices.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> f = lambda x: torchpmap.pshuffle(x, "i", perm=[2, 0, 1])
+        >>> torchpmap.pmap(f, axis_name="i")(torch.tensor([10, 20, 30]))
+        tensor([30, 10, 20])
+    """
+    frames = _frames(axis_name, "pshuffle")
+    n = _total_size(frames)
+    if sorted(int(p) for p in perm) != list(range(n)):
+        raise ValueError(f"pshuffle: perm={list(perm)!r} must be a permutation of 0..{n - 1}, the indices of {_axis_phrase(frames)}")
+    return ppermute(x, axis_name, [(int(src), dst) for dst, src in enumerate(perm)])
+
+
+def all_to_all(x: Any, axis_name: AxisNames, split_axis: int, concat_axis: int, *, tiled: bool = False) -> Any:
+    """Each instance splits its value along ``split_axis`` into one piece per instance,
+    sends piece ``k`` to instance ``k``, and receives the pieces addressed to it along
+    ``concat_axis``.
+
+    Without ``tiled``, ``x.shape[split_axis]`` must equal the axis size: the split axis
+    is removed and the received pieces form a new axis at ``concat_axis`` (a position in
+    the result). With ``tiled=True`` the size must be divisible by the axis size and the
+    received blocks are concatenated along the existing ``concat_axis``. The transpose
+    is ``all_to_all`` with the two axes swapped.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> x = torch.arange(9).reshape(3, 3)
+        >>> torchpmap.pmap(lambda r: torchpmap.all_to_all(r, "i", 0, 0), axis_name="i")(x)
+        tensor([[0, 3, 6],
+                [1, 4, 7],
+                [2, 5, 8]])
+    """
+    frames = _frames(axis_name, "all_to_all")
+    n = _total_size(frames)
+
+    def exchange(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0:
+            raise ValueError("all_to_all: needs a value of rank at least 1 to split; got a scalar")
+        split = _normalize_dim(split_axis, t.dim(), "all_to_all", "split_axis")
+        concat = _normalize_dim(concat_axis, t.dim(), "all_to_all", "concat_axis")
+        size = t.shape[split]
+        if not tiled and size != n:
+            raise ValueError(
+                f"all_to_all: split_axis {split_axis} of the value (shape {tuple(t.shape)}) has size {size}, but it "
+                f"must equal the size of {_axis_phrase(frames)}. Use tiled=True to split it into equal blocks."
+            )
+        if tiled and size % n:
+            raise ValueError(
+                f"all_to_all: with tiled=True, split_axis {split_axis} of the value (shape {tuple(t.shape)}) has size "
+                f"{size}, which is not divisible by the size of {_axis_phrase(frames)}"
+            )
+        if len(frames) == 1:
+            return bind(AllToAll(frames[0], split_axis=split, concat_axis=concat, tiled=tiled), t)
+        return _all_to_all_product(t, axis_name, n, split, concat, tiled)
+
+    return _tree_apply("all_to_all", x, exchange)
+
+
+def _all_to_all_product(t, axis_name, n: int, split: int, concat: int, tiled: bool) -> torch.Tensor:
+    """all_to_all over a product of axes: gather every value, keep the pieces for me."""
+    everyone = all_gather(t, axis_name)  # (source, *shape)
+    if tiled:
+        everyone = everyone.unflatten(1 + split, (n, t.shape[split] // n))
+    mine = axis_index(axis_name).reshape(1)
+    pieces = everyone.index_select(1 + split, mine).squeeze(1 + split)  # (source, *piece)
+    out = pieces.movedim(0, concat)
+    return out.flatten(concat, concat + 1) if tiled else out
+
+
+def pswapaxes(x: Any, axis_name: AxisNames, axis: int) -> Any:
+    """Swaps the named axis with positional ``axis`` of the value:
+    ``all_to_all(x, axis_name, axis, axis)``.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> x = torch.arange(4).reshape(2, 2)
+        >>> torchpmap.pmap(lambda r: torchpmap.pswapaxes(r, "i", 0), axis_name="i")(x)
+        tensor([[0, 2],
+                [1, 3]])
+    """
+    return all_to_all(x, axis_name, axis, axis)
+
+
+# --------------------------------------------------------------------------- axis queries
+
+
+def axis_index(axis_name: AxisNames) -> torch.Tensor:
+    """The index of this instance along the named axis, as an int64 tensor.
+
+    For a tuple of names, the row-major index over their product.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> torchpmap.pmap(lambda x: torchpmap.axis_index("i"), axis_name="i")(torch.zeros(3))
+        tensor([0, 1, 2])
+    """
+    refuse_under_compile("axis_index")
+    index = None
+    for frame in _frames(axis_name, "axis_index"):
+        own = frame.token + frame.offset if frame.offset else frame.token
+        index = own if index is None else index * frame.size + own
+    return index
+
+
+def axis_size(axis_name: AxisNames) -> int:
+    """The number of instances along the named axis (a product for a tuple of names).
+
+    Example:
+        >>> import torch, torchpmap
+        >>> torchpmap.pmap(lambda x: x * torchpmap.axis_size("i"), axis_name="i")(torch.ones(2))
+        tensor([2., 2.])
+    """
+    return _total_size(_frames(axis_name, "axis_size"))

@@ -1,0 +1,19 @@
+"""Refuses torch.compile where it would silently compute wrong numbers.
+
+Dynamo inlines ``autograd.Function.forward`` and ignores custom ``vmap`` rules
+(pytorch#129845), so a compiled map over a collective would return wrong results.
+Until a compiled mode exists that is proven by the differential suite, say so.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def refuse_under_compile(what: str) -> None:
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"torchpmap.{what} cannot run under torch.compile yet: torch.compile ignores the "
+            "custom batching rules that implement collectives and would return wrong results. "
+            "Compile the per-instance computation without collectives instead, or call the "
+            "pmapped function outside torch.compile."
+        )

@@ -1,0 +1,99 @@
+"""The devices a pmap can run on.
+
+Without torch.distributed there is one process, and its device is the first CUDA device
+torch sees, else the CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Device:
+    """One device a pmap instance can run on: its kind (``"cpu"``/``"cuda"``), its index
+    among the devices of that kind in its process, and the process that owns it.
+
+    Example:
+        >>> import torchpmap
+        >>> torchpmap.devices()[0].torch_device.type in ("cpu", "cuda")
+        True
+    """
+
+    platform: str
+    id: int
+    process_index: int = 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.platform, self.id) if self.platform == "cuda" else torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"{self.platform}:{self.id}"
+
+
+@functools.lru_cache(maxsize=1)
+def _local_devices() -> tuple[Device, ...]:
+    if torch.cuda.is_available():
+        return (Device("cuda", 0),)
+    return (Device("cpu", 0),)
+
+
+def local_devices() -> list[Device]:
+    """The devices of this process.
+
+    Example:
+        >>> import torchpmap
+        >>> len(torchpmap.local_devices()) >= 1
+        True
+    """
+    return list(_local_devices())
+
+
+def devices() -> list[Device]:
+    """All devices of all processes (one process here)."""
+    return local_devices()
+
+
+def device_count() -> int:
+    """``len(devices())``."""
+    return len(devices())
+
+
+def local_device_count() -> int:
+    """``len(local_devices())``."""
+    return len(local_devices())
+
+
+def process_index() -> int:
+    """This process' rank (0 for a single process)."""
+    return 0
+
+
+def process_count() -> int:
+    """How many processes take part (1 for a single process)."""
+    return 1
+
+
+def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
+    """The devices a pmap was asked to use, validated; all local devices for None."""
+    if requested is None:
+        return _local_devices()
+    requested = list(requested)
+    if not requested:
+        raise ValueError("pmap: 'devices' must be a non-empty list of devices, or None for all of them")
+    known = {d: d for d in devices()}
+    for d in devices():
+        known[str(d)] = known[d.torch_device] = d
+    chosen = []
+    for i, d in enumerate(requested):
+        key = torch.device(d) if isinstance(d, str) else d
+        if key not in known:
+            raise ValueError(f"pmap: devices[{i}] = {d!r} is not one of torchpmap.devices() = {devices()}")
+        chosen.append(known[key])
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"pmap: 'devices' lists a device more than once: {requested!r}")
+    return tuple(chosen)

@@ -1,0 +1,63 @@
+"""The vectorized engine: all instances of a mapped axis in one ``torch.func.vmap``.
+
+The axis token (``arange(size)``) is passed as an extra vmap input so that collectives
+can find this axis' vmap level (see :mod:`torchpmap._primitive`). ``chunk_size`` is never
+used: a chunked vmap would show each collective only its chunk.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import torch
+from torch.func import vmap
+
+from torchpmap import _axis_env
+from torchpmap._engines import MappedCall
+
+
+def _place(value: Any, device: torch.device | None) -> Any:
+    if device is None or not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device, non_blocking=True)
+
+
+def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exchange: Any = None) -> list[torch.Tensor]:
+    """Runs all ``call.size`` instances vectorized on one device.
+
+    ``offset``, ``axis_size`` and ``exchange`` let a multi-device engine run one slice of
+    a larger axis: this slice holds instances ``offset .. offset + call.size - 1`` of an
+    axis of ``axis_size`` instances, and ``exchange`` connects it to the other slices.
+    """
+    device = call.devices[0].torch_device if call.devices else None
+    mapped = [_place(t, device) for t in call.mapped]
+    broadcast = [_place(v, device) for v in call.broadcast]
+    token_device = device if device is not None else (mapped[0].device if mapped else None)
+    token = torch.arange(call.size, device=token_device)
+
+    def one_instance(token: torch.Tensor, *slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        binding = contextlib.nullcontext()
+        if call.axis_name is not None:
+            frame = _axis_env.AxisFrame(
+                call.axis_name, axis_size or call.size, token, call.size, offset, exchange
+            )
+            binding = _axis_env.bound(frame)
+        with binding:
+            outputs = tuple(call.body(slices, broadcast))
+        _check_unmapped(outputs, call.must_be_unmapped(), token)
+        return outputs
+
+    batched = vmap(one_instance, in_dims=(0, *call.in_dims), out_dims=0, randomness=call.randomness)
+    return list(batched(token, *mapped))
+
+
+def _check_unmapped(outputs: Sequence[torch.Tensor], required: dict[int, str], token: torch.Tensor) -> None:
+    """Raises if an output that must be the same on every instance is batched at this level."""
+    level = torch._C._functorch.maybe_get_level(token)  # this vmap's level: the token is batched here only
+    for k, path in required.items():
+        if torch._C._functorch.maybe_get_level(outputs[k]) == level:
+            raise ValueError(
+                f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output varies along "
+                "the mapped axis. Give it an out axis (e.g. 0), or return a value that is the same for every "
+                "instance, such as the result of psum."
+            )

@@ -1,0 +1,296 @@
+"""The front end shared by ``pmap`` and ``vmap``: arguments, axes and outputs.
+
+A call is checked and flattened into a :class:`~torchpmap._engines.MappedCall`; an
+engine runs it; the flat results are stacked along ``out_axes`` and put back into the
+output's pytree. Nothing here knows which engine runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from torchpmap import _devices, _engines
+from torchpmap._compile_guard import refuse_under_compile
+from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
+
+_RANDOMNESS = ("error", "different", "same")
+
+
+@dataclasses.dataclass(frozen=True)
+class MapOptions:
+    """Everything about a mapped function except the function itself."""
+
+    kind: str  # "pmap" or "vmap"
+    axis_name: Optional[Hashable]
+    in_axes: Any
+    out_axes: Any
+    randomness: str
+    axis_size: Optional[int] = None
+    static_argnums: tuple[int, ...] = ()
+    donate_argnums: tuple[int, ...] = ()
+    devices: Optional[tuple[Any, ...]] = None
+
+
+def check_options(opts: MapOptions) -> None:
+    what = opts.kind
+    if isinstance(opts.in_axes, list):
+        raise ValueError(
+            f"{what}: in_axes must be an int, None or a tuple with one entry per positional argument; "
+            f"got the list {opts.in_axes!r}. Use a tuple: in_axes={tuple(opts.in_axes)!r}"
+        )
+    check_axis_spec(opts.in_axes, f"{what} in_axes")
+    check_axis_spec(opts.out_axes, f"{what} out_axes")
+    if opts.randomness not in _RANDOMNESS:
+        raise ValueError(f"{what}: randomness must be one of {_RANDOMNESS}, got {opts.randomness!r}")
+    if opts.axis_size is not None and (not isinstance(opts.axis_size, int) or opts.axis_size < 1):
+        raise ValueError(f"{what}: axis_size must be a positive int or None, got {opts.axis_size!r}")
+    for arg in ("static_argnums", "donate_argnums"):
+        for i in getattr(opts, arg):
+            if not isinstance(i, int) or isinstance(i, bool):
+                name = "static_broadcasted_argnums" if arg == "static_argnums" else arg
+                raise TypeError(f"{what}: {name} must be ints, got {i!r}")
+    if opts.devices is not None:
+        _devices.resolve(opts.devices)
+
+
+def _as_int_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+@dataclasses.dataclass
+class _Flat:
+    """The flattened positional and keyword arguments of one call."""
+
+    leaves: list[Any]
+    spec: pytree.TreeSpec
+    mapped_slots: list[int]
+    in_dims: list[int]
+    size: int
+
+
+class MappedFunction:
+    """A function mapped by ``pmap`` or ``vmap``; calling it runs the map."""
+
+    def __init__(self, fun: Callable, opts: MapOptions):
+        if not callable(fun):
+            raise TypeError(f"{opts.kind}: the first argument must be a callable, got {fun!r}")
+        check_options(opts)
+        self.fun, self.opts = fun, opts
+        functools.update_wrapper(self, fun, updated=())
+
+    def __repr__(self) -> str:
+        return f"<{self.opts.kind} of {getattr(self.fun, '__qualname__', self.fun)!r}, axis_name={self.opts.axis_name!r}>"
+
+    def __get__(self, obj, objtype=None):  # so that a decorated method binds self
+        return self if obj is None else functools.partial(self, obj)
+
+    # ------------------------------------------------------------------ call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        what = self.opts.kind
+        refuse_under_compile(what)
+        statics = self._statics(args)
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+        flat = self._flatten(args, statics, dyn_args, kwargs)
+        out_holder: dict[str, Any] = {}
+
+        def body(slices: Sequence[torch.Tensor], broadcast: Sequence[Any]) -> list[torch.Tensor]:
+            leaves = list(flat.leaves)
+            for slot, value in zip(flat.mapped_slots, slices):
+                leaves[slot] = value
+            broadcast_iter = iter(broadcast)
+            mapped = set(flat.mapped_slots)
+            leaves = [leaf if k in mapped else next(broadcast_iter) for k, leaf in enumerate(leaves)]
+            call_args, call_kwargs = pytree.tree_unflatten(leaves, flat.spec)
+            call_args = list(call_args)
+            for i in sorted(statics):
+                call_args.insert(i, statics[i])
+            return self._flatten_output(self.fun(*call_args, **call_kwargs), out_holder)
+
+        mapped = set(flat.mapped_slots)
+        call = _engines.MappedCall(
+            body=body,
+            mapped=[flat.leaves[k] for k in flat.mapped_slots],
+            in_dims=flat.in_dims,
+            broadcast=[leaf for k, leaf in enumerate(flat.leaves) if k not in mapped],
+            axis_name=self.opts.axis_name,
+            size=flat.size,
+            randomness=self.opts.randomness,
+            devices=self._devices_for(flat.size) if what == "pmap" else None,
+            must_be_unmapped=(lambda: self._replicated_outputs(out_holder)) if what == "vmap" else dict,
+        )
+        outputs = _engines.run(call)
+        return self._stack_outputs(outputs, out_holder)
+
+    # ------------------------------------------------------------------ arguments
+
+    def _statics(self, args: tuple) -> dict[int, Any]:
+        statics: dict[int, Any] = {}
+        for i in self.opts.static_argnums:
+            pos = i + len(args) if i < 0 else i
+            if not 0 <= pos < len(args):
+                raise ValueError(
+                    f"pmap: static_broadcasted_argnums includes {i}, but only {len(args)} positional arguments were "
+                    f"passed. All static broadcasted arguments must be passed positionally."
+                )
+            try:
+                hash(args[pos])
+            except TypeError:
+                raise ValueError(
+                    f"pmap: static broadcasted argument {pos} ({self._arg_label(pos)}) must be hashable, but got "
+                    f"{type(args[pos]).__name__}: {args[pos]!r}. Pass a hashable value (a tuple instead of a list, say), "
+                    f"or pass it as a regular argument with in_axes None."
+                ) from None
+            statics[pos] = args[pos]
+        return statics
+
+    @functools.cached_property
+    def _param_names(self) -> list[str]:
+        try:
+            params = inspect.signature(self.fun).parameters.values()
+        except (TypeError, ValueError):
+            return []
+        return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def _arg_label(self, pos: int) -> str:
+        names = self._param_names
+        return f"argument {names[pos]!r}" if pos < len(names) else f"positional argument {pos}"
+
+    def _positional_axes(self, args: tuple, statics: dict[int, Any]) -> list[Any]:
+        in_axes = self.opts.in_axes
+        if not isinstance(in_axes, tuple):
+            return [in_axes] * (len(args) - len(statics))
+        if len(in_axes) != len(args):
+            raise ValueError(
+                f"{self.opts.kind}: in_axes has {len(in_axes)} entries but the function was called with "
+                f"{len(args)} positional arguments; give one entry per positional argument"
+                + (" (static arguments included, their entries are ignored)" if statics else "")
+            )
+        return [a for i, a in enumerate(in_axes) if i not in statics]
+
+    def _flatten(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> _Flat:
+        what = self.opts.kind
+        positions = [i for i in range(len(args)) if i not in statics]
+        axes_and_labels: list[tuple[Any, str]] = []
+        for pos, arg, axis in zip(positions, dyn_args, self._positional_axes(args, statics)):
+            label = self._arg_label(pos)
+            for leaf_axis, path in broadcast_prefix(axis, arg, f"{what} in_axes[{pos}] (for {label})"):
+                axes_and_labels.append((leaf_axis, f"{label}{' at ' + path if path else ''}"))
+        for name, value in kwargs.items():  # keyword arguments are always mapped over axis 0
+            for _, path in pytree.tree_leaves_with_path(value):
+                axes_and_labels.append((0, f"keyword argument {name!r}{' at ' + pytree.keystr(path) if path else ''}"))
+
+        leaves, spec = pytree.tree_flatten((dyn_args, kwargs))
+        mapped_slots, in_dims, sizes = [], [], []
+        for k, (leaf, (axis, label)) in enumerate(zip(leaves, axes_and_labels)):
+            if isinstance(leaf, np.ndarray) or (isinstance(leaf, np.generic) and axis is not None):
+                leaf = leaves[k] = torch.as_tensor(leaf)
+            if axis is None:
+                continue
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{what} in_axes maps {label} along axis {axis}, but it is a {type(leaf).__name__} "
+                    f"({leaf!r}), which has no axes. Only tensors and numpy arrays can be mapped: give it "
+                    f"in_axes None to pass it unchanged to every instance, or pass a tensor."
+                )
+            rank = leaf.dim()
+            if not -rank <= axis < rank:
+                raise ValueError(
+                    f"{what} was asked to map {label} along axis {axis}, which needs a rank of at least "
+                    f"{axis + 1 if axis >= 0 else -axis}, but it has rank {rank} (shape {tuple(leaf.shape)}). "
+                    f"Fix in_axes for it, or give it None to broadcast it."
+                )
+            mapped_slots.append(k)
+            in_dims.append(axis % rank)
+            sizes.append((leaf.shape[axis], f"axis {axis} of {label} (shape {tuple(leaf.shape)})"))
+        return _Flat(leaves, spec, mapped_slots, in_dims, self._common_size(sizes))
+
+    def _common_size(self, sizes: list[tuple[int, str]]) -> int:
+        what, axis_size = self.opts.kind, self.opts.axis_size
+        if not sizes:
+            if axis_size is not None:
+                return axis_size
+            raise ValueError(
+                f"{what} needs at least one mapped argument, but in_axes maps none (every entry is None and no "
+                f"keyword arguments were given). Map an argument, or pass axis_size= to say how many instances to run."
+            )
+        distinct = sorted({s for s, _ in sizes})
+        if len(distinct) > 1:
+            lines = "\n".join(f"  * size {s}: {where}" for s, where in sizes)
+            raise ValueError(
+                f"{what} got inconsistent sizes for the mapped axes: every mapped argument must have the same size "
+                f"along its mapped axis, but found sizes {distinct}:\n{lines}"
+            )
+        size = distinct[0]
+        if axis_size is not None and axis_size != size:
+            raise ValueError(f"{what}: axis_size={axis_size} was given, but the mapped arguments have size {size}")
+        return size
+
+    def _devices_for(self, size: int) -> tuple[_devices.Device, ...]:
+        devs = _devices.resolve(self.opts.devices)
+        if size <= len(devs):
+            return devs[:size]
+        if size % len(devs):
+            raise ValueError(
+                f"pmap: the mapped axis has size {size}, which does not divide evenly over the {len(devs)} devices "
+                f"used ({list(devs)}): each device runs the same number of instances. Use a size that is a "
+                f"multiple of {len(devs)} or at most {len(devs)}, or pass devices= with a count that divides {size}."
+            )
+        return devs
+
+    # ------------------------------------------------------------------ outputs
+
+    def _flatten_output(self, out: Any, holder: dict[str, Any]) -> list[torch.Tensor]:
+        leaves, spec = pytree.tree_flatten(out)
+        tensors, constants = [], {}
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                tensors.append(leaf)
+            elif isinstance(leaf, (bool, int, float, complex, np.ndarray, np.generic)):
+                tensors.append(torch.as_tensor(leaf))
+            elif leaf is None:
+                constants[k] = None
+            else:
+                raise TypeError(
+                    f"{self.opts.kind}: the mapped function returned a {type(leaf).__name__} ({leaf!r}) at output "
+                    f"leaf {k}; outputs must be pytrees of tensors, numpy arrays or numbers"
+                )
+        holder.update(spec=spec, constants=constants, leaves=len(leaves))
+        return tensors
+
+    def _out_axes(self, holder: dict[str, Any]) -> list[tuple[Optional[int], str]]:
+        tree = pytree.tree_unflatten([None] * holder["leaves"], holder["spec"])
+        return list(broadcast_prefix(self.opts.out_axes, tree, f"{self.opts.kind} out_axes"))
+
+    def _replicated_outputs(self, holder: dict[str, Any]) -> dict[int, str]:
+        """Tensor-output positions whose out axis is None, with their key paths."""
+        tensor_axes = [a for k, a in enumerate(self._out_axes(holder)) if k not in holder["constants"]]
+        return {k: path for k, (axis, path) in enumerate(tensor_axes) if axis is None}
+
+    def _stack_outputs(self, outputs: list[torch.Tensor], holder: dict[str, Any]) -> Any:
+        spec, constants = holder["spec"], holder["constants"]
+        result, it = [], iter(outputs)
+        for k, (axis, path) in enumerate(self._out_axes(holder)):
+            if k in constants:
+                result.append(constants[k])
+                continue
+            t = next(it)
+            result.append(self._place_out_axis(t, axis, path))
+        return pytree.tree_unflatten(result, spec)
+
+    def _place_out_axis(self, t: torch.Tensor, axis: Optional[int], path: str) -> torch.Tensor:
+        if axis is None:
+            return t[0]
+        rank = t.dim()
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"{self.opts.kind} out_axes{path} is {axis}, but the output there has rank {rank - 1} per instance "
+                f"(shape {tuple(t.shape[1:])}), so the mapped axis can go at positions {-rank}..{rank - 1}"
+            )
+        return t.movedim(0, axis)

@@ -1,0 +1,220 @@
+"""The math of each collective over one named axis, on all instances at once.
+
+Each class turns ``X`` (shape ``(n, *lead, *instance_shape)``, see :mod:`_primitive`) into
+the result every instance receives, and names its transpose. Tuple axis names and the
+user-facing argument checks live in :mod:`torchpmap._collectives`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from torchpmap._primitive import Primitive
+
+Groups = Optional[tuple[tuple[int, ...], ...]]
+
+
+def _group_ids(groups: Groups, device: torch.device) -> torch.Tensor:
+    """The group number of each member."""
+    gid = torch.empty(sum(len(g) for g in groups), dtype=torch.long)
+    for k, g in enumerate(groups):
+        gid[list(g)] = k
+    return gid.to(device)
+
+
+def _group_reduce(X: torch.Tensor, groups: Groups, op: str) -> torch.Tensor:
+    """Each member's group reduction, member dim kept at 0."""
+    n, gid = X.shape[0], _group_ids(groups, X.device)
+    index = gid.view(n, *([1] * (X.dim() - 1))).expand_as(X)
+    init = torch.zeros((len(groups), *X.shape[1:]), dtype=X.dtype, device=X.device)
+    if op == "sum":
+        out = init.scatter_add(0, index, X)
+    else:
+        out = init.scatter_reduce(0, index, X, reduce=op, include_self=False)
+    return out.index_select(0, gid)
+
+
+def _sum_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.int64 if x.dtype == torch.bool else x.dtype
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Psum(Primitive):
+    groups: Groups = None
+    name = "psum"
+
+    def compute(self, X):
+        X = X.to(_sum_dtype(X))
+        if self.groups is not None:
+            return _group_reduce(X, self.groups, "sum"), 0
+        return X.sum(0, dtype=X.dtype), None
+
+    def compute_unbatched(self, x):
+        if self.groups is not None:
+            return super().compute_unbatched(x)
+        return x.to(_sum_dtype(x)) * self.frame.local_size, None
+
+    def transpose(self):
+        return self
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """Passes a value through and refuses to be differentiated, naming the collective."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(name: str, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.name = inputs[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _not_differentiable(ctx.name)
+
+    @staticmethod
+    def jvp(ctx, _name_t, x_t):
+        raise _not_differentiable(ctx.name)
+
+
+def _not_differentiable(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{name} is not differentiable (JAX defines no derivative for it either). Use "
+        f"{name} on values that do not need gradients, e.g. on x.detach(), or pick a "
+        "differentiable reduction such as psum or pmean."
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pextremum(Primitive):
+    """pmax (op='amax') and pmin (op='amin')."""
+
+    op: str = "amax"
+    groups: Groups = None
+    linear = False
+
+    @property
+    def name(self):  # type: ignore[override]
+        return "pmax" if self.op == "amax" else "pmin"
+
+    def compute(self, X):
+        if self.groups is not None:
+            out, dim = _group_reduce(X, self.groups, self.op), 0
+        else:
+            out, dim = getattr(torch, self.op)(X, 0), None
+        if torch.is_grad_enabled() and out.is_floating_point():
+            out = _NotDifferentiable.apply(self.name, out)
+        return out, dim
+
+    def compute_unbatched(self, x):
+        if self.groups is not None:
+            return super().compute_unbatched(x)
+        return x, None
+
+    def transpose(self):
+        raise _not_differentiable(self.name)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AllGather(Primitive):
+    axis: int = 0
+    tiled: bool = False
+    groups: Groups = None
+    name = "all_gather"
+
+    def compute(self, X):
+        lead, at = self.lead, self.lead + self.axis
+        if self.groups is None:
+            out = X.movedim(0, at)  # every instance gets the same stack
+            return (out.flatten(at, at + 1) if self.tiled else out), None
+        gid = _group_ids(self.groups, X.device)
+        table = torch.tensor(self.groups, dtype=torch.long, device=X.device)  # equal sizes
+        stacked = X.index_select(0, table.flatten()).unflatten(0, table.shape)  # (G, size, ...)
+        out = stacked.index_select(0, gid).movedim(1, 1 + at)  # (n, ..., size at axis, ...)
+        return (out.flatten(1 + at, 2 + at) if self.tiled else out), 0
+
+    def transpose(self):
+        return PsumScatter(self.frame, self.lead, dimension=self.axis, tiled=self.tiled, groups=self.groups)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PsumScatter(Primitive):
+    dimension: int = 0
+    tiled: bool = False
+    groups: Groups = None
+    name = "psum_scatter"
+
+    def compute(self, X):
+        at = self.lead + self.dimension  # position in the summed value (member dim gone)
+        if self.groups is None:
+            summed, position = X.to(_sum_dtype(X)).sum(0), torch.arange(X.shape[0], device=X.device)
+        else:
+            summed = _group_reduce(X.to(_sum_dtype(X)), self.groups, "sum")  # (n, ...)
+            position = torch.empty(X.shape[0], dtype=torch.long)
+            for g in self.groups:
+                position[list(g)] = torch.arange(len(g))
+            position = position.to(X.device)
+            at += 1
+        size = len(self.groups[0]) if self.groups else X.shape[0]
+        if self.tiled:
+            summed = summed.unflatten(at, (size, summed.shape[at] // size))
+        if self.groups is None:
+            return summed.movedim(at, 0), 0
+        # member m keeps slice position[m] of its own group's sum
+        chosen = summed.movedim(at, 1)  # (n, size, ...)
+        index = position.view(-1, *([1] * (chosen.dim() - 1))).expand(-1, 1, *chosen.shape[2:])
+        return chosen.gather(1, index).squeeze(1), 0
+
+    def transpose(self):
+        return AllGather(self.frame, self.lead, axis=self.dimension, tiled=self.tiled, groups=self.groups)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Ppermute(Primitive):
+    """out[dst] = x[src] for each (src, dst) pair; instances that receive nothing get zeros."""
+
+    perm: tuple[tuple[int, int], ...] = ()
+    name = "ppermute"
+
+    def compute(self, X):
+        n = X.shape[0]
+        source = [-1] * n
+        for src, dst in self.perm:
+            source[dst] = src
+        received = [d for d in range(n) if source[d] >= 0]
+        out = torch.zeros_like(X)
+        if received:
+            dst = torch.tensor(received, device=X.device)
+            src = torch.tensor([source[d] for d in received], device=X.device)
+            out = out.index_copy(0, dst, X.index_select(0, src))
+        return out, 0
+
+    def transpose(self):
+        return dataclasses.replace(self, perm=tuple((dst, src) for src, dst in self.perm))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AllToAll(Primitive):
+    split_axis: int = 0
+    concat_axis: int = 0
+    tiled: bool = False
+    name = "all_to_all"
+
+    def compute(self, X):
+        n, split = X.shape[0], self.dim(self.split_axis)
+        if self.tiled:  # split the split dim into (destination, chunk)
+            X = X.unflatten(split, (n, X.shape[split] // n))
+        Y = X.movedim(split, 0)  # (destination, source, *lead, *chunked instance)
+        out = Y.movedim(1, self.dim(self.concat_axis))
+        if self.tiled:  # merge (source, concat dim) into one concatenated dim
+            at = self.dim(self.concat_axis)
+            out = out.flatten(at, at + 1)
+        return out, 0
+
+    def transpose(self):
+        return dataclasses.replace(self, split_axis=self.concat_axis, concat_axis=self.split_axis)
