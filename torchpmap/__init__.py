@@ -14,6 +14,8 @@ from torchpmap._collectives import (
     psum_scatter,
     pswapaxes,
 )
+from torchpmap._config import config
+from torchpmap._sharded import ShardedTensor
 from torchpmap._devices import (
     Device,
     device_count,
@@ -41,6 +43,8 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "ShardedTensor",
+    "config",
     "Device",
     "devices",
     "local_devices",

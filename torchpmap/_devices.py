@@ -1,12 +1,16 @@
 """The devices a pmap can run on.
 
-Without torch.distributed there is one process, and its device is the first CUDA device
-torch sees, else the CPU.
+Every CUDA GPU torch sees, else ``TORCHPMAP_NUM_CPU_DEVICES`` CPU devices (default 1;
+like JAX's ``--xla_force_host_platform_device_count``), so that the multi-device path
+runs and is tested on machines without GPUs. CPU devices share the host's memory: they
+are separate instances of concurrency, not separate memories.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -38,8 +42,23 @@ class Device:
 @functools.lru_cache(maxsize=1)
 def _local_devices() -> tuple[Device, ...]:
     if torch.cuda.is_available():
-        return (Device("cuda", 0),)
-    return (Device("cpu", 0),)
+        return tuple(Device("cuda", i) for i in range(torch.cuda.device_count()))
+    raw = os.environ.get("TORCHPMAP_NUM_CPU_DEVICES", "1")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TORCHPMAP_NUM_CPU_DEVICES must be a positive integer, got {raw!r}")
+    return tuple(Device("cpu", i) for i in range(int(raw)))
+
+
+_placement = threading.local()
+
+
+def current_default() -> tuple[Device, ...] | None:
+    """Inside an instance running on a device: that device (nested pmaps stay on it)."""
+    return getattr(_placement, "devices", None)
+
+
+def set_current_default(devices: tuple[Device, ...] | None) -> None:
+    _placement.devices = devices
 
 
 def local_devices() -> list[Device]:
@@ -81,7 +100,12 @@ def process_count() -> int:
 def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
     """The devices a pmap was asked to use, validated; all local devices for None."""
     if requested is None:
-        return _local_devices()
+        return current_default() or _local_devices()
+    if current_default() is not None:
+        raise ValueError(
+            "pmap: a pmap nested inside a multi-device pmap runs on the device of its enclosing instance, so it "
+            "cannot take devices=. To spread nested axes over devices, use a Mesh with one named axis per pmap."
+        )
     requested = list(requested)
     if not requested:
         raise ValueError("pmap: 'devices' must be a non-empty list of devices, or None for all of them")

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 
 from torchpmap import _devices, _engines
 from torchpmap._compile_guard import refuse_under_compile
+from torchpmap._sharded import ShardedTensor
 from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 
 _RANDOMNESS = ("error", "different", "same")
@@ -193,7 +194,7 @@ class MappedFunction:
                 leaf = leaves[k] = torch.as_tensor(leaf)
             if axis is None:
                 continue
-            if not isinstance(leaf, torch.Tensor):
+            if not isinstance(leaf, (torch.Tensor, ShardedTensor)):
                 raise TypeError(
                     f"{what} in_axes maps {label} along axis {axis}, but it is a {type(leaf).__name__} "
                     f"({leaf!r}), which has no axes. Only tensors and numpy arrays can be mapped: give it "
@@ -284,7 +285,7 @@ class MappedFunction:
             result.append(self._place_out_axis(t, axis, path))
         return pytree.tree_unflatten(result, spec)
 
-    def _place_out_axis(self, t: torch.Tensor, axis: Optional[int], path: str) -> torch.Tensor:
+    def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: Optional[int], path: str) -> Any:
         if axis is None:
             return t[0]
         rank = t.dim()

@@ -98,5 +98,23 @@ class _Bind(torch.autograd.Function):
             moved = x.movedim(x_dim, 0)
             return _Bind.apply(prim.with_lead(prim.lead + 1), token, moved), 0
         if x_dim is None:
-            return prim.compute_unbatched(x)
-        return prim.compute(x.movedim(x_dim, 0))
+            if prim.frame.exchange is None:
+                return prim.compute_unbatched(x)
+            return run_owning(prim, x.unsqueeze(0).expand(prim.frame.local_size, *x.shape))
+        return run_owning(prim, x.movedim(x_dim, 0))
+
+
+def run_owning(prim: Primitive, X: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
+    """Runs ``prim`` at the level that owns its axis, on this slice's instances ``X``.
+
+    When the axis is split over devices, every slice's ``X`` is gathered first and the
+    same math runs on the whole axis, so results are bitwise those of one device.
+    """
+    exchange = prim.frame.exchange
+    if exchange is None:
+        return prim.compute(X)
+    everyone = exchange.all_gather(X, f"{prim.name} over axis {prim.frame.name!r}").flatten(0, 1)
+    out, member_dim = prim.compute(everyone)
+    if member_dim is None:
+        return out, None
+    return out.narrow(member_dim, prim.frame.offset, prim.frame.local_size), member_dim

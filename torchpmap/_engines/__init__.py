@@ -45,6 +45,8 @@ class MappedCall:
 
 def run(call: MappedCall) -> list[torch.Tensor]:
     """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0."""
-    from torchpmap._engines import vectorized
+    from torchpmap._engines import multi_device, vectorized
 
+    if call.devices is not None and len(call.devices) > 1:
+        return multi_device.run(call)
     return vectorized.run(call)

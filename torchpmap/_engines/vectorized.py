@@ -12,11 +12,13 @@ from typing import Any, Sequence
 import torch
 from torch.func import vmap
 
-from torchpmap import _axis_env
+from torchpmap import _axis_env, _devices
 from torchpmap._engines import MappedCall
+from torchpmap._sharded import as_local
 
 
 def _place(value: Any, device: torch.device | None) -> Any:
+    value = as_local(value, device)
     if device is None or not isinstance(value, torch.Tensor):
         return value
     return value.to(device, non_blocking=True)
@@ -48,7 +50,22 @@ def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exch
         return outputs
 
     batched = vmap(one_instance, in_dims=(0, *call.in_dims), out_dims=0, randomness=call.randomness)
-    return list(batched(token, *mapped))
+    with _nested_maps_stay_on(token.device):
+        return list(batched(token, *mapped))
+
+
+@contextlib.contextmanager
+def _nested_maps_stay_on(device: torch.device):
+    """A pmap nested in this map runs vectorized here: its inputs are batched at this
+    thread's vmap level and cannot travel to other device threads."""
+    previous = _devices.current_default()
+    if previous is None:
+        here = [d for d in _devices.local_devices() if d.torch_device == device]
+        _devices.set_current_default(tuple(here[:1]) or None)
+    try:
+        yield
+    finally:
+        _devices.set_current_default(previous)
 
 
 def _check_unmapped(outputs: Sequence[torch.Tensor], required: dict[int, str], token: torch.Tensor) -> None:

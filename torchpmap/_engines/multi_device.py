@@ -1,0 +1,94 @@
+"""The multi-device engine: one thread per device, each running its slice vectorized.
+
+Instances ``d*k .. d*k + k - 1`` run on device ``d`` through the vectorized engine;
+collectives over the mapped axis meet across the device threads through a
+:class:`~torchpmap._engines.rendezvous.Rendezvous`. Outputs stay where they were
+computed, as :class:`~torchpmap._sharded.ShardedTensor`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any, Sequence
+
+import torch
+
+from torchpmap import _devices
+from torchpmap._config import config
+from torchpmap._devices import Device
+from torchpmap._engines import MappedCall, vectorized
+from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
+from torchpmap._engines.workers import pool
+from torchpmap._sharded import ShardedTensor
+
+
+def refuse_enclosing_transforms() -> None:
+    """torch.func state is per thread: a transform around a multi-device pmap cannot follow it."""
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise RuntimeError(
+            "torchpmap: a torch.func transform (grad, vmap, jvp, ...) encloses a pmap that runs on several "
+            "devices. torch.func keeps its state per thread, so it cannot follow the device threads (a grad "
+            "would silently come out as zeros). Move the transform inside the pmapped function "
+            "(pmap(grad(f))), differentiate with .backward() or torch.autograd.grad instead, or run on one "
+            "device with devices=[torchpmap.devices()[0]]."
+        )
+
+
+def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.Tensor:
+    """Instances ``d*k .. d*k+k-1`` of ``t`` along ``dim``, on ``device``; a shard already
+    in place is used as it is."""
+    if isinstance(t, ShardedTensor):
+        if t.shard_dim == dim and len(t.shards) > d:
+            shard = t.shards[d]
+            if shard.device == device and shard.tensor.shape[dim] == k and _starts_at(t, d, dim) == d * k:
+                return shard.tensor
+        t = t.gather()
+    return t.narrow(dim, d * k, k).to(device.torch_device, non_blocking=True)
+
+
+def _starts_at(t: ShardedTensor, d: int, dim: int) -> int:
+    return sum(s.tensor.shape[dim] for s in t.shards[:d])
+
+
+def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = None) -> list[ShardedTensor]:
+    refuse_enclosing_transforms()
+    devices = list(call.devices)
+    k = call.size // len(devices)
+    rendezvous = rendezvous or Rendezvous(config.collective_timeout)
+    group = group if group is not None else object()
+    torch_devices = tuple(d.torch_device for d in devices)
+
+    def one_device(d: int) -> list[torch.Tensor]:
+        _devices.set_current_default((devices[d],))
+        try:
+            part = dataclasses.replace(
+                call,
+                mapped=[slice_for_device(t, dim, d, k, devices[d]) for t, dim in zip(call.mapped, call.in_dims)],
+                in_dims=list(call.in_dims),
+                size=k,
+                devices=(devices[d],),
+            )
+            exchange = ThreadExchange(rendezvous, d, torch_devices, group)
+            return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
+        except BaseException:
+            rendezvous.fail(f"the instances {d * k}..{d * k + k - 1} on device {devices[d]}")
+            raise
+        finally:
+            _devices.set_current_default(None)
+
+    futures = [pool.submit(lambda d=d: one_device(d)) for d in range(len(devices))]
+    per_device = _collect(futures, devices, k)
+    return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+def _collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> list[list[torch.Tensor]]:
+    """Waits for every device; re-raises the first real failure (not a peer's echo of it)."""
+    errors = [f.exception() for f in futures]
+    first = next((e for e in errors if e is not None and not isinstance(e, PeerFailed)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        d = errors.index(first)
+        if hasattr(first, "add_note"):
+            first.add_note(f"torchpmap: raised by the instances {d * k}..{d * k + k - 1} on device {devices[d]}")
+        raise first
+    return [f.result() for f in futures]

@@ -1,0 +1,136 @@
+"""Meeting points for the device threads of one multi-device call.
+
+A collective across devices is a rendezvous: every participating thread deposits its
+value; the last to arrive combines all values with one autograd Function, so that a
+later ``.backward()`` meets a single node and never waits for another thread; each
+thread then takes its own result. A failure in any thread, a wait past
+``config.collective_timeout`` or two threads disagreeing on the collective all end the
+call with an error instead of a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+
+class PeerFailed(RuntimeError):
+    """Raised in the threads that were waiting when another instance failed."""
+
+
+@dataclasses.dataclass
+class _Slot:
+    what: str
+    values: dict[int, Any] = dataclasses.field(default_factory=dict)
+    results: Sequence[Any] | None = None
+    taken: int = 0
+
+
+class Rendezvous:
+    """The meeting points of one call; ``meet`` is called once per thread per collective."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._cond = threading.Condition()
+        self._slots: dict[Hashable, _Slot] = {}
+        self.failure: str | None = None
+
+    def fail(self, who: str) -> None:
+        """Marks the call failed (``who`` raised) and wakes every waiting thread."""
+        with self._cond:
+            if self.failure is None:
+                self.failure = who
+            self._cond.notify_all()
+
+    def meet(
+        self,
+        key: Hashable,
+        index: int,
+        count: int,
+        what: str,
+        value: Any,
+        combine: Callable[[list[Any]], Sequence[Any]],
+    ) -> Any:
+        """Deposits ``value`` as participant ``index`` of ``count``; returns result ``index``."""
+        with self._cond:
+            self._raise_if_failed(what)
+            slot = self._slots.setdefault(key, _Slot(what))
+            if slot.what != what:
+                raise RuntimeError(
+                    f"torchpmap: the instances disagree on the collective they run: one runs {slot.what}, another "
+                    f"{what}. Every instance of a pmap must call the same collectives in the same order."
+                )
+            slot.values[index] = value
+            if len(slot.values) == count:
+                slot.results = combine([slot.values[i] for i in range(count)])
+                self._cond.notify_all()
+            deadline = time.monotonic() + self.timeout
+            while slot.results is None:
+                self._raise_if_failed(what)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(count)) - set(slot.values))
+                    raise TimeoutError(
+                        f"torchpmap: {what} waited {self.timeout:g} s for the instances on devices {missing} of "
+                        f"{count}, which never arrived (a deadlock, or a device that stopped). Raise "
+                        "torchpmap.config.collective_timeout if they are just slow."
+                    )
+                self._cond.wait(left)
+            result = slot.results[index]
+            slot.taken += 1
+            if slot.taken == count:
+                del self._slots[key]
+            return result
+
+    def _raise_if_failed(self, what: str) -> None:
+        if self.failure is not None:
+            raise PeerFailed(f"torchpmap: {what} was abandoned because {self.failure} failed")
+
+
+class GatherAll(torch.autograd.Function):
+    """``ts[i]`` from every participant -> for each participant, ``stack(ts)`` on its device.
+
+    Backward sums the cotangents of all participants' stacks back onto each input, in one node.
+    """
+
+    @staticmethod
+    def forward(ctx, devices: tuple[torch.device, ...], *ts: torch.Tensor):
+        ctx.sources = [t.device for t in ts]
+        return tuple(torch.stack([t.to(dev) for t in ts]) for dev in devices)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        grads_in = []
+        for i, src in enumerate(ctx.sources):
+            parts = [g[i].to(src) for g in grads if g is not None]
+            grads_in.append(torch.stack(parts).sum(0) if parts else None)
+        return (None, *grads_in)
+
+
+@dataclasses.dataclass(eq=False)
+class ThreadExchange:
+    """One thread's door to the other slices of a split axis.
+
+    Attributes:
+        rendezvous: the call's meeting points.
+        index: this slice's position along the axis.
+        devices: the device of every slice, in axis order.
+        group: identifies the set of threads that meet (one per slice of this axis).
+    """
+
+    rendezvous: Rendezvous
+    index: int
+    devices: tuple[torch.device, ...]
+    group: Hashable
+    seq: int = 0
+
+    def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """Every slice's ``t`` stacked along a new dim 0, on this slice's device."""
+        self.seq += 1
+        devices = self.devices
+        return self.rendezvous.meet(
+            (self.group, self.seq), self.index, len(devices), what, t, lambda ts: GatherAll.apply(devices, *ts)
+        )

@@ -1,0 +1,158 @@
+"""ShardedTensor: a pmap result that stays on the devices that computed it.
+
+A pmap over several devices returns one shard per device instead of copying everything
+to one place. The result behaves like a tensor where it is used as one (printing,
+indexing, torch functions, numpy conversion), gathering onto one device only when it
+must, and a pmap with the same placement takes its shards where they are, without a copy.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from torchpmap._devices import Device
+
+
+class Shard(NamedTuple):
+    device: Device
+    tensor: torch.Tensor
+
+
+class ShardedTensor:
+    """A tensor split along ``dim`` into consecutive shards on several devices.
+
+    Example:
+        >>> import torch
+        >>> from torchpmap._devices import Device
+        >>> st = ShardedTensor([(Device("cpu", 0), torch.zeros(2)), (Device("cpu", 1), torch.ones(2))])
+        >>> st.shape, st.devices()
+        (torch.Size([4]), [cpu:0, cpu:1])
+        >>> st
+        tensor([0., 0., 1., 1.], devices=[cpu:0, cpu:1])
+        >>> torch.as_tensor(st) * 2
+        tensor([0., 0., 2., 2.])
+    """
+
+    def __init__(self, shards: Sequence[tuple[Device, torch.Tensor]], dim: int = 0):
+        self.shards = [Shard(d, t) for d, t in shards]
+        self.shard_dim = dim
+        first = self.shards[0].tensor
+        sizes = list(first.shape)
+        sizes[dim] = sum(s.tensor.shape[dim] for s in self.shards)
+        self._shape = torch.Size(sizes)
+        self.dtype = first.dtype
+
+    # ------------------------------------------------------------------ tensor-like metadata
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    def size(self, dim: int | None = None):
+        return self._shape if dim is None else self._shape[dim]
+
+    def dim(self) -> int:
+        return len(self._shape)
+
+    ndim = property(dim)
+
+    def __len__(self) -> int:
+        return self._shape[0]
+
+    def devices(self) -> list[Device]:
+        """The device of each shard, in order."""
+        return [s.device for s in self.shards]
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(s.tensor.requires_grad for s in self.shards)
+
+    # ------------------------------------------------------------------ moving data
+
+    def gather(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """All shards concatenated into one tensor on ``device`` (default: the first shard's)."""
+        target = torch.device(device) if device is not None else self.shards[0].tensor.device
+        return torch.cat([s.tensor.to(target) for s in self.shards], self.shard_dim)
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.gather().to(*args, **kwargs)
+
+    def cpu(self) -> torch.Tensor:
+        return self.gather("cpu")
+
+    def numpy(self):
+        return self.gather("cpu").detach().numpy()
+
+    def tolist(self) -> list:
+        return self.gather("cpu").tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.numpy()
+        return out.astype(dtype) if dtype is not None else out
+
+    def item(self):
+        return self.gather().item()
+
+    # ------------------------------------------------------------------ views
+
+    def movedim(self, source: int, destination: int) -> "ShardedTensor":
+        """Like ``torch.movedim``: moves dims of every shard, keeping the sharding."""
+        order = list(range(self.dim()))
+        order.insert(destination % self.dim(), order.pop(source % self.dim()))
+        moved = [(s.device, s.tensor.movedim(source, destination)) for s in self.shards]
+        return ShardedTensor(moved, order.index(self.shard_dim))
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        first = index[0] if isinstance(index, tuple) and index else index
+        if self.shard_dim == 0 and isinstance(first, int):  # one row: read only its shard
+            row = first % len(self)
+            for shard in self.shards:
+                if row < shard.tensor.shape[0]:
+                    rest = index[1:] if isinstance(index, tuple) else ()
+                    return shard.tensor[(row, *rest)]
+                row -= shard.tensor.shape[0]
+        return self.gather()[index]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __repr__(self) -> str:
+        body = repr(self.gather())
+        return f"{body[:-1]}, devices={self.devices()})"
+
+    # ------------------------------------------------------------------ torch interop
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def unwrap(x):
+            return x.gather() if isinstance(x, ShardedTensor) else x
+
+        return func(*pytree.tree_map(unwrap, tuple(args)), **pytree.tree_map(unwrap, kwargs or {}))
+
+
+def _forward_to_gathered(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(torch.Tensor, name)(self.gather(), *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+    "__floordiv__", "__mod__", "__pow__", "__matmul__", "__neg__", "__abs__", "__eq__", "__ne__", "__lt__",
+    "__le__", "__gt__", "__ge__", "__float__", "__int__", "__bool__", "sum", "mean", "max", "min", "float",
+    "double", "long", "int", "reshape", "view", "flatten", "allclose", "equal", "detach", "clone", "contiguous",
+):
+    setattr(ShardedTensor, _name, _forward_to_gathered(_name))
+del _name
+ShardedTensor.__hash__ = object.__hash__
+
+
+def as_local(value: Any, device: torch.device | None) -> Any:
+    """A ShardedTensor gathered onto ``device``; anything else unchanged."""
+    if isinstance(value, ShardedTensor):
+        return value.gather(device)
+    return value
