@@ -1,0 +1,479 @@
+"""Data-parallel training with ``pmap``: shard the batch, average the gradients, step.
+
+Data parallelism runs the same model on every instance of a mapped axis, each on its own
+slice (shard) of the global batch. Every instance computes the gradient of its local
+loss; :func:`torchpmap.pmean` averages those gradients over the named axis, so every
+instance ends up with the same update and the parameters stay identical. When the loss
+is a mean over examples and the shards are equal in size, the mean of the per-shard
+mean losses *is* the mean loss over the whole batch, and so is its gradient: the step
+is the one a single process would take on the whole batch.
+
+This module holds the few pieces that make that pattern short:
+
+* :func:`shard` / :func:`unshard`: ``(B, ...)`` <-> ``(n, B/n, ...)`` for a pytree batch.
+* :func:`replicate` / :func:`unreplicate`: one copy per instance <-> instance 0.
+* :func:`prefetch_to_device`: shards and moves upcoming batches in a background thread.
+* :func:`data_parallel_step`: ``nn.Module`` + loss + ``torch.optim`` optimizer ->
+  ``step(sharded_batch) -> loss``.
+
+The whole pattern, written by hand (this is what :func:`data_parallel_step` does,
+minus buffers such as batch-norm statistics):
+
+>>> import torch, torchpmap as tp
+>>> from torch.func import functional_call, grad_and_value
+>>> from torchpmap.training import shard
+>>> _ = torch.manual_seed(0)
+>>> model = torch.nn.Linear(3, 1)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> def loss_fn(params, x, y):                   # one instance's loss on its shard
+...     return ((functional_call(model, params, (x,)) - y) ** 2).mean()
+>>> def instance_grads(params, x, y):            # runs once per instance
+...     grads, loss = grad_and_value(loss_fn)(params, x, y)
+...     return tp.pmean(grads, "batch"), tp.pmean(loss, "batch")
+>>> p_grads = tp.pmap(instance_grads, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+>>> x = torch.randn(64, 3); y = x.sum(dim=1, keepdim=True)
+>>> for _ in range(100):
+...     params = {k: p.detach() for k, p in model.named_parameters()}
+...     grads, loss = p_grads(params, *shard((x, y), 4))   # 4 instances of 16 rows
+...     for k, p in model.named_parameters():
+...         p.grad = grads[k]                    # averaged: the same for every instance
+...     opt.step()                               # any torch.optim optimizer
+>>> loss.item() < 1e-3
+True
+
+``in_axes=(None, 0, 0)`` broadcasts the parameters to every instance and maps the data
+over its leading (instance) axis; ``out_axes=None`` returns the averaged gradients and
+loss once instead of once per instance (they are the same on every instance).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch.func import functional_call, grad_and_value
+
+from torchpmap import _devices
+from torchpmap._api import pmap
+from torchpmap._collectives import pmean
+
+__all__ = [
+    "replicate",
+    "unreplicate",
+    "shard",
+    "unshard",
+    "prefetch_to_device",
+    "data_parallel_step",
+]
+
+PyTree = Any
+"""A nested structure of tuples, lists, dicts, namedtuples... with tensors at the leaves."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _instances(n: Optional[int], what: str) -> int:
+    """``n``, or the number of local devices when ``n`` is None; checked."""
+    if n is None:
+        return _devices.local_device_count()
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{what}: n must be a positive int (the number of instances) or None, got {n!r}")
+    return n
+
+
+def _where(what: str, path: pytree.KeyPath) -> str:
+    """A key path for error messages: ``batch[0]['x']``, or ``batch`` for the root."""
+    return what + pytree.keystr(path)
+
+
+def _as_tensor(leaf: Any, path: pytree.KeyPath, what: str, arg: str) -> torch.Tensor:
+    if isinstance(leaf, torch.Tensor):
+        return leaf
+    if isinstance(leaf, (np.ndarray, np.generic, bool, int, float, complex)):
+        return torch.as_tensor(leaf)
+    raise TypeError(
+        f"{what}: the leaf at {_where(arg, path)} is a {type(leaf).__name__} ({leaf!r}); "
+        "only tensors, numpy arrays and Python numbers can be leaves here"
+    )
+
+
+def _leading_axis(x: torch.Tensor, path: pytree.KeyPath, what: str, arg: str, role: str) -> int:
+    if x.dim() == 0:
+        raise ValueError(
+            f"{what}: the leaf at {_where(arg, path)} is a scalar (shape ()), so it has no leading {role} axis"
+        )
+    return x.shape[0]
+
+
+# --------------------------------------------------------------------------- replicate
+
+
+def replicate(tree: PyTree, n: Optional[int] = None) -> PyTree:
+    """One copy of every leaf per instance, stacked along a new leading axis of size ``n``.
+
+    Use it for a value that a pmapped function takes with ``in_axes=0`` but that starts
+    out the same everywhere (parameters, optimizer state). The copies are real copies: an
+    in-place change to one instance's copy does not touch the others. Tensors stay on
+    their device; numpy arrays and Python numbers become tensors. Passing a value with
+    ``in_axes=None`` instead broadcasts it without copying.
+
+    Args:
+        tree: a pytree of tensors, numpy arrays or numbers.
+        n: the number of instances; defaults to ``torchpmap.local_device_count()``.
+
+    Example:
+        >>> import torch
+        >>> from torchpmap.training import replicate
+        >>> r = replicate({"w": torch.tensor([1., 2.]), "step": 0}, n=3)
+        >>> r["w"]
+        tensor([[1., 2.],
+                [1., 2.],
+                [1., 2.]])
+        >>> r["step"]
+        tensor([0, 0, 0])
+    """
+    n = _instances(n, "replicate")
+
+    def copy(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
+        x = _as_tensor(leaf, path, "replicate", "tree")
+        return x.unsqueeze(0).expand(n, *x.shape).clone()
+
+    return pytree.tree_map_with_path(copy, tree)
+
+
+def unreplicate(tree: PyTree) -> PyTree:
+    """Instance 0 of every leaf: the inverse of :func:`replicate`.
+
+    Use it to get one copy of a value that is the same on every instance (parameters kept
+    in sync by averaged gradients, a ``pmean``), e.g. to save or evaluate it.
+
+    Example:
+        >>> import torch
+        >>> from torchpmap.training import replicate, unreplicate
+        >>> unreplicate(replicate({"w": torch.tensor([1., 2.])}, n=4))
+        {'w': tensor([1., 2.])}
+    """
+
+    def first(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
+        x = _as_tensor(leaf, path, "unreplicate", "tree")
+        _leading_axis(x, path, "unreplicate", "tree", "instance")
+        return x[0]
+
+    return pytree.tree_map_with_path(first, tree)
+
+
+# --------------------------------------------------------------------------- shard
+
+
+def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
+    """Splits the leading batch axis of every leaf: ``(B, ...)`` -> ``(n, B // n, ...)``.
+
+    Instance ``i`` of a pmap with ``in_axes=0`` then sees rows ``i*B/n .. (i+1)*B/n - 1``
+    of the global batch. ``B`` must be divisible by ``n`` (equal shards are what make the
+    mean of per-shard mean losses equal the full-batch mean loss): drop or pad the last
+    incomplete batch of an epoch. The result is a view of the input where possible.
+
+    Args:
+        batch: a pytree of tensors or numpy arrays (numpy arrays become tensors), each
+            with the batch along axis 0.
+        n: the number of instances; defaults to ``torchpmap.local_device_count()``.
+
+    Raises:
+        ValueError: naming the key path of the first leaf whose batch size is not
+            divisible by ``n`` (or that is a scalar).
+
+    Example:
+        >>> import torch
+        >>> from torchpmap.training import shard
+        >>> x, y = shard((torch.zeros(8, 3), torch.arange(8)), n=4)
+        >>> tuple(x.shape), y
+        ((4, 2, 3), tensor([[0, 1],
+                [2, 3],
+                [4, 5],
+                [6, 7]]))
+        >>> shard({"x": torch.zeros(10, 3)}, n=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: shard: batch['x'] has 10 rows along its leading (batch) axis (shape (10, 3)), which do not split evenly into n=4 instances (10 % 4 = 2). Use a batch size that is a multiple of 4 (8 or 12, say), or drop the last incomplete batch.
+    """
+    n = _instances(n, "shard")
+
+    def split(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
+        x = _as_tensor(leaf, path, "shard", "batch")
+        rows = _leading_axis(x, path, "shard", "batch", "batch")
+        if rows % n:
+            below, above = rows - rows % n, rows + n - rows % n
+            suggestion = f"{below} or {above}" if below else f"{above}"
+            raise ValueError(
+                f"shard: {_where('batch', path)} has {rows} rows along its leading (batch) axis "
+                f"(shape {tuple(x.shape)}), which do not split evenly into n={n} instances "
+                f"({rows} % {n} = {rows % n}). Use a batch size that is a multiple of {n} "
+                f"({suggestion}, say), or drop the last incomplete batch."
+            )
+        return x.reshape(n, rows // n, *x.shape[1:])
+
+    return pytree.tree_map_with_path(split, batch)
+
+
+def unshard(tree: PyTree) -> PyTree:
+    """Merges the two leading axes of every leaf: ``(n, b, ...)`` -> ``(n * b, ...)``.
+
+    The inverse of :func:`shard`: use it on per-instance outputs of a pmap (per-example
+    predictions, say) to get them back in global batch order.
+
+    Example:
+        >>> import torch
+        >>> from torchpmap.training import shard, unshard
+        >>> x = torch.arange(12).reshape(6, 2)
+        >>> torch.equal(unshard(shard(x, n=3)), x)
+        True
+    """
+
+    def merge(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
+        x = _as_tensor(leaf, path, "unshard", "tree")
+        if x.dim() < 2:
+            raise ValueError(
+                f"unshard: the leaf at {_where('tree', path)} has shape {tuple(x.shape)}; it needs an "
+                "instance axis and a per-instance batch axis, i.e. shape (n, b, ...)"
+            )
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    return pytree.tree_map_with_path(merge, tree)
+
+
+# --------------------------------------------------------------------------- prefetch
+
+_BATCH, _END, _ERROR = "batch", "end", "error"
+
+
+def _prefetch_target(n: int) -> Optional[torch.device]:
+    """The one torch device that the ``n`` instances of a default pmap run on, if there is one."""
+    targets = {d.torch_device for d in _devices.local_devices()[:n]}
+    return targets.pop() if len(targets) == 1 else None
+
+
+def _to_device(tree: PyTree, device: Optional[torch.device]) -> PyTree:
+    def move(x: torch.Tensor) -> torch.Tensor:
+        if device is None or x.device == device:
+            return x
+        if device.type == "cuda" and x.device.type == "cpu":
+            x = x.pin_memory()  # page-locked, so that the copy can be asynchronous
+        return x.to(device, non_blocking=True)
+
+    return pytree.tree_map(move, tree)
+
+
+def _put(q: "queue.Queue[tuple[str, Any]]", item: tuple[str, Any], stop: threading.Event) -> bool:
+    """Puts ``item`` unless the consumer has gone away; False if it has."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: Optional[int] = None) -> Iterator[PyTree]:
+    """Shards upcoming batches and moves them to the device in a background thread.
+
+    While the training step runs on the current batch, a producer thread takes the next
+    batches from ``iterator``, applies :func:`shard` to them and moves them to the device
+    the instances run on, keeping at most ``size`` of them ready. Batches come out in the
+    order ``iterator`` yields them.
+
+    * An exception raised by ``iterator`` (or by :func:`shard`) in the producer is
+      re-raised in the consumer, at the batch where it happened.
+    * The thread stops when the consumer stops: when the returned iterator is exhausted,
+      closed (``.close()``), or garbage-collected after a ``break``. It is started lazily,
+      by the first ``next()``.
+    * Device: when all instances run on one torch device (one GPU, or the CPU however
+      many logical devices it has), the batches are moved there; on CUDA the host copy is
+      pinned first so that the transfer is asynchronous. When the instances span several
+      torch devices, the batches stay where ``iterator`` put them and ``pmap`` moves each
+      instance's slice to its device.
+
+    Args:
+        iterator: any iterable of global batches (pytrees with the batch along axis 0).
+        size: how many batches to keep ready (the bound of the queue), at least 1.
+        n: the number of instances to shard into; defaults to
+            ``torchpmap.local_device_count()``.
+
+    Example:
+        >>> import torch
+        >>> from torchpmap.training import prefetch_to_device
+        >>> batches = ((torch.full((4,), float(i)), torch.arange(4)) for i in range(3))
+        >>> for x, y in prefetch_to_device(batches, size=2, n=2):
+        ...     print(x.tolist(), tuple(y.shape))
+        [[0.0, 0.0], [0.0, 0.0]] (2, 2)
+        [[1.0, 1.0], [1.0, 1.0]] (2, 2)
+        [[2.0, 2.0], [2.0, 2.0]] (2, 2)
+    """
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"prefetch_to_device: size must be a positive int (how many batches to keep ready), got {size!r}")
+    n = _instances(n, "prefetch_to_device")
+    return _prefetch(iter(iterator), size, n, _prefetch_target(n))
+
+
+def _prefetch(source: Iterator[PyTree], size: int, n: int, device: Optional[torch.device]) -> Iterator[PyTree]:
+    ready: "queue.Queue[tuple[str, Any]]" = queue.Queue(maxsize=size)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in source:
+                if not _put(ready, (_BATCH, _to_device(shard(batch, n), device)), stop):
+                    return
+            _put(ready, (_END, None), stop)
+        except BaseException as error:  # handed to the consumer, which re-raises it
+            _put(ready, (_ERROR, error), stop)
+
+    producer = threading.Thread(target=produce, name="torchpmap-prefetch", daemon=True)
+    producer.start()
+    try:
+        while True:
+            kind, value = ready.get()
+            if kind == _END:
+                return
+            if kind == _ERROR:
+                raise value
+            yield value
+    finally:
+        stop.set()  # the producer sees it within one put timeout and returns
+
+
+# --------------------------------------------------------------------------- training step
+
+
+def _split_buffers(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's buffers: (floating point ones, the others such as counters)."""
+    floating, other = {}, {}
+    for name, b in model.named_buffers():
+        (floating if b.is_floating_point() or b.is_complex() else other)[name] = b.detach()
+    return floating, other
+
+
+def data_parallel_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    axis_name: Hashable = "batch",
+    devices: Optional[Sequence[Any]] = None,
+) -> Callable[[PyTree], torch.Tensor]:
+    """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
+
+    Returns ``step(batch) -> loss``. ``batch`` is a sharded pair ``(inputs, targets)``, each
+    with shape ``(n, b, ...)`` as :func:`shard` or :func:`prefetch_to_device` make it: ``n``
+    instances of ``b`` examples (``n`` may exceed the number of devices; the instances then
+    run vectorized). ``step``:
+
+    1. runs ``loss_fn(model(inputs_i), targets_i)`` and its gradient on every instance
+       ``i`` inside :func:`torchpmap.pmap`, through ``torch.func.functional_call`` and
+       ``torch.func.grad_and_value`` (only parameters with ``requires_grad`` get one);
+    2. averages gradients and losses over ``axis_name`` with :func:`torchpmap.pmean`
+       (``out_axes=None``: they come back once);
+    3. writes the averaged gradients into ``p.grad`` (replacing what was there, so no
+       ``zero_grad()`` is needed) and calls ``optimizer.step()``: the optimizer and its
+       state (momentum, Adam moments, schedulers) work unchanged;
+    4. returns the averaged loss, a detached scalar tensor.
+
+    For a mean-reduced loss and equal shards the update equals the one a single process
+    takes on the whole batch (when nothing else depends on the split, see below).
+
+    What behaves as on separate devices:
+
+    * **Buffers** (batch-norm running statistics): each instance updates its own copy from
+      its own shard, exactly as one replica per device would. After the step, floating
+      point buffers are set to their mean over the instances (computed as the old value
+      plus the mean change, so buffers nobody changes stay bit-for-bit the same). The
+      mean keeps every replica's statistics instead of those of one shard: a running mean
+      becomes exactly the full-batch running mean (the mean of equal shards' means is the
+      full mean); a running variance becomes the mean of the per-shard variances, which
+      leaves out the spread between shard means (what ``SyncBatchNorm`` would include).
+      Other buffers (``num_batches_tracked``) change the same way on every instance;
+      instance 0's value is kept. In train mode, batch norm normalizes with the
+      statistics of the instance's own shard, so gradients differ from a single process
+      on the whole batch, as with one replica per device.
+    * **Randomness** (dropout): the pmap uses ``randomness="different"``: every instance
+      draws its own dropout mask, as separate devices would; results are reproducible
+      under ``torch.manual_seed`` but are not the masks a single-process run would draw.
+    * ``model.train()`` / ``model.eval()`` are respected: in eval mode dropout is off
+      and batch norm uses (and does not update) its running statistics.
+
+    Args:
+        model: the module; its parameters and buffers are read at every step, so the
+            step always uses the current values.
+        loss_fn: ``loss_fn(model_output, targets) -> scalar``, e.g.
+            ``torch.nn.functional.cross_entropy``. Use a mean over the examples.
+        optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
+        axis_name: the name of the mapped axis that the averages run over.
+        devices: passed to :func:`torchpmap.pmap` (default: all local devices).
+
+    Example:
+        >>> import torch
+        >>> from torchpmap.training import data_parallel_step, shard
+        >>> _ = torch.manual_seed(0)
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        >>> step = data_parallel_step(model, torch.nn.functional.mse_loss, opt)
+        >>> x = torch.randn(32, 2); y = x @ torch.tensor([[2.], [-1.]]) + 0.5
+        >>> losses = [step(shard((x, y), n=4)).item() for _ in range(200)]
+        >>> losses[-1] < 1e-3 < losses[0]
+        True
+        >>> [round(v, 2) for v in model.weight.flatten().tolist()], round(model.bias.item(), 2)
+        ([2.0, -1.0], 0.5)
+    """
+
+    def instance_step(params, frozen, floating, other, inputs, targets):
+        def loss_of(params):
+            # This instance's own copy of the buffers, created inside the transform so
+            # that modules may update it in place (batch norm does).
+            state = {k: v.clone() for k, v in {**floating, **other}.items()}
+            output = functional_call(model, {**params, **frozen, **state}, (inputs,))
+            return loss_fn(output, targets), state
+
+        grads, (loss, state) = grad_and_value(loss_of, has_aux=True)(params)
+        buffer_change = {k: state[k] - floating[k] for k in floating}
+        counters = {k: state[k] for k in other}
+        return (
+            pmean(grads, axis_name),
+            pmean(loss, axis_name),
+            pmean(buffer_change, axis_name),
+            counters,
+        )
+
+    # Floating buffers are mapped (one copy per instance, updated separately); the
+    # others are broadcast: an in-place update must be the same on every instance.
+    p_step = pmap(
+        instance_step,
+        axis_name=axis_name,
+        in_axes=(None, None, 0, None, 0, 0),
+        out_axes=None,
+        devices=devices,
+    )
+
+    def step(batch: PyTree) -> torch.Tensor:
+        inputs, targets = batch
+        n = pytree.tree_leaves(inputs)[0].shape[0]
+        named = dict(model.named_parameters())
+        params = {k: p.detach() for k, p in named.items() if p.requires_grad}
+        frozen = {k: p.detach() for k, p in named.items() if not p.requires_grad}
+        floating, other = _split_buffers(model)
+        per_instance = {k: b.unsqueeze(0).expand(n, *b.shape) for k, b in floating.items()}
+        grads, loss, buffer_change, counters = p_step(params, frozen, per_instance, other, inputs, targets)
+        with torch.no_grad():
+            for k, g in grads.items():
+                named[k].grad = g.to(named[k].device)
+            for k, change in buffer_change.items():
+                model.get_buffer(k).add_(change.to(floating[k].device))
+            for k, value in counters.items():
+                model.get_buffer(k).copy_(value)
+        optimizer.step()
+        return loss.detach()
+
+    return step
