@@ -15,6 +15,7 @@ from torchpmap._collectives import (
     pswapaxes,
 )
 from torchpmap._config import config
+from torchpmap._mesh import Mesh
 from torchpmap._sharded import ShardedTensor
 from torchpmap._devices import (
     Device,
@@ -43,6 +44,7 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "Mesh",
     "ShardedTensor",
     "config",
     "Device",

@@ -22,6 +22,7 @@ def pmap(
     axis_size: Optional[int] = None,
     donate_argnums: int | Sequence[int] = (),
     randomness: str = "different",
+    mesh: Optional[Any] = None,
 ) -> Callable:
     """Parallel map: runs ``fun`` once per slice of the mapped axis, as a single program
     on multiple data, with collectives across the instances addressed by ``axis_name``.
@@ -57,6 +58,9 @@ def pmap(
             ``"different"`` (default: each instance draws its own numbers, as separate
             devices would, reproducibly under ``torch.manual_seed``), ``"same"`` or
             ``"error"``.
+        mesh: a :class:`Mesh` (default: the one of an enclosing ``with mesh:``). When
+            ``axis_name`` is one of its axes, the instances are placed along that mesh
+            axis, and nested pmaps over other mesh axes fill the grid.
 
     Example:
         >>> import torch, torchpmap
@@ -80,6 +84,7 @@ def pmap(
             axis_size=axis_size,
             donate_argnums=donate_argnums,
             randomness=randomness,
+            mesh=mesh,
         )
     statics, donated = _as_int_tuple(static_broadcasted_argnums), _as_int_tuple(donate_argnums)
     if set(statics) & set(donated):
@@ -97,6 +102,7 @@ def pmap(
         static_argnums=statics,
         donate_argnums=donated,
         devices=None if devices is None else tuple(devices),
+        mesh=mesh,
     )
     return MappedFunction(fun, opts)
 

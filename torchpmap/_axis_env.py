@@ -32,6 +32,8 @@ class AxisFrame:
             split over several devices or processes).
         exchange: how the slices of a split axis talk to each other, or None when the
             whole axis runs in one vectorized slice.
+        vectorized: False when this slice is a single instance run without a vmap level
+            (a mesh axis with one instance per device); collectives then apply directly.
     """
 
     name: AxisName
@@ -40,6 +42,7 @@ class AxisFrame:
     local_size: int
     offset: int = 0
     exchange: Any = None
+    vectorized: bool = True
 
 
 _state = threading.local()
@@ -92,3 +95,15 @@ def frames(names: tuple[AxisName, ...]) -> list[AxisFrame]:
 
 def current_frames() -> tuple[AxisFrame, ...]:
     return tuple(_stack())
+
+
+@contextlib.contextmanager
+def inherited(frames: tuple[AxisFrame, ...]) -> Iterator[None]:
+    """Binds ``frames`` (from a parent thread) under whatever this thread has."""
+    stack = _stack()
+    depth = len(stack)
+    stack.extend(frames)
+    try:
+        yield
+    finally:
+        del stack[depth:]

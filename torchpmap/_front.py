@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from torchpmap import _devices, _engines
+from torchpmap import _devices, _engines, _mesh
 from torchpmap._compile_guard import refuse_under_compile
 from torchpmap._sharded import ShardedTensor
 from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
@@ -36,6 +36,7 @@ class MapOptions:
     static_argnums: tuple[int, ...] = ()
     donate_argnums: tuple[int, ...] = ()
     devices: Optional[tuple[Any, ...]] = None
+    mesh: Any = None
 
 
 def check_options(opts: MapOptions) -> None:
@@ -115,6 +116,7 @@ class MappedFunction:
             return self._flatten_output(self.fun(*call_args, **call_kwargs), out_holder)
 
         mapped = set(flat.mapped_slots)
+        mesh = self._mesh()
         call = _engines.MappedCall(
             body=body,
             mapped=[flat.leaves[k] for k in flat.mapped_slots],
@@ -123,7 +125,8 @@ class MappedFunction:
             axis_name=self.opts.axis_name,
             size=flat.size,
             randomness=self.opts.randomness,
-            devices=self._devices_for(flat.size) if what == "pmap" else None,
+            devices=self._devices_for(flat.size, mesh) if what == "pmap" else None,
+            mesh=mesh,
             must_be_unmapped=(lambda: self._replicated_outputs(out_holder)) if what == "vmap" else dict,
         )
         outputs = _engines.run(call)
@@ -233,7 +236,20 @@ class MappedFunction:
             raise ValueError(f"{what}: axis_size={axis_size} was given, but the mapped arguments have size {size}")
         return size
 
-    def _devices_for(self, size: int) -> tuple[_devices.Device, ...]:
+    def _mesh(self) -> Optional[_mesh.Mesh]:
+        """The mesh this call maps over, if its axis name is a mesh axis."""
+        if self.opts.kind != "pmap":
+            return None
+        mesh = self.opts.mesh or _mesh.current()
+        if mesh is None or self.opts.axis_name not in mesh.axis_names:
+            return None
+        if self.opts.devices is not None:
+            raise ValueError(f"pmap over mesh axis {self.opts.axis_name!r}: the mesh places the instances, so devices= cannot be given too")
+        return mesh
+
+    def _devices_for(self, size: int, mesh: Optional[_mesh.Mesh]) -> tuple[_devices.Device, ...]:
+        if mesh is not None:
+            return tuple(mesh.devices.flat)
         devs = _devices.resolve(self.opts.devices)
         if size <= len(devs):
             return devs[:size]
@@ -251,7 +267,7 @@ class MappedFunction:
         leaves, spec = pytree.tree_flatten(out)
         tensors, constants = [], {}
         for k, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, (torch.Tensor, ShardedTensor)):
                 tensors.append(leaf)
             elif isinstance(leaf, (bool, int, float, complex, np.ndarray, np.generic)):
                 tensors.append(torch.as_tensor(leaf))

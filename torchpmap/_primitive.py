@@ -61,7 +61,15 @@ class Primitive:
 
 def bind(prim: Primitive, x: torch.Tensor) -> torch.Tensor:
     """Applies ``prim`` to this instance's ``x``."""
+    if not prim.frame.vectorized and torch._C._functorch.maybe_current_level() is None:
+        return _run_unvectorized(prim, x)  # plain torch ops: outer autograd sees them directly
     return _Bind.apply(prim, prim.frame.token, x)
+
+
+def _run_unvectorized(prim: Primitive, x: torch.Tensor) -> torch.Tensor:
+    """``prim`` on a slice that holds a single instance and has no vmap level."""
+    out, member_dim = run_owning(prim, x.unsqueeze(0))
+    return out if member_dim is None else out.select(member_dim, 0)
 
 
 class _Bind(torch.autograd.Function):
@@ -69,6 +77,8 @@ class _Bind(torch.autograd.Function):
 
     @staticmethod
     def forward(prim: Primitive, token: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if not prim.frame.vectorized:  # every vmap level above was peeled off
+            return _run_unvectorized(prim, x)
         raise RuntimeError(
             f"torchpmap: {prim.name} over axis {prim.frame.name!r} ran outside the vmap level "
             "of that axis. This happens when the axis token escapes its pmap, or under "
@@ -81,6 +91,13 @@ class _Bind(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if not ctx.prim.frame.vectorized and torch._C._functorch.maybe_current_level() is None:
+            # plain autograd runs this node in one thread; the other devices' nodes would never meet it
+            raise NotImplementedError(
+                f"torchpmap: .backward() through {ctx.prim.name} over mesh axis {ctx.prim.frame.name!r} called "
+                "under a torch.func transform inside the pmap is not supported. Differentiate inside the pmap "
+                "with torch.func.grad, or call the collective outside the inner transform."
+            )
         return None, None, _Bind.apply(ctx.prim.transpose(), ctx.token, grad)
 
     @staticmethod

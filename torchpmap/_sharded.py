@@ -92,6 +92,12 @@ class ShardedTensor:
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
+    def __dlpack__(self, **kwargs):  # how torch.as_tensor / torch.asarray convert it
+        return self.gather().detach().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.shards[0].tensor.__dlpack_device__()
+
     def item(self):
         return self.gather().item()
 

@@ -27,6 +27,7 @@ class MappedCall:
         size: the size of the mapped axis.
         randomness: as in ``torch.func.vmap``.
         devices: where to run; None means "where the inputs are" (``vmap``).
+        mesh: the mesh whose axis ``axis_name`` names, if the call maps a mesh axis.
         must_be_unmapped: after ``body`` ran, the positions of output leaves that must
             not vary along the axis (``vmap``'s ``out_axes=None``), with their key paths.
             An engine raises ValueError for one that does.
@@ -41,12 +42,15 @@ class MappedCall:
     randomness: str
     devices: Optional[Sequence[Device]]
     must_be_unmapped: Callable[[], dict[int, str]] = dict
+    mesh: Any = None
 
 
 def run(call: MappedCall) -> list[torch.Tensor]:
     """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0."""
-    from torchpmap._engines import multi_device, vectorized
+    from torchpmap._engines import mesh, multi_device, vectorized
 
+    if call.mesh is not None:
+        return mesh.run(call, call.mesh)
     if call.devices is not None and len(call.devices) > 1:
         return multi_device.run(call)
     return vectorized.run(call)

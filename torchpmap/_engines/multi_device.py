@@ -77,11 +77,11 @@ def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = 
             _devices.set_current_default(None)
 
     futures = [pool.submit(lambda d=d: one_device(d)) for d in range(len(devices))]
-    per_device = _collect(futures, devices, k)
+    per_device = collect(futures, devices, k)
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
 
 
-def _collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> list[list[torch.Tensor]]:
+def collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> list[list[torch.Tensor]]:
     """Waits for every device; re-raises the first real failure (not a peer's echo of it)."""
     errors = [f.exception() for f in futures]
     first = next((e for e in errors if e is not None and not isinstance(e, PeerFailed)), None)

@@ -17,7 +17,7 @@ from torchpmap._engines import MappedCall
 from torchpmap._sharded import as_local
 
 
-def _place(value: Any, device: torch.device | None) -> Any:
+def place(value: Any, device: torch.device | None) -> Any:
     value = as_local(value, device)
     if device is None or not isinstance(value, torch.Tensor):
         return value
@@ -32,8 +32,8 @@ def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exch
     axis of ``axis_size`` instances, and ``exchange`` connects it to the other slices.
     """
     device = call.devices[0].torch_device if call.devices else None
-    mapped = [_place(t, device) for t in call.mapped]
-    broadcast = [_place(v, device) for v in call.broadcast]
+    mapped = [place(t, device) for t in call.mapped]
+    broadcast = [place(v, device) for v in call.broadcast]
     token_device = device if device is not None else (mapped[0].device if mapped else None)
     token = torch.arange(call.size, device=token_device)
 

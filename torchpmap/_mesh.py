@@ -1,0 +1,76 @@
+"""Mesh: devices arranged in an n-D grid with named axes.
+
+A pmap whose ``axis_name`` is an axis of the active mesh maps over that mesh axis:
+nested pmaps over ``"data"`` and ``"model"`` put instance ``(d, m)`` on
+``mesh.devices[d, m]``, and a collective over ``"model"`` runs among the devices of one
+mesh row, over ``"data"`` among one column.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from torchpmap import _devices
+
+
+class Mesh:
+    """An n-D grid of devices with one name per axis.
+
+    Use it as a context (``with mesh:``) or pass ``pmap(..., mesh=mesh)``.
+
+    Example:
+        >>> import torchpmap
+        >>> mesh = torchpmap.Mesh([torchpmap.devices()[:1]], ("data", "model"))
+        >>> mesh.shape
+        {'data': 1, 'model': 1}
+    """
+
+    def __init__(self, devices: Any, axis_names: Sequence[Hashable]):
+        grid = np.array(devices, dtype=object)
+        axis_names = tuple(axis_names)
+        if grid.ndim != len(axis_names):
+            raise ValueError(
+                f"Mesh: the device grid has {grid.ndim} dimensions (shape {grid.shape}) but {len(axis_names)} axis "
+                f"names were given ({axis_names}); give one name per dimension"
+            )
+        if len(set(axis_names)) != len(axis_names):
+            raise ValueError(f"Mesh: axis names must be distinct, got {axis_names}")
+        resolved = _devices.resolve(list(grid.flat)) if grid.size else ()
+        self.devices = np.array(resolved, dtype=object).reshape(grid.shape)
+        self.axis_names = axis_names
+
+    @property
+    def shape(self) -> dict[Hashable, int]:
+        return dict(zip(self.axis_names, self.devices.shape))
+
+    @property
+    def size(self) -> int:
+        return int(self.devices.size)
+
+    def device_at(self, coords: dict[Hashable, int]) -> _devices.Device:
+        """The device at ``coords`` (axes not named there are taken at index 0)."""
+        return self.devices[tuple(coords.get(a, 0) for a in self.axis_names)]
+
+    def __enter__(self) -> "Mesh":
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _active.remove(self)
+
+    def __repr__(self) -> str:
+        return f"Mesh(shape={self.shape}, devices={self.devices.tolist()})"
+
+
+_active: list[Mesh] = []
+_thread = threading.local()
+
+
+def current() -> Mesh | None:
+    """The mesh of the enclosing mesh pmap in this thread, else the innermost ``with mesh``."""
+    state = getattr(_thread, "state", None)
+    if state is not None:
+        return state.mesh
+    return _active[-1] if _active else None
