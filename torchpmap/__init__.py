@@ -14,7 +14,7 @@ from torchpmap._collectives import (
     psum_scatter,
     pswapaxes,
 )
-from torchpmap._config import config
+from torchpmap._config import config, disable_vectorization
 from torchpmap._mesh import Mesh
 from torchpmap._sharded import ShardedTensor
 from torchpmap._devices import (
@@ -47,6 +47,7 @@ __all__ = [
     "Mesh",
     "ShardedTensor",
     "config",
+    "disable_vectorization",
     "Device",
     "devices",
     "local_devices",

@@ -7,8 +7,10 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from typing import Iterator
 
 
 @dataclasses.dataclass
@@ -34,3 +36,26 @@ class Config:
 
 
 config = Config()
+
+
+@contextlib.contextmanager
+def disable_vectorization() -> Iterator[None]:
+    """Runs every pmap/vmap instance one at a time in plain Python, for debugging.
+
+    Inside, ``print``, ``pdb.set_trace()`` and ``.item()`` work in a mapped function, and an
+    error names the exact instance that raised. Results are the same as vectorized, only
+    slower. Like ``jax.disable_jit()``.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> with torchpmap.disable_vectorization():
+        ...     out = torchpmap.pmap(lambda x: x * 2 if x.item() > 0 else x)(torch.tensor([0., 1.]))
+        >>> out
+        tensor([0., 2.])
+    """
+    previous = config.disable_vectorization
+    config.disable_vectorization = True
+    try:
+        yield
+    finally:
+        config.disable_vectorization = previous

@@ -49,6 +49,19 @@ def _local_devices() -> tuple[Device, ...]:
     return tuple(Device("cpu", i) for i in range(int(raw)))
 
 
+def _multi_process():
+    """The multi-process state when torch.distributed runs several processes, else None
+    (see :mod:`torchpmap.distributed`: then each process has one device)."""
+    from torchpmap import _process_group
+
+    return _process_group.view()
+
+
+def _this_process() -> tuple[Device, ...]:
+    mp = _multi_process()
+    return mp.local_devices if mp is not None else _local_devices()
+
+
 _placement = threading.local()
 
 
@@ -69,12 +82,13 @@ def local_devices() -> list[Device]:
         >>> len(torchpmap.local_devices()) >= 1
         True
     """
-    return list(_local_devices())
+    return list(_this_process())
 
 
 def devices() -> list[Device]:
-    """All devices of all processes (one process here)."""
-    return local_devices()
+    """All devices of all processes (with several processes: one per process, in rank order)."""
+    mp = _multi_process()
+    return list(mp.devices) if mp is not None else local_devices()
 
 
 def device_count() -> int:
@@ -89,18 +103,20 @@ def local_device_count() -> int:
 
 def process_index() -> int:
     """This process' rank (0 for a single process)."""
-    return 0
+    mp = _multi_process()
+    return mp.rank if mp is not None else 0
 
 
 def process_count() -> int:
     """How many processes take part (1 for a single process)."""
-    return 1
+    mp = _multi_process()
+    return mp.world_size if mp is not None else 1
 
 
 def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
     """The devices a pmap was asked to use, validated; all local devices for None."""
     if requested is None:
-        return current_default() or _local_devices()
+        return current_default() or _this_process()
     if current_default() is not None:
         raise ValueError(
             "pmap: a pmap nested inside a multi-device pmap runs on the device of its enclosing instance, so it "

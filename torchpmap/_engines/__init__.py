@@ -47,10 +47,13 @@ class MappedCall:
 
 def run(call: MappedCall) -> list[torch.Tensor]:
     """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0."""
-    from torchpmap._engines import mesh, multi_device, vectorized
+    from torchpmap._config import config
+    from torchpmap._engines import multi_device, threaded, vectorized
 
+    if config.disable_vectorization:
+        return threaded.run_one_at_a_time(call)
     if call.mesh is not None:
-        return mesh.run(call, call.mesh)
+        return threaded.run_mesh(call, call.mesh)
     if call.devices is not None and len(call.devices) > 1:
         return multi_device.run(call)
     return vectorized.run(call)

@@ -89,6 +89,7 @@ def collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> lis
     if first is not None:
         d = errors.index(first)
         if hasattr(first, "add_note"):
-            first.add_note(f"torchpmap: raised by the instances {d * k}..{d * k + k - 1} on device {devices[d]}")
+            which = f"instance {d}" if k == 1 else f"one of the instances {d * k}..{d * k + k - 1}"
+            first.add_note(f"torchpmap: raised by {which} (on device {devices[d]})")
         raise first
     return [f.result() for f in futures]

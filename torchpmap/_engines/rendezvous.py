@@ -9,6 +9,7 @@ call with an error instead of a hang.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -32,8 +33,9 @@ class _Slot:
 class Rendezvous:
     """The meeting points of one call; ``meet`` is called once per thread per collective."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, baton: threading.RLock | None = None):
         self.timeout = timeout
+        self.baton = baton  # debug mode: only the holder runs; a waiting thread passes it on
         self._cond = threading.Condition()
         self._slots: dict[Hashable, _Slot] = {}
         self.failure: str | None = None
@@ -78,12 +80,45 @@ class Rendezvous:
                         f"{count}, which never arrived (a deadlock, or a device that stopped). Raise "
                         "torchpmap.config.collective_timeout if they are just slow."
                     )
-                self._cond.wait(left)
+                self._wait(left)
             result = slot.results[index]
             slot.taken += 1
             if slot.taken == count:
                 del self._slots[key]
             return result
+
+    def _wait(self, seconds: float) -> None:
+        if self.baton is None:
+            self._cond.wait(seconds)
+            return
+        self.baton.release()  # let another instance run up to this collective
+        try:
+            self._cond.wait(seconds)
+        finally:
+            self._cond.release()  # take the baton first, then the lock: the order every thread uses
+            self.baton.acquire()
+            self._cond.acquire()
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Debug mode: hold the baton while running this thread's Python code."""
+        if self.baton is None:
+            yield
+            return
+        with self.baton:
+            yield
+
+    @contextlib.contextmanager
+    def passing_turn(self):
+        """Debug mode: an instance that waits for nested instances lets them run."""
+        if self.baton is None:
+            yield
+            return
+        self.baton.release()
+        try:
+            yield
+        finally:
+            self.baton.acquire()
 
     def _raise_if_failed(self, what: str) -> None:
         if self.failure is not None:

@@ -1,0 +1,176 @@
+"""The threaded engine: one thread per slice of an axis, with nesting across threads.
+
+Two uses share it:
+
+* **Mesh axes.** A pmap over mesh axis ``A`` runs one thread per device along ``A`` (at
+  the mesh coordinates of the enclosing mesh pmaps, other axes at index 0). With one
+  instance per device the instance runs without a vmap level, so that a nested pmap over
+  another mesh axis can start threads of its own: instance ``(d, m)`` then runs on
+  ``mesh.devices[d, m]``.
+* **Debug mode** (``config.disable_vectorization``): every instance is its own thread,
+  run in plain Python, one at a time, so ``print`` and ``pdb`` work inside the function.
+
+A collective over ``A`` meets the threads that differ only in their ``A`` coordinate,
+within the same nested call: the meeting key is (axis, call path, other coordinates).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+from torchpmap import _axis_env, _devices, _mesh
+from torchpmap._config import config
+from torchpmap._devices import Device
+from torchpmap._engines import MappedCall, vectorized
+from torchpmap._engines.multi_device import collect, refuse_enclosing_transforms, slice_for_device
+from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
+from torchpmap._engines.workers import pool
+from torchpmap._sharded import ShardedTensor, as_local
+
+# For an axis, the device of each participant given the caller's coordinates.
+Along = Callable[[dict], Sequence[Device]]
+
+
+@dataclasses.dataclass(eq=False)
+class _ThreadState:
+    """Where an instance thread stands: its coordinates and the call it belongs to."""
+
+    mesh: _mesh.Mesh | None
+    rendezvous: Rendezvous
+    coords: dict[Hashable, int]
+    along: dict[Hashable, Along]
+    path: tuple
+    frames: tuple[_axis_env.AxisFrame, ...] = ()
+    nested_calls: int = 0
+
+
+_thread = _mesh._thread  # the mesh module reads the state to find the current mesh
+
+
+def _exchange(state: _ThreadState, axis: Hashable) -> ThreadExchange:
+    devices = tuple(d.torch_device for d in state.along[axis](state.coords))
+    others = tuple(sorted(((a, i) for a, i in state.coords.items() if a != axis), key=repr))
+    return ThreadExchange(state.rendezvous, state.coords[axis], devices, (axis, state.path, others))
+
+
+def _parent(axis: Hashable, what: str) -> _ThreadState | None:
+    parent: _ThreadState | None = getattr(_thread, "state", None)
+    if parent is None:
+        refuse_enclosing_transforms()
+        return None
+    if axis is not None and axis in parent.coords:
+        raise ValueError(f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name")
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise NotImplementedError(
+            f"{what} over axis {axis!r}: it is nested in a map whose instances run vectorized, or in a torch.func "
+            "transform, so it cannot start threads of its own. Give each enclosing mesh axis one instance per "
+            "device, or move the transform inside."
+        )
+    return parent
+
+
+def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.Lock | None = None) -> list:
+    """Runs ``call`` in ``count`` threads, ``call.size / count`` instances each."""
+    axis = call.axis_name if call.axis_name is not None else object()  # an unnamed axis still has coordinates
+    k = call.size // count
+    parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")
+    if parent is None:
+        rendezvous, path, coords, frames, outer_along = Rendezvous(config.collective_timeout, baton), (object(),), {}, (), {}
+    else:
+        parent.nested_calls += 1
+        rendezvous, path, coords = parent.rendezvous, parent.path + (parent.nested_calls,), parent.coords
+        frames, outer_along, mesh = parent.frames, parent.along, mesh or parent.mesh
+    devices = list(along(coords))
+
+    def one_thread(j: int) -> list[torch.Tensor]:
+        state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path)
+        rebound = tuple(dataclasses.replace(f, exchange=_exchange(state, f.name)) for f in frames)
+        _thread.state = state
+        _devices.set_current_default((devices[j],))
+        try:
+            with rendezvous.turn(), _axis_env.inherited(rebound):
+                part = dataclasses.replace(
+                    call,
+                    mapped=[slice_for_device(t, dim, j, k, devices[j]) for t, dim in zip(call.mapped, call.in_dims)],
+                    size=k,
+                    devices=(devices[j],),
+                )
+                if k > 1:
+                    return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
+                return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
+        except BaseException:
+            rendezvous.fail(f"instance {j}" if k == 1 else f"the instances {j * k}..{j * k + k - 1} on device {devices[j]}")
+            raise
+        finally:
+            _thread.state = None
+            _devices.set_current_default(None)
+
+    futures = [pool.submit(lambda j=j: one_thread(j)) for j in range(count)]
+    with rendezvous.passing_turn() if parent is not None else contextlib.nullcontext():
+        per_thread = collect(futures, devices, k)
+    _check_replicated(call, per_thread)
+    return _assemble(devices, per_thread)
+
+
+def _run_single(call: MappedCall, state: _ThreadState, enclosing: tuple, axis: Hashable, offset: int, axis_size: int) -> list:
+    """One instance on this device, without a vmap level (see module docstring)."""
+    device = call.devices[0].torch_device
+    token = torch.zeros((), dtype=torch.long, device=device)
+    name = call.axis_name
+    frame = _axis_env.AxisFrame(name, axis_size, token, 1, offset, _exchange(state, axis), vectorized=False)
+    state.frames = enclosing + ((frame,) if name is not None else ())
+    slices = [t.select(dim, 0) for t, dim in zip(call.mapped, call.in_dims)]
+    broadcast = [vectorized.place(v, device) for v in call.broadcast]
+    with _axis_env.bound(frame) if name is not None else contextlib.nullcontext():
+        outputs = call.body(slices, broadcast)
+    return [as_local(o, device).unsqueeze(0) for o in outputs]
+
+
+def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:
+    """vmap's out_axes=None in debug mode: no vmap level to ask, so compare the values."""
+    for k, path in call.must_be_unmapped().items():
+        first = per_thread[0][k]
+        if any(not torch.equal(first, outs[k].to(first.device)) for outs in per_thread[1:]):
+            raise ValueError(
+                f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output differs between "
+                "instances. Give it an out axis (e.g. 0), or return a value that is the same for every instance."
+            )
+
+
+def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:
+    if len(set(devices)) == 1:  # debug mode on one device: plain tensors, as the vectorized engine returns
+        return [torch.cat(outs) for outs in zip(*per_thread)]
+    return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_thread)]
+
+
+# --------------------------------------------------------------------------- the two uses
+
+
+def run_mesh(call: MappedCall, mesh: _mesh.Mesh) -> list:
+    axis, count = call.axis_name, mesh.shape[call.axis_name]
+    if call.size % count:
+        raise ValueError(
+            f"pmap over mesh axis {axis!r}: the mapped axis has size {call.size}, which is not a multiple of the "
+            f"{count} devices along that mesh axis (mesh shape {mesh.shape})"
+        )
+    return run(call, lambda coords: [mesh.device_at({**coords, axis: j}) for j in range(count)], count, mesh)
+
+
+def run_one_at_a_time(call: MappedCall) -> list:
+    """Debug mode: each instance a thread on the device it would use, one running at a time."""
+    if call.devices is None:  # vmap: where the inputs are
+        first = next((t for t in call.mapped), None)
+        here = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        placed = [next((d for d in _devices.local_devices() if d.torch_device == here), Device(here.type, here.index or 0))]
+    else:
+        placed = list(call.devices)
+    per_device = call.size // len(placed)
+    instance_devices = [placed[j // per_device] for j in range(call.size)]
+    return run(call, lambda coords: instance_devices, call.size, None, baton=_baton)
+
+
+_baton = threading.RLock()  # held by the instance thread that is running Python code

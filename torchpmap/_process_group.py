@@ -1,0 +1,444 @@
+"""The state of a multi-process run, and how its collectives fail instead of hanging.
+
+:mod:`torchpmap.distributed` is the public face; this module holds what the distributed
+engine (:mod:`torchpmap._engines.distributed`) and :mod:`torchpmap._devices` need:
+
+* :func:`active` / :func:`state`: whether torch.distributed runs with more than one
+  process, and this process' :class:`ProcessState` (rank, devices, the rendezvous store).
+* :func:`wait`: waits for a collective while watching for failures elsewhere.
+* Faults. Every process keeps a *heartbeat* in the rendezvous store (a daemon thread
+  writes a counter every :data:`HEARTBEAT_INTERVAL` seconds). A process whose pmapped
+  function raises writes a *failure record* before it re-raises. A process waiting in a
+  collective polls for failure records; when the collective errors (gloo reports a
+  closed connection when a peer dies) or its deadline passes, it looks at the records
+  and the heartbeats to name the rank at fault, records what it found for the others,
+  and raises :class:`RankFailed` (or ``TimeoutError`` when every rank is alive but one
+  never arrived). After a failure the process group is out of step: later distributed
+  pmaps raise at once.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import json
+import os
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchpmap._devices import Device
+from torchpmap._engines.rendezvous import PeerFailed
+
+#: Seconds between two heartbeats of a process (environment: ``TORCHPMAP_HEARTBEAT_INTERVAL``).
+HEARTBEAT_INTERVAL = float(os.environ.get("TORCHPMAP_HEARTBEAT_INTERVAL", "0.5"))
+#: A process whose heartbeat has not moved for this many intervals is taken for dead.
+_DEAD_AFTER_BEATS = 3
+#: The first wait slice of a collective: the failure records are polled only when a
+#: collective takes longer than this, so fast collectives pay nothing for fault checks.
+_FIRST_SLICE = 0.05
+_MAX_SLICE = 0.2
+
+
+class RankFailed(PeerFailed):
+    """A collective was abandoned because another process failed.
+
+    Attributes:
+        ranks: the ranks (in the world group) found at fault.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+class _StoreUnreachable(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(eq=False)
+class ProcessState:
+    """This process in a multi-process run."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    timeout: float
+    store: Any  # a torch.distributed Store under this run's prefix, or None
+    store_address: str
+    local_device: Device
+    owns_group: bool
+    exact_devices: bool  # every rank published its device in the store before initialize returned
+    calls: int = 0  # distributed pmap calls entered: the heartbeat publishes it
+    waiting_in: str = ""  # the collective waited on now, for diagnoses
+    poisoned: Optional[str] = None
+    heartbeat: Optional["_Heartbeat"] = None
+    _devices: Optional[tuple[Device, ...]] = None
+
+    @property
+    def local_devices(self) -> tuple[Device, ...]:
+        return (self.local_device,)
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        if self._devices is None:
+            self._devices = tuple(self._device_of(r) for r in range(self.world_size))
+        return self._devices
+
+    def _device_of(self, r: int) -> Device:
+        if r == self.rank:
+            return self.local_device
+        if self.exact_devices and self.store is not None:
+            try:
+                platform, index = self.store.get(f"device/{r}").decode().split(":")
+                return Device(platform, int(index), r)
+            except Exception:  # fall back to the guess below
+                pass
+        # Homogeneous processes: the same platform everywhere, local ranks in node order.
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+        index = (r % per_node) if (per_node and self.local_device.platform == "cuda") else 0
+        return Device(self.local_device.platform, index, r)
+
+    def check_usable(self) -> None:
+        if self.poisoned is not None:
+            raise RuntimeError(
+                f"torchpmap: the processes are out of step since an earlier failure ({self.poisoned}). Collectives "
+                "of the processes that went on would no longer match, so distributed pmaps are refused. Restart "
+                "the processes (torchrun restarts them with --max-restarts), or call torchpmap.distributed.shutdown() "
+                "and initialize() again in every process."
+            )
+
+
+_state: Optional[ProcessState] = None
+_lock = threading.RLock()
+_generation = 0  # states made so far in this process: the same count in every process
+
+
+def active() -> bool:
+    """True when torch.distributed is initialized with more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def view() -> Optional[ProcessState]:
+    """This process' state when :func:`active`, else None (what :mod:`_devices` consults)."""
+    return state() if active() else None
+
+
+def state() -> ProcessState:
+    """This process' state; created on first use for a process group that was
+    initialized without :func:`torchpmap.distributed.initialize`."""
+    global _state
+    st = _state
+    if st is not None:
+        return st
+    with _lock:
+        if _state is None:
+            if not active():
+                raise RuntimeError("torchpmap: no multi-process run is active (torch.distributed is not initialized)")
+            _state = _adopt_existing_group()
+        return _state
+
+
+def _local_device(local_rank: int, rank: int) -> Device:
+    if torch.cuda.is_available():
+        return Device("cuda", local_rank % torch.cuda.device_count(), rank)
+    return Device("cpu", 0, rank)
+
+
+def _adopt_existing_group() -> ProcessState:
+    """State for a default process group that someone else initialized."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        base = _get_default_store()
+    except Exception:  # no store to watch: faults surface through the collectives' own errors and timeouts
+        base = None
+    from torchpmap._config import config
+
+    return _make_state(
+        base,
+        backend=str(dist.get_backend()),
+        timeout=float(config.collective_timeout),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        owns_group=False,
+        exact_devices=False,
+    )
+
+
+def _make_state(
+    base_store: Any, *, backend: str, timeout: float, local_rank: int, owns_group: bool, exact_devices: bool
+) -> ProcessState:
+    global _generation
+    _generation += 1
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"torchpmap/{restart}/{_generation}/", base_store) if base_store is not None else None
+    rank = dist.get_rank()
+    st = ProcessState(
+        rank=rank,
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        backend=backend,
+        timeout=timeout,
+        store=store,
+        store_address=f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}",
+        local_device=_local_device(local_rank, rank),
+        owns_group=owns_group,
+        exact_devices=exact_devices,
+    )
+    if store is not None:
+        try:
+            store.set(f"device/{rank}", f"{st.local_device.platform}:{st.local_device.id}")
+        except Exception:
+            st.store = None
+    if st.store is not None:
+        st.heartbeat = _Heartbeat(st)
+        st.heartbeat.start()
+    return st
+
+
+def install(*, backend: str, timeout: float, local_rank: int, base_store: Any, owns_group: bool) -> ProcessState:
+    """Called by ``initialize`` right after it created the default process group."""
+    global _state
+    with _lock:
+        _state = _make_state(
+            base_store,
+            backend=backend,
+            timeout=timeout,
+            local_rank=local_rank,
+            owns_group=owns_group,
+            exact_devices=True,
+        )
+        return _state
+
+
+def uninstall() -> Optional[ProcessState]:
+    """Forgets this process' state (``shutdown``); returns it."""
+    global _state
+    with _lock:
+        st, _state = _state, None
+    if st is not None and st.heartbeat is not None:
+        st.heartbeat.stop(exited=True)
+    return st
+
+
+# --------------------------------------------------------------------------- heartbeats
+
+
+class _Heartbeat(threading.Thread):
+    """Writes ``alive/<rank>`` = ``beat|pmap calls|collective waited on`` every interval."""
+
+    def __init__(self, st: ProcessState):
+        super().__init__(name=f"torchpmap-heartbeat-{st.rank}", daemon=True)
+        self.st, self._stop_event, self.beat = st, threading.Event(), 0
+
+    def run(self) -> None:
+        while True:
+            self.beat += 1
+            try:
+                self.st.store.set(f"alive/{self.st.rank}", f"{self.beat}|{self.st.calls}|{self.st.waiting_in}")
+            except Exception:  # the store is gone (shutdown, or its host died): nothing left to tell
+                return
+            if self._stop_event.wait(HEARTBEAT_INTERVAL):
+                return
+
+    def stop(self, exited: bool) -> None:
+        self._stop_event.set()
+        if exited and self.st.store is not None:
+            try:  # so that the others do not take a finished process for a dead one
+                self.st.store.set(f"alive/{self.st.rank}", f"exited|{self.st.calls}|")
+            except Exception:
+                pass
+
+
+@atexit.register
+def _at_exit() -> None:
+    st = _state
+    if st is not None and st.heartbeat is not None:
+        st.heartbeat.stop(exited=True)
+
+
+def _read_alive(st: ProcessState, r: int) -> tuple[str, str, str]:
+    key = f"alive/{r}"
+    try:
+        if not st.store.check([key]):
+            return ("none", "?", "")
+        beat, calls, what = st.store.get(key).decode().split("|", 2)
+        return beat, calls, what
+    except Exception as e:
+        raise _StoreUnreachable(str(e)) from e
+
+
+# --------------------------------------------------------------------------- failure records
+
+
+def _failure_count(st: ProcessState) -> int:
+    try:
+        return int(st.store.add("failures", 0))
+    except Exception as e:
+        raise _StoreUnreachable(str(e)) from e
+
+
+def _read_failures(st: ProcessState) -> list[dict]:
+    """The failure records of all ranks, in rank order."""
+    records = []
+    for r in range(st.world_size):
+        key = f"failure/{r}"
+        try:
+            if st.store.check([key]):
+                records.append(json.loads(st.store.get(key).decode()))
+        except Exception as e:
+            raise _StoreUnreachable(str(e)) from e
+    return records
+
+
+def record_failure(ranks: Sequence[int], reason: str) -> None:
+    """Tells the other processes that ``ranks`` failed (the first record of each reporter counts)."""
+    st = _state
+    if st is None or st.store is None:
+        return
+    try:
+        key = f"failure/{st.rank}"
+        if not st.store.check([key]):
+            st.store.set(key, json.dumps({"ranks": list(ranks), "reason": reason, "reporter": st.rank}))
+            st.store.add("failures", 1)
+    except Exception:
+        pass
+
+
+def report_own_failure(exc: BaseException, what: str) -> None:
+    """Called when this process' pmapped function raised ``exc``: records it, poisons."""
+    st = _state
+    if st is None:
+        return
+    reason = f"{type(exc).__name__}: {exc}".strip()
+    if len(reason) > 500:
+        reason = reason[:500] + "..."
+    record_failure([st.rank], f"{what} raised {reason}")
+    st.poisoned = st.poisoned or f"rank {st.rank} raised {reason}"
+
+
+def _describe(records: list[dict]) -> tuple[list[int], str]:
+    ranks: list[int] = []
+    lines = []
+    for rec in records:
+        for r in rec["ranks"]:
+            if r not in ranks:
+                ranks.append(r)
+        found_by = "" if rec["ranks"] == [rec["reporter"]] else f" (found by rank {rec['reporter']})"
+        who = ", ".join(map(str, rec["ranks"]))
+        lines.append(f"rank {who}: {rec['reason']}{found_by}")
+    return sorted(ranks), "; ".join(lines)
+
+
+# --------------------------------------------------------------------------- waiting for a collective
+
+
+def wait(work: Any, what: str) -> None:
+    """Waits for the collective ``work`` (``what`` describes it), watching for failures.
+
+    Raises :class:`RankFailed` when another process failed or died, ``TimeoutError``
+    when the deadline passed with every process alive.
+    """
+    st = state()
+    if st.backend == "nccl" or st.store is None:
+        # NCCL: work.wait() only orders the current stream after the collective; faults
+        # surface through NCCL's watchdog and the process group's timeout.
+        try:
+            work.wait()
+        except Exception as e:
+            raise _fail(st, _diagnose(st, what, cause=e, waited=None)) from e
+        return
+    st.waiting_in = what
+    started = time.monotonic()
+    deadline = started + st.timeout
+    slice_s = _FIRST_SLICE
+    try:
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=slice_s))
+                return
+            except RuntimeError as e:
+                if work.is_completed():  # a real error of the collective, not our slice's timeout
+                    raise _fail(st, _diagnose(st, what, cause=e, waited=time.monotonic() - started)) from e
+            try:
+                failed = _failure_count(st) > 0
+            except _StoreUnreachable as e:
+                raise _fail(st, _store_lost(st, what, e)) from None
+            if failed:
+                raise _fail(st, _diagnose(st, what, cause=None, waited=time.monotonic() - started))
+            if time.monotonic() >= deadline:
+                raise _fail(st, _diagnose(st, what, cause=None, waited=time.monotonic() - started, timed_out=True))
+            slice_s = min(slice_s * 2, _MAX_SLICE)
+    finally:
+        st.waiting_in = ""
+
+
+def _fail(st: ProcessState, exc: BaseException) -> BaseException:
+    if st.poisoned is None:
+        st.poisoned = str(exc).removeprefix("torchpmap: ")
+    return exc
+
+
+def _store_lost(st: ProcessState, what: str, e: BaseException) -> RankFailed:
+    return RankFailed(
+        f"torchpmap: {what} was abandoned on rank {st.rank}: the rendezvous store at {st.store_address} stopped "
+        f"answering ({e}). It is hosted by rank 0 (or by torchrun's agent on the first node), so rank 0 or its "
+        "node has most likely died.",
+        ranks=(0,),
+    )
+
+
+def _diagnose(
+    st: ProcessState, what: str, *, cause: Optional[BaseException], waited: Optional[float], timed_out: bool = False
+) -> BaseException:
+    """Why ``what`` did not complete: names the failed ranks from the records and heartbeats."""
+    where = f"{what} on rank {st.rank} (pmap call #{st.calls})"
+    if st.store is None:
+        if cause is not None:
+            return RuntimeError(f"torchpmap: {where} failed: {cause}")
+        return TimeoutError(f"torchpmap: {where} timed out")
+    try:
+        records = _read_failures(st)
+        if not records:
+            # Nobody recorded a failure (yet): look for dead processes by their heartbeats.
+            before = {r: _read_alive(st, r) for r in range(st.world_size) if r != st.rank}
+            end = time.monotonic() + _DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL
+            while not records and time.monotonic() < end:
+                time.sleep(min(HEARTBEAT_INTERVAL / 2, max(0.0, end - time.monotonic())))
+                records = _read_failures(st)
+            if not records:
+                after = {r: _read_alive(st, r) for r in before}
+                exited = [r for r, a in after.items() if a[0] == "exited"]
+                dead = [r for r in before if before[r][0] == after[r][0] and after[r][0] != "exited"]
+                if dead or exited:
+                    parts = []
+                    if dead:
+                        parts.append("the process died or hangs (its heartbeat stopped)")
+                    if exited:
+                        parts.append("the process already left the run (it finished or shut down)")
+                    record_failure(dead + exited, "; ".join(parts))
+                    records = _read_failures(st)
+                else:
+                    progress = "; ".join(
+                        f"rank {r} is in pmap call #{a[1]}" + (f", waiting in {a[2]}" if a[2] else ", not in a collective")
+                        for r, a in sorted(after.items())
+                    )
+                    if timed_out:
+                        record_failure([st.rank], f"{where} timed out after {waited:.1f} s")
+                        return TimeoutError(
+                            f"torchpmap: {where} waited {waited:.1f} s (the timeout) for the other processes. Every "
+                            f"process is alive: {progress}. A process that stopped calling the same pmaps in the "
+                            "same order (a rank-dependent branch, or an exception caught outside a pmap) leaves the "
+                            "others waiting. Pass a longer timeout to torchpmap.distributed.initialize() if they are "
+                            "just slow."
+                        )
+                    record_failure([st.rank], f"{where} failed: {cause}")
+                    return RuntimeError(f"torchpmap: {where} failed with every process alive ({progress}): {cause}")
+    except _StoreUnreachable as e:
+        return _store_lost(st, what, e)
+    ranks, described = _describe(records)
+    return RankFailed(f"torchpmap: {where} was abandoned because {described}", ranks=ranks)

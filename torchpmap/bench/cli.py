@@ -1,0 +1,99 @@
+"""The command line: ``python -m torchpmap.bench [--quick] [--only NAME] [--json PATH] [--png PATH]``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import sys
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from torchpmap.bench import frameworks, report, suite, timing
+from torchpmap.bench.core import COLUMNS, Config
+from torchpmap.bench.workloads import WORKLOADS, by_name
+
+QUICK = timing.Plan(reps=7, warmup=2, min_sample_s=0.002, max_total_s=1.5, min_reps=3)
+FULL = timing.Plan(reps=41, warmup=5, min_sample_s=0.02, max_total_s=30.0, min_reps=11)
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    names = [w.name for w in WORKLOADS]
+    parser = argparse.ArgumentParser(prog="python -m torchpmap.bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repetitions (for CI)")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=names,
+        metavar="NAME",
+        help=f"run only this workload (repeatable): {', '.join(names)}",
+    )
+    parser.add_argument("--json", default=os.path.join("bench-results", "bench.json"), help="where to write the JSON")
+    parser.add_argument("--png", default=os.path.join("bench-results", "bench.png"), help="where to draw the chart")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the suite, prints the table, writes the files. Exit status 1 if a column
+    failed or disagreed with its reference; timings never fail."""
+    frameworks.configure_environment()  # before JAX is imported (the workloads import it lazily)
+    args = parse_args(argv)
+    workloads = by_name(args.only) if args.only else WORKLOADS
+    cfg = Config(quick=args.quick, device=frameworks.default_device())
+    load_before = _load()
+    rows = suite.run(workloads, cfg, _plan(cfg), log=_log)
+    meta = {**_meta(cfg, argv), "load_average": {"before": load_before, "after": _load()}}
+    doc = {"meta": meta, "columns": COLUMNS, "ratio": report.RATIO_NOTE, "rows": rows}
+    print(report.format_table(doc))
+    report.write_json(doc, args.json)
+    print(f"\nJSON written to {args.json}")
+    print(report.write_png(doc, args.png))
+    return 1 if _failures(rows) else 0
+
+
+def _load() -> Optional[float]:
+    """The 1-minute load average, to tell a busy machine's numbers apart (None if unknown)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _failures(rows: list[dict[str, Any]]) -> list[str]:
+    failed = [f"{r['case']}: {n}" for r in rows for n, c in r["columns"].items() if "error" in c]
+    failed += [f"{r['case']}: check" for r in rows if r["check"].get("ok") is False]
+    for line in failed:
+        _log(f"[bench] FAILED {line}")
+    return failed
+
+
+def _meta(cfg: Config, argv: Optional[Sequence[str]]) -> dict[str, Any]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        versions["jax"] = jax.__version__
+    cpu = f"cpu ({platform.processor() or platform.machine()})"
+    device = torch.cuda.get_device_name() if cfg.device.type == "cuda" else cpu
+    return {
+        "mode": "quick" if cfg.quick else "full",
+        "command": " ".join(["python -m torchpmap.bench", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "versions": versions,
+        "plan": dataclasses.asdict(_plan(cfg)),
+    }
+
+
+def _plan(cfg: Config) -> timing.Plan:
+    return QUICK if cfg.quick else FULL

@@ -1,0 +1,24 @@
+"""The workloads, in table order. Each module defines ``WORKLOAD``."""
+
+from __future__ import annotations
+
+from torchpmap.bench.core import Workload
+from torchpmap.bench.workloads import dispatch, distributed, multidevice, psum, scaling, training
+
+WORKLOADS: list[Workload] = [
+    dispatch.WORKLOAD,
+    training.WORKLOAD,
+    psum.WORKLOAD,
+    scaling.WORKLOAD,
+    distributed.WORKLOAD,
+    multidevice.WORKLOAD,
+]
+
+
+def by_name(names: list[str]) -> list[Workload]:
+    """The workloads named, in table order; ValueError for an unknown name."""
+    known = {w.name for w in WORKLOADS}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"unknown workload(s) {unknown}; choose from {sorted(known)}")
+    return [w for w in WORKLOADS if w.name in names]

@@ -1,0 +1,150 @@
+"""(e) Multi-process data parallelism: the MLP step of (b) in 2 processes, torchpmap vs DDP.
+
+Each of the 2 CPU processes (gloo) holds 4 of the 8 instances (4 x 64 samples). The
+columns are timed interleaved inside the processes, in lockstep (one call per sample,
+a fixed number of repetitions, so that every collective has its partner), and rank 0
+reports.
+
+Needs ``torchpmap.distributed``, which does not exist yet. The torchpmap column assumes
+the JAX-like entry point it is expected to have: ``torchpmap.distributed.initialize()``
+once ``torch.distributed`` is initialized, after which a pmap's axis spans all processes
+and each process passes its own instances.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import tempfile
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from torchpmap.bench import frameworks as fw
+from torchpmap.bench import timing
+from torchpmap.bench.core import NA, Case, Cell, Config, ExternalResult, Impl, Workload, to_numpy
+from torchpmap.bench.workloads import _mlp
+
+PROCESSES = 2
+COLUMNS = ("torchpmap", "torch.ddp")
+_CPU = Config(quick=True, device=torch.device("cpu"))
+
+
+def needs() -> Optional[str]:
+    if not torch.distributed.is_available():
+        return "needs torch.distributed"
+    if importlib.util.find_spec("torchpmap.distributed") is None:
+        return "needs torchpmap.distributed"
+    return None
+
+
+def build(cfg: Config) -> list[Case]:
+    plan = _plan(cfg)
+    return [
+        Case(
+            "distributed",
+            f"distributed[{PROCESSES} proc]",
+            "step",
+            {},
+            rtol=1e-4,
+            atol=1e-5,
+            external=lambda: run_processes(plan, COLUMNS),
+        )
+    ]
+
+
+def _plan(cfg: Config) -> timing.Plan:
+    return timing.Plan(reps=7, warmup=2) if cfg.quick else timing.Plan(reps=41, warmup=5)
+
+
+def run_processes(plan: timing.Plan, columns: Sequence[str]) -> ExternalResult:
+    """Runs the columns in ``PROCESSES`` fresh processes and collects rank 0's report."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.pkl")
+        args = (f"file://{os.path.join(tmp, 'store')}", plan, tuple(columns), report)
+        torch.multiprocessing.spawn(_worker, args=args, nprocs=PROCESSES, join=True)
+        with open(report, "rb") as f:
+            samples, results, unavailable = pickle.load(f)
+    params = _mlp.init_params(_CPU.device)
+    expected = to_numpy(_mlp.plain_step(params, *_mlp.flatten_batch(*_mlp.make_data(_CPU.device))))
+    return ExternalResult(samples, results, {k: NA(v) for k, v in unavailable.items()}, expected)
+
+
+def _worker(rank: int, init_method: str, plan: timing.Plan, columns: tuple[str, ...], report: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // PROCESSES))
+    torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=PROCESSES)
+    try:
+        cells = {name: _BUILDERS[name](rank) for name in columns}
+        impls = {name: c for name, c in cells.items() if isinstance(c, Impl)}
+        results = {name: impl.result(impl.call()) for name, impl in impls.items()}
+        measured = timing.measure({name: impl.call for name, impl in impls.items()}, plan, calls_per_sample=1)
+        if rank == 0:
+            unavailable = {name: c.reason for name, c in cells.items() if isinstance(c, NA)}
+            with open(report, "wb") as f:
+                pickle.dump((measured.samples, results, unavailable), f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _local_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    per = _mlp.INSTANCES // PROCESSES
+    x, y = _mlp.make_data(_CPU.device)
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def _torchpmap_column(rank: int) -> Cell:
+    distributed = importlib.import_module("torchpmap.distributed")
+    initialize = getattr(distributed, "initialize", None)
+    if initialize is None:
+        return NA("torchpmap.distributed has no initialize()")
+    initialize()
+    return fw.torch_impl(_CPU, _mlp.torchpmap_step(), _mlp.init_params(_CPU.device), *_local_data(rank))
+
+
+def _ddp_column(rank: int) -> Cell:
+    model = _sequential(_mlp.init_params(_CPU.device))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=_mlp.LR)
+    x, y = _mlp.flatten_batch(*_local_data(rank))
+
+    def step() -> torch.nn.Sequential:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        return model
+
+    return Impl(step, _params_of)
+
+
+def _sequential(params: _mlp.Params) -> torch.nn.Sequential:
+    layers: list[torch.nn.Module] = []
+    for k in range(1, len(_mlp.SIZES)):
+        w, b = params[f"w{k}"], params[f"b{k}"]
+        linear = torch.nn.Linear(*w.shape)
+        with torch.no_grad():
+            linear.weight.copy_(w.T)
+            linear.bias.copy_(b)
+        layers += [linear, torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _params_of(model: torch.nn.Sequential) -> dict[str, Any]:
+    linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+    out: dict[str, Any] = {}
+    for k, linear in enumerate(linears, start=1):
+        out[f"w{k}"] = linear.weight.detach().T.numpy().copy()
+        out[f"b{k}"] = linear.bias.detach().numpy().copy()
+    return out
+
+
+_BUILDERS: dict[str, Callable[[int], Cell]] = {"torchpmap": _torchpmap_column, "torch.ddp": _ddp_column}
+
+WORKLOAD = Workload(
+    "distributed",
+    f"the MLP step in {PROCESSES} processes: torchpmap.distributed vs DistributedDataParallel",
+    build,
+    needs,
+)
