@@ -23,6 +23,10 @@ class Shard(NamedTuple):
 class ShardedTensor:
     """A tensor split along ``dim`` into consecutive shards on several devices.
 
+    Torch functions and operators on it (``torch.sum(st)``, ``st * 2``) and ``gather()``
+    are differentiable; ``torch.as_tensor``/``numpy()`` go through DLPack or numpy and
+    return detached data.
+
     Example:
         >>> import torch
         >>> from torchpmap._devices import Device

@@ -1,0 +1,240 @@
+"""Several devices in one process: placement, sharded outputs, faults, mesh, debug mode.
+
+The fixture ``cpu_devices`` switches the number of CPU devices for one test, so these
+tests exercise the multi-device engine whatever TORCHPMAP_NUM_CPU_DEVICES the run uses.
+"""
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.func import grad
+
+import torchpmap as tp
+from torchpmap import _devices
+
+
+@pytest.fixture
+def cpu_devices(monkeypatch):
+    def use(n: int):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", str(n))
+        _devices._local_devices.cache_clear()
+        return tp.devices()
+
+    yield use
+    monkeypatch.undo()
+    _devices._local_devices.cache_clear()
+
+
+def placed_on() -> int:
+    """The id of the device this instance runs on."""
+    return _devices.current_default()[0].id
+
+
+PROGRAMS = {
+    "psum": lambda v: tp.psum(v, "i"),
+    "pmean_int": lambda v: tp.pmean(v.long(), "i"),
+    "pmax": lambda v: tp.pmax(v, "i"),
+    "all_gather": lambda v: tp.all_gather(v, "i", axis=1),
+    "all_gather_tiled": lambda v: tp.all_gather(v, "i", tiled=True),
+    "psum_scatter": lambda v: tp.psum_scatter(v.repeat(8 // v.shape[0] + 1)[:8].reshape(8, 1), "i"),
+    "ppermute": lambda v: tp.ppermute(v, "i", [(j, (j + 3) % 8) for j in range(8)]),
+    "all_to_all": lambda v: tp.all_to_all(v.repeat(4).reshape(8, 1), "i", 0, 1),
+    "axis_index": lambda v: v * tp.axis_index("i"),
+    "groups": lambda v: tp.psum(v, "i", axis_index_groups=[[0, 5], [1, 2, 3], [4, 6, 7]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+@pytest.mark.parametrize("n_devices", [2, 4, 8])
+def test_results_identical_to_one_device(cpu_devices, name, n_devices):
+    devs = cpu_devices(n_devices)
+    x = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    f = PROGRAMS[name]
+    many = tp.pmap(f, axis_name="i")(x)
+    one = tp.pmap(f, axis_name="i", devices=devs[:1])(x)
+    assert isinstance(many, tp.ShardedTensor) and isinstance(one, torch.Tensor)
+    assert many.devices() == devs
+    assert torch.equal(torch.as_tensor(many), one)
+
+
+def test_placement_uses_first_devices_then_splits_evenly(cpu_devices):
+    devs = cpu_devices(4)
+    assert [repr(d) for d in devs] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]
+    where = tp.pmap(lambda v: v * 0 + placed_on())
+    assert where(torch.zeros(2)).devices() == devs[:2]
+    assert torch.as_tensor(where(torch.zeros(8))).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    chosen = tp.pmap(lambda v: v * 0 + placed_on(), devices=[devs[3], devs[1]])(torch.zeros(4))
+    assert chosen.devices() == [devs[3], devs[1]] and chosen.tolist() == [3, 3, 1, 1]
+    with pytest.raises(ValueError, match=r"size 6.*4 devices"):
+        where(torch.zeros(6))
+
+
+def test_sharded_tensor_behaves_like_a_tensor(cpu_devices):
+    cpu_devices(2)
+    out = tp.pmap(lambda v: v * 2)(torch.arange(8.).reshape(4, 2))
+    assert out.shape == (4, 2) and out.dtype == torch.float32 and out.dim() == 2 and len(out) == 4
+    assert [s.device for s in out.shards] == out.devices() and [s.tensor.shape for s in out.shards] == [(2, 2)] * 2
+    assert out.tolist() == (torch.arange(8.).reshape(4, 2) * 2).tolist()
+    assert np.array_equal(out.numpy(), np.asarray(out))
+    assert torch.equal(out[3], torch.tensor([12.0, 14.0])) and out[3].data_ptr() == out.shards[1].tensor[1].data_ptr()
+    assert torch.equal(torch.sum(out, 0), torch.tensor([24.0, 32.0]))
+    assert torch.equal(out + 1, torch.as_tensor(out) + 1)
+    assert "devices=[cpu:0, cpu:1]" in repr(out) and repr(out).startswith("tensor([[")
+
+
+def test_sharded_tensor_fed_back_is_not_copied(cpu_devices):
+    cpu_devices(4)
+    first = tp.pmap(lambda v: v + 1)(torch.arange(8.))
+    again = tp.pmap(lambda v: v)(first)  # identity: the output shard is the input shard
+    assert [s.tensor.data_ptr() for s in again.shards] == [s.tensor.data_ptr() for s in first.shards]
+    # a different placement is gathered and split again, still correct
+    other = tp.pmap(lambda v: v, devices=tp.devices()[:2])(first)
+    assert torch.equal(torch.as_tensor(other), torch.arange(8.) + 1)
+
+
+def test_exception_reaches_caller_and_pool_recovers(cpu_devices):
+    cpu_devices(4)
+
+    def fails_on_device_2(v):
+        total = tp.psum(v, "i")
+        if placed_on() == 2:
+            raise KeyError("broken instance")
+        return tp.psum(total, "i")  # the others wait here and must be released
+
+    threads_before = threading.active_count()
+    with pytest.raises(KeyError, match="broken instance") as info:
+        tp.pmap(fails_on_device_2, axis_name="i")(torch.arange(4.))
+    assert any("instance 2" in note and "cpu:2" in note for note in info.value.__notes__)
+    assert info.traceback[-1].name == "fails_on_device_2"  # the original traceback
+    assert torch.equal(torch.as_tensor(tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.arange(4.))), torch.full((4,), 6.0))
+    assert threading.active_count() <= threads_before + 4  # the workers were reused, none left hanging
+
+
+def test_collective_that_cannot_complete_times_out(cpu_devices, monkeypatch):
+    cpu_devices(2)
+    monkeypatch.setattr(tp.config, "collective_timeout", 0.5)
+
+    def device_1_skips(v):
+        return v if placed_on() == 1 else tp.psum(v, "i")
+
+    with pytest.raises(TimeoutError, match=r"psum over axis 'i' waited 0.5 s.*devices \[1\]"):
+        tp.pmap(device_1_skips, axis_name="i")(torch.arange(2.))
+
+
+def test_instances_that_disagree_on_the_collective_fail_clearly(cpu_devices):
+    cpu_devices(2)
+
+    def mismatched(v):
+        return tp.pmax(v, "i") if placed_on() == 1 else tp.psum(v, "i")
+
+    with pytest.raises(RuntimeError, match="disagree on the collective"):
+        tp.pmap(mismatched, axis_name="i")(torch.arange(2.))
+
+
+def test_concurrent_callers_from_python_threads(cpu_devices):
+    cpu_devices(4)
+    f = tp.pmap(lambda v: tp.psum(v, "i") + tp.axis_index("i"), axis_name="i")
+    results, errors = {}, []
+
+    def call(seed):
+        try:
+            x = torch.arange(8.) * seed
+            results[seed] = (x, torch.as_tensor(f(x)))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and len(results) == 6
+    for x, out in results.values():
+        assert torch.equal(out, x.sum() + torch.arange(8.))
+
+
+def test_autodiff_across_devices(cpu_devices):
+    devs = cpu_devices(4)
+    x = torch.arange(1.0, 9.0)
+    inside = tp.pmap(grad(lambda v: tp.psum(v**2, "i")), axis_name="i")(x)
+    assert torch.equal(torch.as_tensor(inside), 16 * x)  # psum transposes to psum: 8 instances * 2x
+    y = x.clone().requires_grad_()
+    out = tp.pmap(lambda v: tp.all_gather(v, "i") * (tp.axis_index("i") + 1), axis_name="i")(y)
+    out.gather().sum().backward()  # gather keeps the graph; torch.as_tensor (DLPack) would not
+    y1 = x.clone().requires_grad_()
+    tp.pmap(lambda v: tp.all_gather(v, "i") * (tp.axis_index("i") + 1), axis_name="i", devices=devs[:1])(y1).sum().backward()
+    assert torch.equal(y.grad, y1.grad) and torch.equal(y.grad, torch.full((8,), 36.0))
+    with pytest.raises(RuntimeError, match="torch.func transform .* encloses a pmap that runs on several devices"):
+        grad(lambda v: tp.pmap(lambda u: tp.psum(u, "i"), axis_name="i")(v).sum())(x)
+
+
+def test_nested_pmap_without_mesh_vectorizes_the_inner_axis(cpu_devices):
+    devs = cpu_devices(2)
+    x = torch.arange(8.).reshape(2, 4)
+    f = tp.pmap(tp.pmap(lambda v: tp.psum(v, "j") + tp.psum(v, "i") * 0 + placed_on(), axis_name="j"), axis_name="i")
+    out = f(x)
+    assert out.devices() == devs
+    assert torch.as_tensor(out).tolist() == [[6.0] * 4, [23.0] * 4]
+
+
+def test_mesh_places_instance_d_m_on_mesh_device(cpu_devices):
+    devs = cpu_devices(4)
+    mesh = tp.Mesh(np.array(devs).reshape(2, 2), ("data", "model"))
+    x = torch.arange(4.0).reshape(2, 2)
+
+    def inner(v):
+        return (
+            v * 0 + placed_on(),
+            tp.axis_index(("data", "model")),
+            tp.psum(v, "model"),
+            tp.psum(v, "data"),
+            tp.psum(v, ("data", "model")),
+            tp.all_gather(v, "data"),
+        )
+
+    nested = tp.pmap(tp.pmap(inner, axis_name="model"), axis_name="data")
+    with mesh:
+        on_mesh = [torch.as_tensor(o) for o in nested(x)]
+    vectorized = tp.pmap(tp.pmap(inner, axis_name="model"), axis_name="data", devices=devs[:1])(x)
+    expected_device = torch.tensor([[float(mesh.devices[d, m].id) for m in range(2)] for d in range(2)])
+    assert torch.equal(on_mesh[0], expected_device)
+    for got, want in zip(on_mesh[1:], vectorized[1:]):
+        assert torch.equal(got, want)
+    assert on_mesh[2].tolist() == [[1.0, 1.0], [5.0, 5.0]]  # "model": within a mesh row
+    assert on_mesh[3].tolist() == [[2.0, 4.0], [2.0, 4.0]]  # "data": within a mesh column
+    # the same through pmap(..., mesh=mesh), and gradients through the mesh
+    y = x.clone().requires_grad_()
+    f = tp.pmap(tp.pmap(lambda v: tp.psum(v**2, "data") * (tp.axis_index("model") + 1), axis_name="model", mesh=mesh), axis_name="data", mesh=mesh)
+    torch.sum(f(y)).backward()  # torch functions gather differentiably
+    assert torch.equal(y.grad, 4 * (torch.arange(2.0) + 1) * x)
+
+
+def test_mesh_errors(cpu_devices):
+    devs = cpu_devices(4)
+    with pytest.raises(ValueError, match="2 dimensions .* 1 axis names"):
+        tp.Mesh(np.array(devs).reshape(2, 2), ("data",))
+    mesh = tp.Mesh(np.array(devs).reshape(2, 2), ("data", "model"))
+    with mesh, pytest.raises(ValueError, match="size 3, which is not a multiple of the 2 devices"):
+        tp.pmap(lambda v: v, axis_name="data")(torch.zeros(3))
+
+
+def test_debug_mode_runs_instances_one_at_a_time(cpu_devices, capsys):
+    cpu_devices(2)
+    seen = []
+
+    def f(v):
+        seen.append(float(v))  # .item() works: no vmap here
+        print("instance", int(tp.axis_index("i")))
+        return tp.psum(v, "i") * v
+
+    x = torch.arange(4.0)
+    with tp.disable_vectorization():
+        debug = tp.pmap(f, axis_name="i")(x)
+        with pytest.raises(ZeroDivisionError) as info:
+            tp.pmap(lambda v: 1 / int(tp.axis_index("i")), axis_name="i")(x)
+    assert sorted(seen) == [0.0, 1.0, 2.0, 3.0]
+    assert sorted(capsys.readouterr().out.split("\n")[:-1]) == [f"instance {i}" for i in range(4)]
+    assert torch.equal(torch.as_tensor(debug), 6 * x)
+    assert any("instance 0" in n for n in info.value.__notes__)
