@@ -86,7 +86,8 @@ def pmap(
             randomness=randomness,
             mesh=mesh,
         )
-    statics, donated = _as_int_tuple(static_broadcasted_argnums), _as_int_tuple(donate_argnums)
+    statics = _as_int_tuple(static_broadcasted_argnums, "static_broadcasted_argnums")
+    donated = _as_int_tuple(donate_argnums, "donate_argnums")
     if set(statics) & set(donated):
         raise ValueError(
             f"pmap: arguments {sorted(set(statics) & set(donated))} are both static and donated; "

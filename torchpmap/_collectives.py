@@ -137,7 +137,7 @@ def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[
         for g in groups:
             for i in g:
                 group_size[i] = len(g)
-        return total / torch.tensor(group_size, device=t.device)[axis_index(axis_name)]
+        return total / _per_instance(group_size, axis_name, t.device)
 
     return _tree_apply("pmean", x, mean)
 
@@ -168,6 +168,13 @@ def _extremum(x, axis_name, axis_index_groups, op: str, what: str):
     frames = _frames(axis_name, what)
     groups = _check_groups(axis_index_groups, frames, what, equal_sizes=False)
     return _tree_apply(what, x, lambda t: _reduce(t, frames, lambda f: Pextremum(f, op=op, groups=groups)))
+
+
+def _per_instance(table: list[int], axis_name: AxisNames, device: torch.device) -> torch.Tensor:
+    """``table[axis_index(axis_name)]`` as a tensor (index_select: a 0-d tensor index would
+    make torch call .item(), which vmap cannot do)."""
+    index = axis_index(axis_name).reshape(1)
+    return torch.tensor(table, device=device).index_select(0, index).squeeze(0)
 
 
 def _reduce(t: torch.Tensor, frames: list[AxisFrame], prim: Callable[[AxisFrame], Any]) -> torch.Tensor:
@@ -299,7 +306,7 @@ def ppermute(x: Any, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> A
 def _receive_from(t: torch.Tensor, axis_name: AxisNames, source: list[int]) -> torch.Tensor:
     """ppermute over a product of axes: gather all values, keep the one from my source."""
     everyone = all_gather(t, axis_name)
-    mine = torch.tensor(source, device=t.device)[axis_index(axis_name)]
+    mine = _per_instance(source, axis_name, t.device)
     received = everyone.index_select(0, mine.clamp(min=0).reshape(1)).squeeze(0)
     return torch.where(mine >= 0, received, torch.zeros_like(received))
 

@@ -2,7 +2,10 @@
 
 Dynamo inlines ``autograd.Function.forward`` and ignores custom ``vmap`` rules
 (pytorch#129845), so a compiled map over a collective would return wrong results.
-Until a compiled mode exists that is proven by the differential suite, say so.
+Every pmap/vmap call and every collective checks here first, so dynamo never traces
+into the batching rules: under ``torch.compile(fullgraph=True)`` this error is what the
+user sees; under plain ``torch.compile`` dynamo turns it into a graph break and runs the
+pmap eagerly, with correct numbers (tests/test_compile_guard.py checks both).
 """
 from __future__ import annotations
 

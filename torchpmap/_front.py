@@ -61,8 +61,12 @@ def check_options(opts: MapOptions) -> None:
         _devices.resolve(opts.devices)
 
 
-def _as_int_tuple(x: int | Sequence[int]) -> tuple[int, ...]:
-    return (x,) if isinstance(x, int) else tuple(x)
+def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
+    """``static_broadcasted_argnums``/``donate_argnums`` as a tuple of ints."""
+    items = (x,) if isinstance(x, int) else tuple(x) if isinstance(x, (tuple, list, range)) else None
+    if items is None or any(not isinstance(i, int) or isinstance(i, bool) for i in items):
+        raise TypeError(f"pmap: {name} must be an int or a sequence of ints, got {x!r}")
+    return items
 
 
 @dataclasses.dataclass
@@ -187,7 +191,7 @@ class MappedFunction:
             for leaf_axis, path in broadcast_prefix(axis, arg, f"{what} in_axes[{pos}] (for {label})"):
                 axes_and_labels.append((leaf_axis, f"{label}{' at ' + path if path else ''}"))
         for name, value in kwargs.items():  # keyword arguments are always mapped over axis 0
-            for _, path in pytree.tree_leaves_with_path(value):
+            for path, _ in pytree.tree_leaves_with_path(value):
                 axes_and_labels.append((0, f"keyword argument {name!r}{' at ' + pytree.keystr(path) if path else ''}"))
 
         leaves, spec = pytree.tree_flatten((dyn_args, kwargs))

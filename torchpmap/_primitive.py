@@ -61,9 +61,25 @@ class Primitive:
 
 def bind(prim: Primitive, x: torch.Tensor) -> torch.Tensor:
     """Applies ``prim`` to this instance's ``x``."""
+    if prim.frame.exchange is not None:
+        _refuse_forward_mode(prim)
     if not prim.frame.vectorized and torch._C._functorch.maybe_current_level() is None:
         return _run_unvectorized(prim, x)  # plain torch ops: outer autograd sees them directly
     return _Bind.apply(prim, prim.frame.token, x)
+
+
+def _refuse_forward_mode(prim: Primitive) -> None:
+    """PyTorch keeps forward-mode AD levels per process, not per thread, so jvp/jacfwd in
+    concurrent device threads interfere; refuse instead of risking wrong tangents."""
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    if any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
+        raise NotImplementedError(
+            f"torchpmap: forward-mode AD (torch.func.jvp / jacfwd) through {prim.name} over axis "
+            f"{prim.frame.name!r}, which spans several devices, is not supported: PyTorch keeps forward-mode AD "
+            "state per process, so device threads would interfere. Use reverse mode (grad, vjp, jacrev), or "
+            "run this pmap on one device (devices=[torchpmap.devices()[0]])."
+        )
 
 
 def _run_unvectorized(prim: Primitive, x: torch.Tensor) -> torch.Tensor:

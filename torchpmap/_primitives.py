@@ -151,10 +151,11 @@ class PsumScatter(Primitive):
 
     def compute(self, X):
         at = self.lead + self.dimension  # position in the summed value (member dim gone)
+        X = X.to(_sum_dtype(X))
         if self.groups is None:
-            summed, position = X.to(_sum_dtype(X)).sum(0), torch.arange(X.shape[0], device=X.device)
+            summed = X.sum(0, dtype=X.dtype)  # torch.sum would widen int32 to int64
         else:
-            summed = _group_reduce(X.to(_sum_dtype(X)), self.groups, "sum")  # (n, ...)
+            summed = _group_reduce(X, self.groups, "sum")  # (n, ...)
             position = torch.empty(X.shape[0], dtype=torch.long)
             for g in self.groups:
                 position[list(g)] = torch.arange(len(g))

@@ -24,8 +24,8 @@ class ShardedTensor:
     """A tensor split along ``dim`` into consecutive shards on several devices.
 
     Torch functions and operators on it (``torch.sum(st)``, ``st * 2``) and ``gather()``
-    are differentiable; ``torch.as_tensor``/``numpy()`` go through DLPack or numpy and
-    return detached data.
+    are differentiable; ``torch.as_tensor`` goes through DLPack and refuses a value that
+    requires grad rather than silently detaching it.
 
     Example:
         >>> import torch
@@ -97,7 +97,12 @@ class ShardedTensor:
         return out.astype(dtype) if dtype is not None else out
 
     def __dlpack__(self, **kwargs):  # how torch.as_tensor / torch.asarray convert it
-        return self.gather().detach().__dlpack__(**kwargs)
+        if self.requires_grad:
+            raise RuntimeError(
+                "torch.as_tensor on a ShardedTensor that requires grad would drop the autograd graph; use "
+                "st.gather() (differentiable), or st.detach() if you do not need gradients"
+            )
+        return self.gather().__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
         return self.shards[0].tensor.__dlpack_device__()

@@ -41,6 +41,8 @@ def _describe(x: Any) -> str:
     if pytree.tree_is_leaf(x):
         return f"a leaf of type {type(x).__name__}"
     kind = pytree._get_node_type(x)
+    if isinstance(x, dict):
+        return f"a {kind.__name__} with keys {list(x.keys())}"
     return f"a {getattr(kind, '__name__', kind)} of {len(_children(x)[0])} entries"
 
 

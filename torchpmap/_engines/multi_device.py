@@ -17,6 +17,7 @@ from torchpmap import _devices
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
+from torchpmap._engines.random_streams import call_seed, thread_stream
 from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
 from torchpmap._sharded import ShardedTensor
@@ -57,6 +58,7 @@ def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = 
     rendezvous = rendezvous or Rendezvous(config.collective_timeout)
     group = group if group is not None else object()
     torch_devices = tuple(d.torch_device for d in devices)
+    seed = call_seed(call.randomness)
 
     def one_device(d: int) -> list[torch.Tensor]:
         _devices.set_current_default((devices[d],))
@@ -69,7 +71,8 @@ def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = 
                 devices=(devices[d],),
             )
             exchange = ThreadExchange(rendezvous, d, torch_devices, group)
-            return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
+            with thread_stream(seed, d, call.randomness, torch_devices[d]):
+                return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
         except BaseException:
             rendezvous.fail(f"the instances {d * k}..{d * k + k - 1} on device {devices[d]}")
             raise

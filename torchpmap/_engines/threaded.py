@@ -27,6 +27,7 @@ from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
 from torchpmap._engines.multi_device import collect, refuse_enclosing_transforms, slice_for_device
+from torchpmap._engines.random_streams import call_seed, thread_stream
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
 from torchpmap._sharded import ShardedTensor, as_local
@@ -85,6 +86,7 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
         rendezvous, path, coords = parent.rendezvous, parent.path + (parent.nested_calls,), parent.coords
         frames, outer_along, mesh = parent.frames, parent.along, mesh or parent.mesh
     devices = list(along(coords))
+    seed = call_seed(call.randomness)
 
     def one_thread(j: int) -> list[torch.Tensor]:
         state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path)
@@ -92,7 +94,8 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
         _thread.state = state
         _devices.set_current_default((devices[j],))
         try:
-            with rendezvous.turn(), _axis_env.inherited(rebound):
+            stream = thread_stream(seed, j, call.randomness, devices[j].torch_device)
+            with rendezvous.turn(), _axis_env.inherited(rebound), stream:
                 part = dataclasses.replace(
                     call,
                     mapped=[slice_for_device(t, dim, j, k, devices[j]) for t, dim in zip(call.mapped, call.in_dims)],
