@@ -1,0 +1,489 @@
+"""Every error condition of pmap, vmap and the collectives: the exception type, and a
+message that names the argument, key path or sizes involved and says how to fix it.
+
+Runs the same with one device and with ``TORCHPMAP_NUM_CPU_DEVICES=4`` (where errors are
+raised from the device threads and re-raised in the caller).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+
+import torchpmap as tp
+
+X4 = torch.arange(4.0)
+ONE_DEVICE = tp.devices()[:1]
+
+
+@contextlib.contextmanager
+def raises(exc_type: type[BaseException], *fragments: str):
+    """Like ``pytest.raises``, and every fragment must appear in the message (case-insensitive)."""
+    with pytest.raises(exc_type) as info:
+        yield info
+    message = str(info.value)
+    missing = [f for f in fragments if f.lower() not in message.lower()]
+    assert not missing, f"message lacks {missing}:\n{message}"
+
+
+def collective(fn, x=X4, axis_name="i", **kwargs):
+    """Runs ``fn`` as the per-instance function of a pmap over ``axis_name``."""
+    return tp.pmap(fn, axis_name=axis_name, **kwargs)(x)
+
+
+# --------------------------------------------------------------------------- mapped sizes
+
+
+def test_mismatched_sizes_list_every_argument_with_its_size():
+    with raises(ValueError, "inconsistent sizes", "'x'", "'y'", "size 4", "size 3") as info:
+        tp.pmap(lambda x, y: x + y)(torch.ones(4), torch.ones(3))
+    lines = str(info.value).splitlines()
+    assert any("'x'" in line and "size 4" in line for line in lines), info.value
+    assert any("'y'" in line and "size 3" in line for line in lines), info.value
+
+
+def test_mismatched_sizes_name_the_key_path_inside_a_pytree():
+    with raises(ValueError, "'x'", "['a']", "size 4", "'y'", "size 3", "(3, 2)"):
+        tp.pmap(lambda x, y: x["a"] + y[:, 0])({"a": torch.ones(4)}, torch.ones(3, 2))
+
+
+def test_mismatched_sizes_with_in_axes_1_name_the_axis():
+    with raises(ValueError, "axis 1 of argument 'x'", "size 5", "axis 0 of argument 'y'", "size 4"):
+        tp.pmap(lambda x, y: x, in_axes=(1, 0))(torch.ones(4, 5), torch.ones(4))
+
+
+def test_mismatched_sizes_name_a_keyword_argument():
+    # Keyword arguments are mapped over axis 0; a wrong size must name the keyword.
+    with raises(ValueError, "inconsistent sizes", "'x'", "size 4", "keyword argument 'y'", "size 3"):
+        tp.pmap(lambda x, y: x + y)(torch.ones(4), y=torch.ones(3))
+
+
+def test_axis_size_that_does_not_match_names_both_sizes():
+    with raises(ValueError, "axis_size=4", "size 3"):
+        tp.pmap(lambda x: x, axis_size=4)(torch.ones(3))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, "4"])
+def test_axis_size_must_be_a_positive_int(bad):
+    with raises(ValueError, "axis_size", repr(bad)):
+        tp.pmap(lambda x: x, axis_size=bad)
+
+
+# --------------------------------------------------------------------------- in_axes against the arguments
+
+
+def test_in_axes_beyond_the_rank():
+    with raises(ValueError, "argument 'x'", "axis 2", "rank of at least 3", "rank 2", "(4, 4)", "in_axes"):
+        tp.pmap(lambda x: x, in_axes=2)(torch.ones(4, 4))
+
+
+def test_negative_in_axes_beyond_the_rank():
+    with raises(ValueError, "argument 'x'", "axis -3", "rank 2", "(4, 4)"):
+        tp.pmap(lambda x: x, in_axes=-3)(torch.ones(4, 4))
+
+
+def test_in_axes_on_a_scalar():
+    with raises(ValueError, "argument 'x'", "axis 0", "rank 0", "shape ()", "None"):
+        tp.pmap(lambda x: x)(torch.tensor(1.0))
+
+
+def test_in_axes_on_a_scalar_leaf_names_the_key_path():
+    # The seed's gradient step as printed: the scalar params mapped over axis 0.
+    params = {"w": torch.ones(()), "b": torch.zeros(())}
+    with raises(ValueError, "argument 'params'", "['w']", "rank 0", "None"):
+        tp.pmap(lambda params, x: x, axis_name="data_parallel_axis")(params, torch.ones(1, 4, 1))
+
+
+@pytest.mark.parametrize("bad", [0.0, "0", True])
+@pytest.mark.parametrize("where", ["in_axes", "out_axes"])
+def test_axis_spec_must_be_int_or_none(where, bad):
+    with raises(TypeError, f"{where} must be an int, None", repr(bad), type(bad).__name__):
+        tp.pmap(lambda x: x, **{where: bad})
+
+
+@pytest.mark.parametrize("bad", [0.0, "0", True])
+def test_axis_spec_leaf_error_names_its_key_path(bad):
+    with raises(TypeError, repr(bad), "in_axes[1]"):
+        tp.pmap(lambda x, y: x, in_axes=(0, bad))
+    with raises(TypeError, repr(bad), "out_axes['a']"):
+        tp.pmap(lambda x: {"a": x}, out_axes={"a": bad})
+
+
+@pytest.mark.parametrize("bad", [0.0, "0", True])
+def test_vmap_axis_spec_must_be_int_or_none(bad):
+    with raises(TypeError, "vmap in_axes", repr(bad)):
+        tp.vmap(lambda x: x, in_axes=bad)
+    with raises(TypeError, "vmap out_axes", repr(bad)):
+        tp.vmap(lambda x: x, out_axes=bad)
+
+
+@pytest.mark.parametrize("in_axes, n_entries", [((0,), 1), ((0, 0, 0), 3)])
+def test_in_axes_tuple_of_the_wrong_length(in_axes, n_entries):
+    with raises(ValueError, f"{n_entries} entries", "2 positional arguments", "one entry per positional argument"):
+        tp.pmap(lambda x, y: x, in_axes=in_axes)(X4, X4)
+
+
+def test_in_axes_top_level_list_is_refused_with_the_tuple_to_use():
+    with raises(ValueError, "in_axes", "list [0, 0]", "in_axes=(0, 0)"):
+        tp.pmap(lambda x, y: x, in_axes=[0, 0])
+
+
+def test_in_axes_list_where_the_argument_is_a_dict():
+    with raises(ValueError, "in_axes[0]", "argument 'd'", "not a pytree prefix", "list", "dict"):
+        tp.pmap(lambda d: d["a"], in_axes=([0, 0],))({"a": X4, "b": X4})
+
+
+def test_in_axes_mismatch_deep_inside_names_the_key_path():
+    with raises(ValueError, "in_axes[0]", "argument 'd'", "key path ['a']", "tuple of 3", "tuple of 2"):
+        tp.pmap(lambda d: d["a"][0], in_axes=({"a": (0, 0, 0)},))({"a": (X4, X4)})
+    with raises(ValueError, "key path ['a']", "tuple of 2", "Tensor"):
+        tp.pmap(lambda d: d["a"], in_axes=({"a": (0, 0)},))({"a": X4})
+
+
+def test_in_axes_dict_with_other_keys_names_the_keys():
+    # Both sides are "a dict of 2 entries": only the keys tell the user what is wrong.
+    with raises(ValueError, "in_axes[0]", "argument 'd'", "'c'", "'b'"):
+        tp.pmap(lambda d: d["a"], in_axes=({"a": 0, "c": 0},))({"a": X4, "b": X4})
+
+
+def test_out_axes_tuple_of_the_wrong_length():
+    with raises(ValueError, "out_axes", "not a pytree prefix", "tuple of 3", "tuple of 2"):
+        tp.pmap(lambda x: (x, x), out_axes=(0, 0, 0))(X4)
+
+
+def test_out_axes_list_where_the_output_is_a_tuple():
+    with raises(ValueError, "out_axes", "not a pytree prefix", "list", "tuple"):
+        tp.pmap(lambda x: (x, x), out_axes=[0, 0])(X4)
+
+
+def test_out_axes_beyond_the_rank_of_the_output():
+    with raises(ValueError, "out_axes", "is 2", "rank 0", "-1..0"):
+        tp.pmap(lambda x: x, out_axes=2)(X4)
+
+
+# --------------------------------------------------------------------------- what can be mapped
+
+
+@pytest.mark.parametrize("in_axes, args", [(None, (X4,)), ((None, None), (X4, X4))])
+def test_no_mapped_argument(in_axes, args):
+    with raises(ValueError, "at least one mapped argument", "axis_size"):
+        tp.pmap(lambda *a: a[0], in_axes=in_axes)(*args)
+
+
+def test_no_argument_at_all():
+    with raises(ValueError, "at least one mapped argument", "axis_size"):
+        tp.pmap(lambda: torch.zeros(()))()
+
+
+def test_mapping_a_python_number():
+    with raises(TypeError, "argument 'y'", "float", "3.0", "None"):
+        tp.pmap(lambda x, y: x * y)(X4, 3.0)
+
+
+def test_mapping_a_python_number_inside_a_list_names_the_key_path():
+    with raises(TypeError, "argument 'x'", "[0]", "float", "None"):
+        tp.pmap(lambda x: x)([1.0, 2.0])
+
+
+def test_output_of_an_unsupported_type():
+    with raises(TypeError, "str", "'s'", "outputs must be"):
+        tp.pmap(lambda x: "s")(X4)
+
+
+def test_size_that_does_not_divide_over_the_devices():
+    n = tp.device_count()
+    if n == 1:
+        pytest.skip("every size divides over one device")
+    with raises(ValueError, f"size {n + 1}", f"{n} devices", "devices="):
+        tp.pmap(lambda x: x)(torch.ones(n + 1))
+
+
+# --------------------------------------------------------------------------- named axes
+
+
+def test_unbound_axis_name_inside_pmap_names_the_axis_and_the_bound_ones():
+    with raises(NameError, "'j'", "'i'", "axis_name='j'"):
+        collective(lambda x: tp.psum(x, "j"))
+
+
+def test_unbound_axis_name_outside_any_map():
+    with raises(NameError, "'j'", "no axis is bound"):
+        tp.psum(X4, "j")
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: tp.pmean(x, "j"),
+        lambda x: tp.pmax(x, "j"),
+        lambda x: tp.all_gather(x, "j"),
+        lambda x: tp.ppermute(x, "j", [(0, 1)]),
+        lambda x: tp.axis_index("j"),
+        lambda x: x * tp.axis_size("j"),
+    ],
+    ids=["pmean", "pmax", "all_gather", "ppermute", "axis_index", "axis_size"],
+)
+def test_unbound_axis_name_in_every_collective(op):
+    with raises(NameError, "'j'"):
+        collective(op)
+
+
+def test_unbound_axis_name_in_vmap():
+    with raises(NameError, "'j'", "'i'"):
+        tp.vmap(lambda x: tp.psum(x, "j"), axis_name="i")(X4)
+
+
+# --------------------------------------------------------------------------- static arguments
+
+
+def test_static_argument_passed_by_keyword():
+    with raises(ValueError, "static_broadcasted_argnums", "1", "positionally"):
+        tp.pmap(lambda x, n: x * n, static_broadcasted_argnums=1)(X4, n=2)
+
+
+def test_static_argument_that_is_unhashable():
+    with raises(ValueError, "static", "argument 'n'", "hashable", "list"):
+        tp.pmap(lambda x, n: x * n[0], static_broadcasted_argnums=1)(X4, [2])
+
+
+@pytest.mark.parametrize("bad", ["a", True, 1.5])
+def test_static_broadcasted_argnums_must_be_ints(bad):
+    with raises(TypeError, "static_broadcasted_argnums", repr(bad)):
+        tp.pmap(lambda x: x, static_broadcasted_argnums=bad)
+
+
+def test_static_and_donated_argument():
+    with raises(ValueError, "static", "donated", "[0]"):
+        tp.pmap(lambda x: x, static_broadcasted_argnums=0, donate_argnums=0)
+
+
+@pytest.mark.parametrize("bad", ["a", True, 1.5])
+def test_donate_argnums_must_be_ints(bad):
+    with raises(TypeError, "donate_argnums", repr(bad)):
+        tp.pmap(lambda x: x, donate_argnums=bad)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_empty_devices():
+    with raises(ValueError, "'devices'", "non-empty", "None"):
+        tp.pmap(lambda x: x, devices=[])
+
+
+def test_device_listed_twice():
+    with raises(ValueError, "devices", "more than once"):
+        tp.pmap(lambda x: x, devices=ONE_DEVICE * 2)
+
+
+def test_unknown_device():
+    with raises(ValueError, "devices[0]", "torchpmap.devices()"):
+        tp.pmap(lambda x: x, devices=[tp.Device("cpu", 99)])
+
+
+# --------------------------------------------------------------------------- collective arguments
+
+SHIFT = [(j, (j + 1) % 4) for j in range(4)]
+
+
+@pytest.mark.parametrize(
+    "perm, fragments",
+    [
+        ([(0, 1), (0, 2)], ("source", "0", "more than once")),
+        ([(0, 1), (2, 1)], ("destination", "1", "more than once")),
+        ([(0, 4)], ("(0, 4)", "out of range", "size 4", "0..3")),
+        ([(-1, 0)], ("(-1, 0)", "out of range", "0..3")),
+    ],
+    ids=["duplicate-source", "duplicate-destination", "out-of-range", "negative"],
+)
+def test_bad_ppermute_perm(perm, fragments):
+    with raises(ValueError, "ppermute", *fragments):
+        collective(lambda x: tp.ppermute(x, "i", perm))
+
+
+def test_ppermute_perm_that_is_not_pairs():
+    with raises(TypeError, "ppermute", "(source, destination) pairs"):
+        collective(lambda x: tp.ppermute(x, "i", [0, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("perm", [[0, 0, 1, 2], [0, 1, 2], [1, 2, 3, 4]])
+def test_bad_pshuffle_perm(perm):
+    with raises(ValueError, "pshuffle", repr(perm), "permutation of 0..3", "size 4"):
+        collective(lambda x: tp.pshuffle(x, "i", perm))
+
+
+def test_all_to_all_split_size_mismatch():
+    with raises(ValueError, "all_to_all", "split_axis 0", "(3,)", "size 3", "size 4", "tiled=True"):
+        collective(lambda x: tp.all_to_all(x, "i", 0, 0), torch.ones(4, 3))
+
+
+def test_all_to_all_split_size_mismatch_on_another_axis():
+    with raises(ValueError, "all_to_all", "split_axis 1", "(2, 3)", "size 3", "size 4"):
+        collective(lambda x: tp.all_to_all(x, "i", 1, 0), torch.ones(4, 2, 3))
+
+
+def test_all_to_all_tiled_split_not_divisible():
+    with raises(ValueError, "all_to_all", "tiled=True", "(6,)", "size 6", "not divisible", "size 4"):
+        collective(lambda x: tp.all_to_all(x, "i", 0, 0, tiled=True), torch.ones(4, 6))
+
+
+def test_all_to_all_on_a_scalar():
+    with raises(ValueError, "all_to_all", "scalar"):
+        collective(lambda x: tp.all_to_all(x, "i", 0, 0))
+
+
+def test_psum_scatter_size_mismatch():
+    with raises(ValueError, "psum_scatter", "scatter_dimension 0", "(3,)", "size 3", "size 4", "tiled=True"):
+        collective(lambda x: tp.psum_scatter(x, "i"), torch.ones(4, 3))
+
+
+def test_psum_scatter_tiled_not_divisible():
+    with raises(ValueError, "psum_scatter", "tiled=True", "(6,)", "size 6", "not divisible", "size 4"):
+        collective(lambda x: tp.psum_scatter(x, "i", tiled=True), torch.ones(4, 6))
+
+
+def test_psum_scatter_dimension_out_of_range():
+    with raises(ValueError, "psum_scatter", "scatter_dimension=3", "rank 2"):
+        collective(lambda x: tp.psum_scatter(x, "i", scatter_dimension=3), torch.ones(4, 4, 4))
+
+
+def test_all_gather_axis_out_of_range():
+    with raises(ValueError, "all_gather", "axis=5", "rank 2"):
+        collective(lambda x: tp.all_gather(x, "i", axis=5), torch.ones(4, 3))
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean", "pmax", "pmin", "all_gather"])
+@pytest.mark.parametrize(
+    "groups", [[[0, 1], [2]], [[0, 1], [1, 2, 3]], [[0, 1], [2, 3, 4]]], ids=["not-covering", "duplicate", "out-of-range"]
+)
+def test_axis_index_groups_that_do_not_partition_the_axis(op, groups):
+    with raises(ValueError, op, "axis_index_groups", repr(groups), "exactly once", "0..3"):
+        collective(lambda x: getattr(tp, op)(x, "i", axis_index_groups=groups))
+
+
+def test_all_gather_axis_index_groups_of_unequal_sizes():
+    with raises(ValueError, "all_gather", "same size", "[[0], [1, 2, 3]]"):
+        collective(lambda x: tp.all_gather(x, "i", axis_index_groups=[[0], [1, 2, 3]]))
+
+
+def test_axis_index_groups_with_a_tuple_of_axis_names():
+    nested = tp.pmap(lambda x: tp.psum(x, ("i", "j"), axis_index_groups=[[0, 1], [2, 3]]), axis_name="j")
+    with raises(NotImplementedError, "axis_index_groups", "single axis name"):
+        tp.pmap(nested, axis_name="i", devices=ONE_DEVICE)(torch.ones(2, 2))
+
+
+def test_axis_name_tuple_naming_an_axis_twice():
+    with raises(ValueError, "psum", "more than once"):
+        collective(lambda x: tp.psum(x, ("i", "i")))
+
+
+# --------------------------------------------------------------------------- differentiation
+
+
+@pytest.mark.parametrize("name", ["pmax", "pmin"])
+def test_pmax_pmin_under_grad_inside_the_pmap(name):
+    op = getattr(tp, name)
+    with raises(NotImplementedError, name, "not differentiable", "psum"):
+        collective(torch.func.grad(lambda x: op(x, "i")))
+
+
+@pytest.mark.parametrize("name", ["pmax", "pmin"])
+def test_pmax_pmin_under_jvp_inside_the_pmap(name):
+    op = getattr(tp, name)
+    with raises(NotImplementedError, name, "not differentiable"):
+        # one device: across devices, forward-mode AD through any collective is refused first
+        collective(lambda x: torch.func.jvp(lambda a: op(a, "i"), (x,), (torch.ones(()),))[1], devices=ONE_DEVICE)
+
+
+@pytest.mark.parametrize("name", ["pmax", "pmin"])
+def test_pmax_pmin_under_grad_around_the_pmap(name):
+    op = getattr(tp, name)
+    f = tp.pmap(lambda x: op(x, "i"), axis_name="i", devices=ONE_DEVICE)
+    with raises(NotImplementedError, name, "not differentiable"):
+        torch.func.grad(lambda x: f(x).sum())(X4)
+
+
+@pytest.mark.parametrize("name", ["pmax", "pmin"])
+def test_pmax_pmin_under_backward(name):
+    op = getattr(tp, name)
+    x = X4.clone().requires_grad_()
+    out = tp.pmap(lambda v: op(v * 2.0, "i"), axis_name="i")(x)
+    with raises(NotImplementedError, name, "not differentiable", "detach"):
+        out.sum().backward()
+
+
+def test_grad_around_a_multi_device_pmap_is_refused():
+    if tp.device_count() == 1:
+        pytest.skip("needs several devices")
+    f = tp.pmap(lambda x: x * x)
+    with raises(RuntimeError, "torch.func transform", "several devices", "devices="):
+        torch.func.grad(lambda x: f(x).sum())(X4)
+
+
+# --------------------------------------------------------------------------- vmap
+
+
+def test_vmap_out_axes_none_on_a_varying_output():
+    with raises(ValueError, "out_axes=None", "(the root)", "varies", "psum"):
+        tp.vmap(lambda x: x * 2, out_axes=None)(X4)
+
+
+def test_vmap_out_axes_none_names_the_key_path_of_the_varying_output():
+    with raises(ValueError, "out_axes=None", "['q']", "varies"):
+        tp.vmap(lambda x: {"p": x, "q": x * 2}, out_axes={"p": 0, "q": None})(X4)
+    with raises(ValueError, "out_axes=None", "[1]", "varies"):
+        tp.vmap(lambda x: (x, x * 2), out_axes=(0, None))(X4)
+
+
+def test_vmap_randomness_must_be_known():
+    with raises(ValueError, "randomness", "'foo'", "'different'"):
+        tp.vmap(lambda x: x, randomness="foo")
+
+
+def test_pmap_of_something_not_callable():
+    with raises(TypeError, "callable", "3"):
+        tp.pmap(3)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+COMPILE_FRAGMENTS = ("torchpmap", "torch.compile")
+
+
+def _compiled(fn, **kwargs):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="eager", **kwargs)
+
+
+def test_torch_compile_fullgraph_around_a_pmap_with_a_collective_raises_clearly():
+    f = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")
+    # Dynamo wraps torchpmap's refusal in its own error type (a RuntimeError subclass).
+    with raises(RuntimeError, *COMPILE_FRAGMENTS, "cannot run under torch.compile"):
+        _compiled(f, fullgraph=True)(X4)
+
+
+def test_torch_compile_fullgraph_of_a_collective_inside_a_pmap_raises_clearly():
+    inner = _compiled(lambda v: tp.psum(v, "i"), fullgraph=True)
+    with raises(RuntimeError, *COMPILE_FRAGMENTS, "psum"):
+        tp.pmap(inner, axis_name="i")(X4)
+
+
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_torch_compile_never_returns_wrong_numbers(where):
+    """Without fullgraph, Dynamo turns torchpmap's refusal into a graph break and runs the
+    pmap eagerly. What matters is that no wrong number ever comes back: either a clear
+    error, or the eager result."""
+    per_instance = lambda v: tp.psum(v * v, "i") + tp.axis_index("i")  # noqa: E731
+    if where == "around":
+        f = _compiled(lambda v: tp.pmap(per_instance, axis_name="i")(v) * 2)
+    else:
+        f = lambda v: tp.pmap(_compiled(per_instance), axis_name="i")(v) * 2  # noqa: E731
+    expected = (torch.full((4,), float((X4 * X4).sum())) + torch.arange(4.0)) * 2
+    try:
+        out = f(X4)
+    except Exception as e:  # a refusal is fine if it says what is going on
+        assert all(s.lower() in str(e).lower() for s in COMPILE_FRAGMENTS), str(e)
+    else:
+        torch.testing.assert_close(torch.as_tensor(out), expected)
