@@ -16,37 +16,43 @@ This module holds the few pieces that make that pattern short:
 * :func:`data_parallel_step`: ``nn.Module`` + loss + ``torch.optim`` optimizer ->
   ``step(sharded_batch) -> loss``.
 
-The whole pattern, written by hand (this is what :func:`data_parallel_step` does,
-minus buffers such as batch-norm statistics):
+The whole pattern, written by hand (this is what :func:`data_parallel_step` does for an
+``nn.Module``, minus buffers such as batch-norm statistics):
 
 >>> import torch, torchpmap as tp
->>> from torch.func import functional_call, grad_and_value
+>>> from torch.func import grad_and_value
 >>> from torchpmap.training import shard
->>> _ = torch.manual_seed(0)
->>> model = torch.nn.Linear(3, 1)
->>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
->>> def loss_fn(params, x, y):                   # one instance's loss on its shard
-...     return ((functional_call(model, params, (x,)) - y) ** 2).mean()
->>> def instance_grads(params, x, y):            # runs once per instance
+>>> params = {"w": torch.zeros(3, 1, requires_grad=True), "b": torch.zeros(1, requires_grad=True)}
+>>> opt = torch.optim.SGD(params.values(), lr=0.1)     # any torch.optim optimizer
+>>> def loss_fn(params, x, y):                          # one instance's loss on its shard
+...     return ((x @ params["w"] + params["b"] - y) ** 2).mean()
+>>> def instance_grads(params, x, y):                   # runs once per instance
 ...     grads, loss = grad_and_value(loss_fn)(params, x, y)
 ...     return tp.pmean(grads, "batch"), tp.pmean(loss, "batch")
 >>> p_grads = tp.pmap(instance_grads, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
->>> x = torch.randn(64, 3); y = x.sum(dim=1, keepdim=True)
+>>> x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+>>> y = x @ torch.tensor([[1.0], [2.0], [3.0]]) + 4.0
 >>> for _ in range(100):
-...     params = {k: p.detach() for k, p in model.named_parameters()}
-...     grads, loss = p_grads(params, *shard((x, y), 4))   # 4 instances of 16 rows
-...     for k, p in model.named_parameters():
-...         p.grad = grads[k]                    # averaged: the same for every instance
-...     opt.step()                               # any torch.optim optimizer
+...     values = {k: p.detach() for k, p in params.items()}
+...     grads, loss = p_grads(values, *shard((x, y), 4))  # 4 instances of 16 rows
+...     for k, p in params.items():
+...         p.grad = grads[k]                           # averaged: the same on every instance
+...     opt.step()
 >>> loss.item() < 1e-3
 True
 
 ``in_axes=(None, 0, 0)`` broadcasts the parameters to every instance and maps the data
 over its leading (instance) axis; ``out_axes=None`` returns the averaged gradients and
 loss once instead of once per instance (they are the same on every instance).
+
+With an ``nn.Module``, the loss calls ``torch.func.functional_call(model, params, (x,))``.
+That function swaps the given tensors into the module while it runs, so instances that
+run at the same time on several devices (one thread per device) must not share a module:
+give each thread its own copy, as :func:`data_parallel_step` does.
 """
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
@@ -329,7 +335,7 @@ def _prefetch(source: Iterator[PyTree], size: int, n: int, device: Optional[torc
                 if not _put(ready, (_BATCH, _to_device(shard(batch, n), device)), stop):
                     return
             _put(ready, (_END, None), stop)
-        except BaseException as error:  # handed to the consumer, which re-raises it
+        except BaseException as error:  # noqa: BLE001 -- handed to the consumer, which re-raises it
             _put(ready, (_ERROR, error), stop)
 
     producer = threading.Thread(target=produce, name="torchpmap-prefetch", daemon=True)
@@ -355,6 +361,30 @@ def _split_buffers(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     for name, b in model.named_buffers():
         (floating if b.is_floating_point() or b.is_complex() else other)[name] = b.detach()
     return floating, other
+
+
+def _stateless_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers are storage-free meta
+    tensors: something for ``functional_call`` to swap the real tensors into."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+class _PerThreadModule(threading.local):
+    """One stateless copy of a module per thread that runs instances (one per device)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.module = _stateless_copy(model)
+
+    def following(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This thread's copy, in the same train/eval mode as ``model``, module by module."""
+        for original, twin in zip(model.modules(), self.module.modules()):
+            twin.training = original.training
+        return self.module
 
 
 def data_parallel_step(
@@ -404,6 +434,12 @@ def data_parallel_step(
       under ``torch.manual_seed`` but are not the masks a single-process run would draw.
     * ``model.train()`` / ``model.eval()`` are respected: in eval mode dropout is off
       and batch norm uses (and does not update) its running statistics.
+    * **Threads**: with several devices, pmap runs each device's instances in its own
+      thread. ``functional_call`` swaps tensors into the module it calls, so each thread
+      calls its own copy of ``model``, made when it first runs the step, with
+      storage-free (meta) parameters and buffers: the values always come from ``model``
+      and so does the train/eval mode, but other changes made after that (a new hook,
+      a new dropout probability) are not seen: make a new step function after them.
 
     Args:
         model: the module; its parameters and buffers are read at every step, so the
@@ -429,12 +465,20 @@ def data_parallel_step(
         ([2.0, -1.0], 0.5)
     """
 
-    def instance_step(params, frozen, floating, other, inputs, targets):
-        def loss_of(params):
+    Tensors = dict[str, torch.Tensor]
+    # functional_call swaps tensors into the module it is given while it runs: instances
+    # running at the same time in different device threads must not share that module.
+    per_thread = _PerThreadModule(model)
+
+    def instance_step(
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, inputs: Any, targets: Any
+    ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors]:
+        def loss_of(params: Tensors) -> tuple[torch.Tensor, Tensors]:
             # This instance's own copy of the buffers, created inside the transform so
             # that modules may update it in place (batch norm does).
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
-            output = functional_call(model, {**params, **frozen, **state}, (inputs,))
+            module = per_thread.following(model)
+            output = functional_call(module, {**params, **frozen, **state}, (inputs,))
             return loss_fn(output, targets), state
 
         grads, (loss, state) = grad_and_value(loss_of, has_aux=True)(params)

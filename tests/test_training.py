@@ -1,0 +1,504 @@
+"""Tests for torchpmap.training: the data-parallel helpers and the digits demo."""
+from __future__ import annotations
+
+import copy
+import gc
+import pathlib
+import re
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchpmap as tp
+from torchpmap.training import (
+    data_parallel_step,
+    prefetch_to_device,
+    replicate,
+    shard,
+    unreplicate,
+    unshard,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- replicate
+
+
+def test_replicate_stacks_one_copy_per_instance():
+    tree = {"w": torch.arange(6.0).reshape(2, 3), "b": (torch.tensor(1.0), 7, np.array([1, 2]))}
+    r = replicate(tree, n=4)
+    assert r["w"].shape == (4, 2, 3) and r["b"][0].shape == (4,)
+    assert all(torch.equal(r["w"][i], tree["w"]) for i in range(4))
+    assert torch.equal(r["b"][1], torch.tensor([7, 7, 7, 7]))
+    assert torch.equal(r["b"][2], torch.tensor([[1, 2]] * 4))
+
+
+def test_replicate_makes_independent_copies():
+    w = torch.zeros(3)
+    r = replicate(w, n=2)
+    r[0].add_(1.0)
+    assert torch.equal(r[1], torch.zeros(3)) and torch.equal(w, torch.zeros(3))
+
+
+def test_replicate_defaults_to_local_device_count():
+    assert replicate(torch.zeros(2)).shape == (tp.local_device_count(), 2)
+
+
+def test_replicate_unreplicate_round_trip():
+    tree = {"a": torch.randn(3, 2), "b": [torch.tensor(5), torch.randn(1)]}
+    back = unreplicate(replicate(tree, n=3))
+    assert back.keys() == tree.keys()
+    assert torch.equal(back["a"], tree["a"]) and torch.equal(back["b"][0], tree["b"][0])
+    assert torch.equal(back["b"][1], tree["b"][1])
+
+
+def test_unreplicate_takes_instance_zero():
+    assert torch.equal(unreplicate({"x": torch.tensor([[1, 2], [3, 4]])})["x"], torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0, True])
+def test_bad_instance_count_is_rejected(n):
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        replicate(torch.zeros(1), n=n)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        shard(torch.zeros(4), n=n)
+
+
+def test_non_tensor_leaf_names_its_key_path():
+    with pytest.raises(TypeError, match=r"tree\['opt'\]\[1\] is a str"):
+        replicate({"opt": [torch.zeros(1), "adam"]}, n=2)
+
+
+def test_unreplicate_of_scalar_names_its_key_path():
+    with pytest.raises(ValueError, match=r"tree\['step'\] is a scalar"):
+        unreplicate({"w": torch.zeros(2, 3), "step": torch.tensor(3)})
+
+
+# --------------------------------------------------------------------------- shard
+
+
+def test_shard_splits_leading_axis_in_order():
+    x = torch.arange(24.0).reshape(12, 2)
+    y = torch.arange(12)
+    sx, sy = shard((x, y), n=3)
+    assert sx.shape == (3, 4, 2) and sy.shape == (3, 4)
+    for i in range(3):  # instance i holds rows 4i .. 4i+3
+        assert torch.equal(sx[i], x[4 * i : 4 * i + 4]) and torch.equal(sy[i], y[4 * i : 4 * i + 4])
+
+
+def test_shard_accepts_numpy_and_nested_trees():
+    out = shard({"img": np.zeros((8, 2, 2), np.float32), "meta": [torch.ones(8)]}, n=2)
+    assert isinstance(out["img"], torch.Tensor) and out["img"].shape == (2, 4, 2, 2)
+    assert out["meta"][0].shape == (2, 4)
+
+
+def test_shard_defaults_to_local_device_count():
+    n = tp.local_device_count()
+    assert shard(torch.zeros(2 * n, 5)).shape == (n, 2, 5)
+
+
+def test_shard_error_names_key_path_and_sizes():
+    batch = {"inputs": torch.zeros(12, 3), "labels": [torch.zeros(12), torch.zeros(10)]}
+    with pytest.raises(ValueError) as info:
+        shard(batch, n=4)
+    message = str(info.value)
+    assert "batch['labels'][1]" in message
+    assert "10 rows" in message and "n=4" in message and "10 % 4 = 2" in message
+
+
+def test_shard_of_scalar_names_key_path():
+    with pytest.raises(ValueError, match=r"batch\[1\] is a scalar"):
+        shard((torch.zeros(4), torch.tensor(1.0)), n=2)
+
+
+def test_shard_unshard_round_trip():
+    batch = {"x": torch.randn(16, 3, 2), "y": torch.arange(16)}
+    back = unshard(shard(batch, n=8))
+    assert torch.equal(back["x"], batch["x"]) and torch.equal(back["y"], batch["y"])
+
+
+def test_unshard_needs_two_leading_axes():
+    with pytest.raises(ValueError, match=r"tree\['y'\] has shape \(4,\)"):
+        unshard({"x": torch.zeros(2, 2), "y": torch.zeros(4)})
+
+
+def test_sharded_batch_feeds_pmap():
+    x = torch.arange(8.0)
+    per_instance_sum = tp.pmap(lambda s: s.sum(), axis_name="batch")(shard(x, n=4))
+    assert torch.equal(per_instance_sum, torch.tensor([1.0, 5.0, 9.0, 13.0]))
+
+
+# --------------------------------------------------------------------------- prefetch
+
+
+def _numbered_batches(count, rows=4):
+    for i in range(count):
+        yield {"x": torch.full((rows, 2), float(i)), "i": torch.arange(rows) + i * rows}
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_prefetch_keeps_order_and_shards(size):
+    out = list(prefetch_to_device(_numbered_batches(10), size=size, n=2))
+    assert len(out) == 10
+    for got, want in zip(out, _numbered_batches(10)):
+        expected = shard(want, n=2)
+        assert torch.equal(got["x"], expected["x"]) and torch.equal(got["i"], expected["i"])
+
+
+def test_prefetch_moves_to_the_instances_device():
+    (x,) = list(prefetch_to_device([torch.zeros(4)], n=2))
+    assert x.device == tp.local_devices()[0].torch_device
+
+
+def test_prefetch_accepts_any_iterable():
+    assert [b.shape for b in prefetch_to_device([torch.zeros(6), torch.ones(6)], n=3)] == [(3, 2), (3, 2)]
+
+
+def _new_prefetch_threads(before):
+    return [t for t in threading.enumerate() if t not in before and t.name == "torchpmap-prefetch"]
+
+
+def test_prefetch_reraises_producer_exception_in_order():
+    def source():
+        yield torch.zeros(2)
+        yield torch.ones(2)
+        raise KeyError("boom from the data loader")
+
+    before = set(threading.enumerate())
+    it = prefetch_to_device(source(), size=4, n=2)
+    assert torch.equal(next(it), torch.zeros(2, 1))
+    threads = _new_prefetch_threads(before)
+    assert torch.equal(next(it), torch.ones(2, 1))
+    with pytest.raises(KeyError, match="boom from the data loader"):
+        next(it)
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+
+
+def test_prefetch_reports_shard_errors_with_key_path():
+    it = prefetch_to_device([(torch.zeros(4), torch.zeros(4)), (torch.zeros(3), torch.zeros(3))], n=2)
+    next(it)
+    with pytest.raises(ValueError, match=r"batch\[0\] has 3 rows"):
+        next(it)
+
+
+def _counting_source(pulled):
+    i = 0
+    while True:
+        pulled.append(i)
+        yield torch.full((2,), float(i))
+        i += 1
+
+
+def test_prefetch_stops_its_thread_on_close():
+    pulled: list[int] = []
+    before = set(threading.enumerate())
+    it = prefetch_to_device(_counting_source(pulled), size=2, n=2)
+    got = [next(it)[0, 0].item() for _ in range(3)]
+    assert got == [0.0, 1.0, 2.0]
+    (thread,) = _new_prefetch_threads(before)
+    it.close()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    # Bounded read-ahead: 3 consumed, at most `size` queued and one in the producer's hands.
+    assert len(pulled) <= 3 + 2 + 1
+
+
+def test_prefetch_stops_its_thread_after_break():
+    pulled: list[int] = []
+    before = set(threading.enumerate())
+    for batch in prefetch_to_device(_counting_source(pulled), size=3, n=1):
+        if batch[0, 0] == 4:
+            break
+    (thread,) = _new_prefetch_threads(before)
+    gc.collect()  # the abandoned generator is closed when collected
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert len(pulled) <= 5 + 3 + 1
+
+
+def test_prefetch_starts_no_thread_until_iterated():
+    before = set(threading.enumerate())
+    it = prefetch_to_device(_numbered_batches(2), n=2)
+    assert _new_prefetch_threads(before) == []
+    assert len(list(it)) == 2
+
+
+@pytest.mark.parametrize("size", [0, -2, 1.5])
+def test_prefetch_rejects_bad_size(size):
+    with pytest.raises(ValueError, match="size must be a positive int"):
+        prefetch_to_device([], size=size)
+
+
+# --------------------------------------------------------------------------- data-parallel step
+
+
+def _mlp(seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 3))
+
+
+def _data(batch=32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 5, generator=g), torch.randint(0, 3, (batch,), generator=g)
+
+
+def _reference_steps(model, make_opt, x, y, steps):
+    """A plain single-process loop on the whole batch."""
+    opt = make_opt(model.parameters())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _parallel_steps(model, make_opt, x, y, steps, n):
+    opt = make_opt(model.parameters())
+    step = data_parallel_step(model, F.cross_entropy, opt, axis_name="batch")
+    return [step(shard((x, y), n=n)).item() for _ in range(steps)]
+
+
+def _assert_same_params(a, b, **tol):
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p, q, **tol, msg=lambda m, name=name: f"parameter {name}: {m}")
+
+
+OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.05),
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_data_parallel_step_matches_single_process(optimizer, n):
+    x, y = _data()
+    reference, parallel = _mlp(), _mlp()
+    want = _reference_steps(reference, OPTIMIZERS[optimizer], x, y, steps=6)
+    got = _parallel_steps(parallel, OPTIMIZERS[optimizer], x, y, steps=6, n=n)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert want[-1] < want[0]  # the steps did something
+    _assert_same_params(parallel, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_data_parallel_step_gradients_are_right_on_every_call():
+    """With several devices the instances run in concurrent device threads. functional_call
+    swaps tensors into the module it is given: threads sharing the user's module gave wrong
+    gradients now and then, and could even leave the module holding a foreign tensor."""
+    x, y = _data(batch=512)
+    reference = _mlp()
+    F.cross_entropy(reference(x), y).backward()
+    model = _mlp()
+    params_before = list(model.parameters())
+    step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0))
+    batch = shard((x, y), n=2 * tp.local_device_count())
+    for call in range(100 if tp.local_device_count() > 1 else 5):  # the race needs threads
+        step(batch)
+        assert all(p is q for p, q in zip(model.parameters(), params_before)), f"call {call}: parameters replaced"
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, c=call, k=name: f"call {c}, {k}: {m}")
+
+
+def test_data_parallel_step_keeps_optimizer_state():
+    x, y = _data()
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = data_parallel_step(model, F.cross_entropy, opt)
+    step(shard((x, y), n=2))
+    step(shard((x, y), n=2))
+    state = opt.state[model[0].weight]
+    assert state["step"].item() == 2 and state["exp_avg"].shape == model[0].weight.shape
+
+
+def test_data_parallel_step_replaces_grad_and_returns_detached_loss():
+    x, y = _data()
+    model = _mlp()
+    step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e6)  # stale: must be replaced, not accumulated
+    loss = step(shard((x, y), n=4))
+    assert loss.dim() == 0 and not loss.requires_grad
+    reference = _mlp()
+    F.cross_entropy(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_frozen_parameters_get_no_gradient():
+    x, y = _data()
+    model = _mlp()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.clone()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    step = data_parallel_step(model, F.cross_entropy, opt)
+    step(shard((x, y), n=2))
+    assert model[0].weight.grad is None and torch.equal(model[0].weight, frozen)
+    assert model[0].bias.grad is not None
+
+
+class _WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(5, 8)
+        self.bn = nn.BatchNorm1d(8, momentum=0.1)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.inp(x))))
+
+
+def _separate_replicas_step(model, opt, x, y, n):
+    """What n separate devices do: each replica runs plain PyTorch on its own shard;
+    gradients are averaged; floating buffers averaged; counters taken from replica 0."""
+    grads, buffers = [], []
+    for xs, ys in zip(*shard((x, y), n=n)):
+        replica = copy.deepcopy(model)
+        F.cross_entropy(replica(xs), ys).backward()
+        grads.append([p.grad for p in replica.parameters()])
+        buffers.append(dict(replica.named_buffers()))
+    for p, *gs in zip(model.parameters(), *grads):
+        p.grad = torch.stack(gs).mean(0)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            values = [bufs[name] for bufs in buffers]
+            b.copy_(torch.stack(values).mean(0) if b.is_floating_point() else values[0])
+    opt.step()
+
+
+def test_batchnorm_behaves_like_separate_replicas_with_averaged_buffers():
+    x, y = _data(batch=24)
+    n = 4
+    reference, parallel = _WithBatchNorm(), _WithBatchNorm()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.3)
+    step = data_parallel_step(parallel, F.cross_entropy, torch.optim.SGD(parallel.parameters(), lr=0.3))
+    for _ in range(3):
+        _separate_replicas_step(reference, ref_opt, x, y, n)
+        step(shard((x, y), n=n))
+    _assert_same_params(parallel, reference, rtol=1e-4, atol=1e-5)
+    for (name, b), (_, want) in zip(parallel.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(b, want, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"buffer {name}: {m}")
+    assert parallel.bn.num_batches_tracked.item() == 3
+
+
+def test_batchnorm_running_stats_after_one_step():
+    """The documented choice: running mean = full-batch running mean; running variance =
+    mean of the per-shard variances (not the full-batch variance, as SyncBatchNorm would)."""
+    x, y = _data(batch=24)
+    model = _WithBatchNorm()
+    with torch.no_grad():
+        h = model.inp(x)
+    step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0))
+    step(shard((x, y), n=2))
+    torch.testing.assert_close(model.bn.running_mean, 0.1 * h.mean(0))
+    shard_vars = torch.stack([s.var(0, unbiased=True) for s in shard(h, n=2)])
+    torch.testing.assert_close(model.bn.running_var, 0.9 + 0.1 * shard_vars.mean(0))
+    assert not torch.allclose(model.bn.running_var, 0.9 + 0.1 * h.var(0, unbiased=True))
+
+
+def test_batchnorm_eval_mode_uses_and_keeps_running_stats():
+    x, y = _data(batch=8)
+    model = _WithBatchNorm().eval()
+    with torch.no_grad():
+        model.bn.running_mean.fill_(0.5)
+    step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    reference = copy.deepcopy(model)
+    want = F.cross_entropy(reference(x), y)
+    got = step(shard((x, y), n=4))
+    torch.testing.assert_close(got, want)
+    assert torch.equal(model.bn.running_mean, torch.full((8,), 0.5)) and model.bn.num_batches_tracked.item() == 0
+
+
+def test_unchanged_float_buffers_stay_bit_identical():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+            # Many of these values are not reproduced exactly by (v + v + v) / 3 in float32.
+            self.register_buffer("scale", torch.rand(64, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, x):
+            return self.lin(x * self.scale[:5])
+
+    n = 3 * tp.local_device_count()  # 3 instances per device: 3 * v / 3 is often not v
+    x, y = _data(batch=2 * n)
+    model = Scaled()
+    before = model.scale.clone()
+    step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(5):
+        step(shard((x, y), n=n))
+    assert torch.equal(model.scale, before)
+
+
+class _DropoutProbe(nn.Module):
+    """The loss of one instance with one example is 0 or 2: dropout(1) * weight 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.drop(x) * self.weight
+
+
+def test_dropout_draws_a_different_mask_per_instance():
+    torch.manual_seed(0)
+    model = _DropoutProbe()
+    step = data_parallel_step(model, lambda out, y: out.sum(), torch.optim.SGD(model.parameters(), lr=0.0))
+    batch = (torch.ones(2, 1), torch.zeros(2, 1))  # 2 instances, identical data
+    losses = {step(batch).item() for _ in range(40)}
+    assert losses <= {0.0, 1.0, 2.0}
+    # A mean of 1 needs one instance to keep its unit and the other to drop it: the
+    # instances draw different masks (with "same" randomness it would be 0 or 2 only).
+    assert 1.0 in losses and len(losses) > 1
+
+
+def test_dropout_is_off_in_eval_mode():
+    model = _DropoutProbe().eval()
+    step = data_parallel_step(model, lambda out, y: out.sum(), torch.optim.SGD(model.parameters(), lr=0.0))
+    assert {step((torch.ones(4, 1), torch.zeros(4, 1))).item() for _ in range(10)} == {1.0}
+
+
+def test_dropout_run_is_reproducible_under_manual_seed():
+    def run():
+        model = _mlp(seed=3, dropout=0.3)
+        torch.manual_seed(123)
+        x, y = _data()
+        return _parallel_steps(model, OPTIMIZERS["adam"], x, y, steps=4, n=4)
+
+    assert run() == run()
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+@pytest.mark.slow
+def test_train_digits_quick_reaches_95_percent(tmp_path):
+    plot = tmp_path / "digits.png"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train_digits.py"), "--quick", "--plot", str(plot)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"held-out accuracy: (\d\.\d+)", result.stdout)
+    assert match, result.stdout
+    assert float(match.group(1)) >= 0.95, result.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "samples/s" in result.stderr  # the tqdm bar reports throughput
