@@ -27,6 +27,15 @@ from torchpmap._devices import (
     process_index,
 )
 
+from torchpmap.training import (
+    data_parallel_step,
+    prefetch_to_device,
+    replicate,
+    shard,
+    unreplicate,
+    unshard,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -55,4 +64,10 @@ __all__ = [
     "local_device_count",
     "process_index",
     "process_count",
+    "replicate",
+    "unreplicate",
+    "shard",
+    "unshard",
+    "prefetch_to_device",
+    "data_parallel_step",
 ]

@@ -63,6 +63,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call, grad_and_value
 
 from torchpmap import _devices
+from torchpmap._sharded import ShardedTensor
 from torchpmap._api import pmap
 from torchpmap._collectives import pmean
 
@@ -99,6 +100,8 @@ def _where(what: str, path: pytree.KeyPath) -> str:
 def _as_tensor(leaf: Any, path: pytree.KeyPath, what: str, arg: str) -> torch.Tensor:
     if isinstance(leaf, torch.Tensor):
         return leaf
+    if isinstance(leaf, ShardedTensor):  # a multi-device pmap result
+        return leaf.gather()
     if isinstance(leaf, (np.ndarray, np.generic, bool, int, float, complex)):
         return torch.as_tensor(leaf)
     raise TypeError(
@@ -165,6 +168,8 @@ def unreplicate(tree: PyTree) -> PyTree:
     """
 
     def first(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
+        if isinstance(leaf, ShardedTensor) and leaf.dim() > 0:
+            return leaf[0]  # read from the first shard only
         x = _as_tensor(leaf, path, "unreplicate", "tree")
         _leading_axis(x, path, "unreplicate", "tree", "instance")
         return x[0]
