@@ -20,8 +20,9 @@ The method, in four steps:
    both samples of a pair were taken moments apart).
 
 The garbage collector is off while samples are taken, as in :mod:`timeit`. When the
-callables are slow, fewer repetitions run so that a measurement stays near
-``max_total_s`` (but never fewer than ``min_reps``).
+callables are slow, fewer repetitions run: no new repetition starts after
+``max_total_s`` (but at least ``min_reps`` run), so a busy machine cannot stretch a run
+without bound.
 """
 
 from __future__ import annotations
@@ -106,11 +107,6 @@ def _calls_for(estimate_s: float, plan: Plan) -> int:
     return max(1, min(plan.max_calls_per_sample, math.ceil(plan.min_sample_s / max(estimate_s, 1e-9))))
 
 
-def _reps_for(cost_per_rep_s: float, plan: Plan) -> int:
-    affordable = int(plan.max_total_s / max(cost_per_rep_s, 1e-9))
-    return max(min(plan.reps, plan.min_reps), min(plan.reps, affordable))
-
-
 def measure(fns: Mapping[str, Thunk], plan: Plan, calls_per_sample: Optional[int] = None) -> Measurement:
     """Times every callable of ``fns`` interleaved, as described in the module docstring.
 
@@ -120,20 +116,30 @@ def measure(fns: Mapping[str, Thunk], plan: Plan, calls_per_sample: Optional[int
     names = list(fns)
     estimates = {name: _warm_up(fns[name], plan.warmup) for name in names}
     if calls_per_sample is None:
-        calls = {name: _calls_for(estimates[name], plan) for name in names}
-        reps = _reps_for(sum(calls[n] * estimates[n] for n in names), plan)
+        calls, budget_s = {name: _calls_for(estimates[name], plan) for name in names}, plan.max_total_s
     else:
-        calls, reps = dict.fromkeys(names, calls_per_sample), plan.reps
+        calls, budget_s = dict.fromkeys(names, calls_per_sample), math.inf
     samples: dict[str, list[float]] = {name: [] for name in names}
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for r in range(reps):
-            start = r % len(names)
-            for name in names[start:] + names[:start]:
-                samples[name].append(_time_calls(fns[name], calls[name]))
+        _interleave(fns, calls, samples, plan, budget_s)
     finally:
         if was_enabled:
             gc.enable()
     return Measurement(samples, calls)
+
+
+def _interleave(
+    fns: Mapping[str, Thunk], calls: dict[str, int], samples: dict[str, list[float]], plan: Plan, budget_s: float
+) -> None:
+    """Round-robin repetitions, each in an order rotated by one, until ``plan.reps`` or
+    the time budget (checked after ``plan.min_reps``) runs out."""
+    names, start = list(fns), time.perf_counter()
+    for r in range(plan.reps):
+        if r >= plan.min_reps and time.perf_counter() - start > budget_s:
+            break
+        first = r % len(names)
+        for name in names[first:] + names[:first]:
+            samples[name].append(_time_calls(fns[name], calls[name]))
