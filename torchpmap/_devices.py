@@ -36,6 +36,8 @@ class Device:
         return torch.device(self.platform, self.id) if self.platform == "cuda" else torch.device("cpu")
 
     def __repr__(self) -> str:
+        if self.process_index:  # a device of process 1, 2, ... in a multi-process run
+            return f"{self.platform}:{self.id} (process {self.process_index})"
         return f"{self.platform}:{self.id}"
 
 

@@ -77,6 +77,7 @@ class ProcessState:
     waiting_in: str = ""  # the collective waited on now, for diagnoses
     poisoned: Optional[str] = None
     heartbeat: Optional["_Heartbeat"] = None
+    world_group: Any = None  # the default process group this state belongs to
     _devices: Optional[tuple[Device, ...]] = None
 
     @property
@@ -133,9 +134,11 @@ def state() -> ProcessState:
     initialized without :func:`torchpmap.distributed.initialize`."""
     global _state
     st = _state
-    if st is not None:
+    if st is not None and st.world_group is dist.group.WORLD:
         return st
     with _lock:
+        if _state is not None and _state.world_group is not dist.group.WORLD:
+            uninstall()  # the default group was destroyed (and maybe re-created) by other code
         if _state is None:
             if not active():
                 raise RuntimeError("torchpmap: no multi-process run is active (torch.distributed is not initialized)")
@@ -188,6 +191,7 @@ def _make_state(
         local_device=_local_device(local_rank, rank),
         owns_group=owns_group,
         exact_devices=exact_devices,
+        world_group=dist.group.WORLD,
     )
     if store is not None:
         try:
@@ -254,10 +258,24 @@ class _Heartbeat(threading.Thread):
                 pass
 
 
+def linger_seconds() -> float:
+    """How long the process hosting the rendezvous store stays after a failure, so that
+    the others can still read the failure records instead of losing the store."""
+    return _MAX_SLICE + _DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL + 0.5
+
+
+def _hosts_store(st: ProcessState) -> bool:
+    return st.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+
 @atexit.register
 def _at_exit() -> None:
     st = _state
-    if st is not None and st.heartbeat is not None:
+    if st is None:
+        return
+    if st.poisoned is not None and st.store is not None and _hosts_store(st):
+        time.sleep(linger_seconds())
+    if st.heartbeat is not None:
         st.heartbeat.stop(exited=True)
 
 
@@ -344,7 +362,7 @@ def wait(work: Any, what: str) -> None:
     when the deadline passed with every process alive.
     """
     st = state()
-    if st.backend == "nccl" or st.store is None:
+    if ("nccl" in st.backend and st.local_device.platform == "cuda") or st.store is None:
         # NCCL: work.wait() only orders the current stream after the collective; faults
         # surface through NCCL's watchdog and the process group's timeout.
         try:
@@ -387,7 +405,7 @@ def _store_lost(st: ProcessState, what: str, e: BaseException) -> RankFailed:
     return RankFailed(
         f"torchpmap: {what} was abandoned on rank {st.rank}: the rendezvous store at {st.store_address} stopped "
         f"answering ({e}). It is hosted by rank 0 (or by torchrun's agent on the first node), so rank 0 or its "
-        "node has most likely died.",
+        "node has exited or died (after a failure elsewhere, rank 0 may have gone first: see its log).",
         ranks=(0,),
     )
 
@@ -397,6 +415,8 @@ def _diagnose(
 ) -> BaseException:
     """Why ``what`` did not complete: names the failed ranks from the records and heartbeats."""
     where = f"{what} on rank {st.rank} (pmap call #{st.calls})"
+    if waited is not None and waited >= 0.9 * st.timeout:
+        timed_out = True  # the backend's own timeout (the same value) fired first
     if st.store is None:
         if cause is not None:
             return RuntimeError(f"torchpmap: {where} failed: {cause}")

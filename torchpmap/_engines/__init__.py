@@ -48,7 +48,10 @@ class MappedCall:
 def run(call: MappedCall) -> list[torch.Tensor]:
     """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0."""
     from torchpmap._config import config
-    from torchpmap._engines import multi_device, threaded, vectorized
+    from torchpmap._engines import distributed, multi_device, threaded, vectorized
+
+    if call.devices is not None and distributed.active():  # several processes: one slice each
+        return distributed.run(call)
 
     if config.disable_vectorization:
         return threaded.run_one_at_a_time(call)

@@ -12,12 +12,12 @@ would on the whole axis, so forward results are bitwise those of one process).
 
 Which processes form the axis:
 
-* outside a mesh: all processes (the world group), for the outermost pmap; a pmap
-  nested inside it runs locally (vectorized), as a nested pmap on one device does;
-* inside ``with torchpmap.distributed.mesh(...)``: a pmap whose ``axis_name`` is a mesh
-  axis uses that axis' process group (``DeviceMesh.get_group(name)``); a nested pmap
-  over a name that is not a mesh axis runs locally; an outermost pmap over a name that
-  is not a mesh axis is an error.
+* a pmap whose ``axis_name`` is an axis of the mesh of an enclosing
+  ``with torchpmap.distributed.mesh(...)`` (or of ``pmap(..., mesh=)``) uses that mesh
+  axis' process group (``DeviceMesh.get_group(name)``);
+* otherwise, the outermost pmap spans all processes (the world group), and a pmap
+  nested inside a distributed pmap runs within each process (vectorized), as a nested
+  pmap on one device does.
 
 The exchange is an autograd Function (backward: every process' cotangent for this
 slice, summed, via all_to_all), so ``.backward()`` across processes and the gradient
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,18 @@ class ProcessExchange:
     index: int
     size: int
     label: str
+    pending_check: Optional[Callable[[], None]] = dataclasses.field(default=None, repr=False)
+
+    #: The slices are separate processes, each with its own autograd and functorch state
+    #: (unlike device threads, which share the process' forward-mode AD state).
+    spans_threads = False
+
+    def settle(self) -> None:
+        """Completes the call's size check (started early so that it overlaps the local
+        work before the first collective); raises :class:`SizeMismatch`."""
+        check, self.pending_check = self.pending_check, None
+        if check is not None:
+            check()
 
     def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """Every process' ``t`` stacked along a new dim 0 (in group order), on ``t``'s device.
@@ -65,11 +77,15 @@ class ProcessExchange:
         return _GatherProcesses.apply(self, what, t)
 
     def gather_plain(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """``all_gather`` without autograd (for bookkeeping such as size checks)."""
-        t = t.contiguous()
-        outs = [torch.empty_like(t) for _ in range(self.size)]
-        pg.wait(dist.all_gather(outs, t, group=self.group, async_op=True), f"{what} across {self.label}")
-        return torch.stack(outs)
+        """``all_gather`` without autograd."""
+        self.settle()  # never send values shaped by a local size that the others do not share
+        send = torch.view_as_real(t) if t.is_complex() else t
+        flat = send.contiguous().reshape(-1)
+        received = flat.new_empty(self.size * flat.numel())  # one flat buffer: gloo's fastest all-gather
+        work = _all_gather_flat(received, flat, group=self.group, async_op=True)
+        pg.wait(work, f"{what} across {self.label}")
+        out = received.view(self.size, *send.shape)
+        return torch.view_as_complex(out) if t.is_complex() else out
 
     def scatter_sum(self, grad: torch.Tensor, what: str) -> torch.Tensor:
         """``grad`` has one entry per process along dim 0; returns the sum over processes
@@ -83,6 +99,10 @@ class ProcessExchange:
         if grad.is_complex():
             received = torch.view_as_complex(received)
         return received.sum(0)
+
+
+# torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _GatherProcesses(torch.autograd.Function):
@@ -128,43 +148,57 @@ def _enclosing() -> list[Any]:
 
 def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
     """The exchange for this call and its key in the running stack; None to run locally."""
-    from torchpmap.distributed import current_mesh
+    from torchpmap.distributed import ProcessMesh
 
     st = pg.state()
-    mesh, name, enclosing = current_mesh(), call.axis_name, _enclosing()
-    if mesh is not None and name in mesh.axis_names:
+    mesh, name, enclosing = getattr(call, "mesh", None), call.axis_name, _enclosing()
+    if mesh is not None:
+        if not isinstance(mesh, ProcessMesh):
+            raise NotImplementedError(
+                f"pmap over axis {name!r} of {mesh!r}: in a multi-process run, build the mesh with "
+                "torchpmap.distributed.mesh(shape, axis_names), which gives each mesh axis its process group"
+            )
+        if _WORLD in enclosing:
+            raise ValueError(
+                f"pmap over mesh axis {name!r} is nested inside a pmap over all processes; map the mesh axes "
+                "from the outermost pmap on (the outer pmap already spans every process)"
+            )
         if name in enclosing:
             raise ValueError(
                 f"pmap: axis_name={name!r} is a mesh axis that an enclosing pmap already maps over; each mesh "
                 "axis can be mapped by one pmap at a time"
             )
-        return ProcessExchange(mesh.group(name), mesh.index(name), mesh.size(name), f"mesh axis {name!r}"), name
-    if enclosing:
+        return ProcessExchange(mesh.group(name), mesh.coordinate(name), mesh.shape[name], f"mesh axis {name!r}"), name
+    if enclosing:  # nested, over a name that is no mesh axis: within this process
         return None, None
-    if mesh is not None:
-        raise ValueError(
-            f"pmap: axis_name={name!r} is not an axis of the active mesh {mesh!r}. Inside `with mesh:`, the "
-            f"outermost pmap must map over one of the mesh axes {mesh.axis_names}; pmaps over other names can "
-            "only be nested inside those (they then run within each process)."
-        )
     return ProcessExchange(None, st.rank, st.world_size, "all processes"), _WORLD
 
 
-def _check_sizes(exchange: ProcessExchange, n_local: int, name: Hashable, device: torch.device) -> None:
-    sizes = exchange.gather_plain(torch.tensor([n_local], device=device), f"the size check of pmap {name!r}")
-    sizes = [int(s) for s in sizes.flatten().tolist()]
-    if len(set(sizes)) > 1:
-        st = pg.state()
-        if exchange.group is None:
-            who = [f"rank {r}: {s}" for r, s in enumerate(sizes)]
-        else:
-            ranks = dist.get_process_group_ranks(exchange.group)
-            who = [f"rank {r}: {s}" for r, s in zip(ranks, sizes)]
-        raise ValueError(
+class SizeMismatch(ValueError):
+    """The processes passed different numbers of local instances (every process raises it)."""
+
+
+def _start_size_check(exchange: ProcessExchange, n_local: int, name: Hashable, device: torch.device) -> None:
+    """Gathers every process' local size, without waiting: the check completes at the
+    call's first collective (or at its end), so its latency overlaps the local work."""
+    mine = torch.tensor([n_local], device=device)
+    sizes = [torch.empty_like(mine) for _ in range(exchange.size)]
+    work = dist.all_gather(sizes, mine, group=exchange.group, async_op=True)
+
+    def check() -> None:
+        pg.wait(work, f"the size check of pmap {name!r} across {exchange.label}")
+        found = [int(s.item()) for s in sizes]
+        if len(set(found)) == 1:
+            return
+        ranks = range(exchange.size) if exchange.group is None else dist.get_process_group_ranks(exchange.group)
+        who = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, found))
+        raise SizeMismatch(
             f"pmap over axis {name!r} across {exchange.label}: every process must pass the same number of local "
-            f"instances (the size of its local portion of the mapped axis), but they differ: {', '.join(who)} "
-            f"(this is rank {st.rank}). Split the global batch evenly over the processes."
+            f"instances (the size of its local portion of the mapped axis), but they differ: {who} (this is rank "
+            f"{pg.state().rank}). Split the global batch evenly over the processes."
         )
+
+    exchange.pending_check = check
 
 
 def run(call: MappedCall) -> list[torch.Tensor]:
@@ -175,15 +209,19 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         return vectorized.run(call)
     device = st.local_device.torch_device
     n_local = call.size
-    _check_sizes(exchange, n_local, call.axis_name, device)
+    _start_size_check(exchange, n_local, call.axis_name, device)
     part = dataclasses.replace(call, devices=st.local_devices)
     stack = _enclosing()
     stack.append(key)
     st.calls += 1
     try:
-        return vectorized.run(
+        outputs = vectorized.run(
             part, offset=exchange.index * n_local, axis_size=exchange.size * n_local, exchange=exchange
         )
+        exchange.settle()  # a call without collectives still checks the sizes
+        return outputs
+    except SizeMismatch:
+        raise  # every process raises it at the same point: they stay in step
     except BaseException as e:
         if not getattr(e, "_torchpmap_reported", False) and not isinstance(e, (pg.RankFailed, TimeoutError)):
             pg.report_own_failure(e, f"pmap over axis {call.axis_name!r}")

@@ -1,0 +1,311 @@
+"""Programs run by tests/test_distributed.py, in several processes and in one.
+
+``python tests/_distributed_programs.py SCENARIO OUTDIR`` runs in every process of a
+multi-process launch (the environment comes from torchpmap._launch, like torchrun's),
+and saves what the process computed to ``OUTDIR/rank<r>.pt``. The test runs the same
+programs on the whole global data in one process (:func:`reference`) and compares.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+
+import torch
+from torch.func import grad
+
+import torchpmap as tp
+
+G = 4  # the global size of the mapped axis in the collectives scenario
+
+
+def global_data() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {
+        "x": torch.randn(G, 3, generator=g),
+        "x_sq": torch.randn(G, G, 2, generator=g),  # a dim of size G for all_to_all / psum_scatter
+        "x_tiled": torch.randn(G, 2 * G, 2, generator=g),
+        "x_nested": torch.randn(G, 2, 3, generator=g),
+        "w": torch.randn(G, 3, generator=g),  # cotangent weights for .backward()
+        "mlp_x": torch.randn(G, 8, 5, generator=g),
+        "mlp_y": torch.randn(G, 8, 1, generator=g),
+    }
+
+
+def local(t: torch.Tensor, rank: int, nproc: int) -> torch.Tensor:
+    n = t.shape[0] // nproc
+    return t[rank * n : (rank + 1) * n]
+
+
+def _ring(n):
+    return [(j, (j + 1) % n) for j in range(n)]
+
+
+def collective_programs(d: dict[str, torch.Tensor]):
+    """name -> (function of the (local or global) data dict, in_key); outputs are mapped along dim 0."""
+    pm = lambda f, **kw: tp.pmap(f, axis_name="i", **kw)  # noqa: E731
+    return {
+        "psum": lambda d: pm(lambda v: tp.psum(v, "i"))(d["x"]),
+        "pmean": lambda d: pm(lambda v: tp.pmean(v, "i"))(d["x"]),
+        "pmax": lambda d: pm(lambda v: tp.pmax(v, "i"))(d["x"]),
+        "pmin_int": lambda d: pm(lambda v: tp.pmin((v * 10).long(), "i"))(d["x"]),
+        "psum_bool": lambda d: pm(lambda v: tp.psum(v > 0, "i"))(d["x"]),
+        "psum_groups": lambda d: pm(lambda v: tp.psum(v, "i", axis_index_groups=[[0, 2], [1, 3]]))(d["x"]),
+        "all_gather": lambda d: pm(lambda v: tp.all_gather(v, "i"))(d["x"]),
+        "all_gather_tiled_axis1": lambda d: pm(lambda v: tp.all_gather(v, "i", axis=1, tiled=True))(d["x_sq"]),
+        "ppermute": lambda d: pm(lambda v: tp.ppermute(v, "i", _ring(G)))(d["x"]),
+        "pshuffle": lambda d: pm(lambda v: tp.pshuffle(v, "i", [2, 0, 3, 1]))(d["x"]),
+        "all_to_all": lambda d: pm(lambda v: tp.all_to_all(v, "i", 0, 0))(d["x_sq"]),
+        "all_to_all_tiled": lambda d: pm(lambda v: tp.all_to_all(v, "i", 0, 1, tiled=True))(d["x_tiled"]),
+        "psum_scatter": lambda d: pm(lambda v: tp.psum_scatter(v, "i"))(d["x_sq"]),
+        "psum_scatter_tiled": lambda d: pm(lambda v: tp.psum_scatter(v, "i", tiled=True))(d["x_tiled"]),
+        "axis_index": lambda d: pm(lambda v: tp.axis_index("i"))(d["x"]),
+        "nested_local": lambda d: pm(
+            tp.pmap(
+                lambda v: (tp.psum(v, "j"), tp.psum(v, "i"), tp.psum(v, ("i", "j")), tp.axis_index(("i", "j"))),
+                axis_name="j",
+            )
+        )(d["x_nested"]),
+        "vmap_inside": lambda d: pm(
+            lambda v: tp.vmap(lambda u: tp.psum(u, "i") * tp.psum(u, "k"), axis_name="k")(v)
+        )(d["x_nested"]),
+        "grad_inside": lambda d: pm(
+            grad(lambda v: (tp.psum(v**2, "i") * v).sum() + (tp.all_gather(v, "i") * tp.axis_index("i")).sum()
+                 + (tp.ppermute(v, "i", _ring(G)) ** 3).sum())
+        )(d["x"]),
+        "vmap_around": lambda d: torch.func.vmap(pm(lambda v: tp.psum(v, "i") * v), in_dims=1, out_dims=1)(
+            torch.stack([d["x"], 2 * d["x"]], dim=1)
+        ),
+        "grad_inside_scatter_a2a": lambda d: pm(
+            grad(lambda v: (tp.psum_scatter(v, "i") ** 2).sum() + (tp.all_to_all(v, "i", 0, 0) * v * (tp.axis_index("i") + 1)).sum())
+        )(d["x_sq"]),
+    }
+
+
+def _backward_program(v: torch.Tensor) -> torch.Tensor:
+    s = tp.psum(v * v, "i")
+    g = tp.all_gather(v, "i").sum(0)
+    p = tp.ppermute(v, "i", _ring(G)) * (tp.axis_index("i") + 1)
+    return s + g * v + p
+
+
+def backward_outside(d: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``.backward()`` on the (local) loss after the pmap: x.grad (mapped along dim 0)."""
+    x = d["x"].clone().requires_grad_()
+    out = tp.pmap(_backward_program, axis_name="i")(x)
+    (out * d["w"]).sum().backward()
+    return x.grad
+
+
+def grad_around(d: dict[str, torch.Tensor]) -> torch.Tensor:
+    """torch.func.grad around the pmap, of the (local) sum: the local part of the global gradient."""
+    f = tp.pmap(_backward_program, axis_name="i")
+    return torch.func.grad(lambda x: (f(x) * d["w"]).sum())(d["x"])
+
+
+def train_by_hand(d: dict[str, torch.Tensor], steps: int = 3) -> dict[str, torch.Tensor]:
+    """A data-parallel MLP trained with pmap(grad) + pmean over "batch"; returns the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def loss_fn(params, x, y):
+        return ((torch.func.functional_call(model, params, (x,)) - y) ** 2).mean()
+
+    def instance(params, x, y):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+        return tp.pmean(grads, "batch"), tp.pmean(loss, "batch")
+
+    p_step = tp.pmap(instance, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+    losses = []
+    for _ in range(steps):
+        params = {k: p.detach() for k, p in model.named_parameters()}
+        grads, loss = p_step(params, d["mlp_x"], d["mlp_y"])
+        for k, p in model.named_parameters():
+            p.grad = grads[k]
+        opt.step()
+        losses.append(loss)
+    return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
+
+
+def train_with_helper(d: dict[str, torch.Tensor], steps: int = 3) -> dict[str, torch.Tensor]:
+    """The same with torchpmap.training.data_parallel_step and Adam."""
+    from torchpmap.training import data_parallel_step
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = data_parallel_step(model, torch.nn.functional.mse_loss, opt)
+    losses = [step((d["mlp_x"], d["mlp_y"])) for _ in range(steps)]
+    return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
+
+
+def reference() -> dict[str, object]:
+    """Every program on the global data, in one process."""
+    d = global_data()
+    out = {name: fn(d) for name, fn in collective_programs(d).items()}
+    out["backward_outside"] = backward_outside(d)
+    out["grad_around"] = grad_around(d)
+    out["replicated"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i", out_axes=None)(d["x"])
+    out["train_by_hand"] = train_by_hand(d)
+    out["train_with_helper"] = train_with_helper(d)
+    return out
+
+
+# --------------------------------------------------------------------------- mesh
+
+MESH_SHAPE = (2, 2)
+MESH_NAMES = ("data", "model")
+MESH_LOCAL = (2, 1)  # instances per process along data, model
+
+
+def mesh_global() -> torch.Tensor:
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(MESH_SHAPE[0] * MESH_LOCAL[0], MESH_SHAPE[1] * MESH_LOCAL[1], 3, generator=g)
+
+
+def mesh_program(v: torch.Tensor):
+    return {
+        "psum_model": tp.psum(v, "model"),
+        "psum_data": tp.psum(v, "data"),
+        "psum_both": tp.psum(v, ("data", "model")),
+        "index": tp.axis_index(("data", "model")),
+        "index_rev": tp.axis_index(("model", "data")),
+        "gather_model": tp.all_gather(v, "model"),
+        "shift_data": tp.ppermute(v, "data", _ring(MESH_SHAPE[0] * MESH_LOCAL[0])),
+        "grad_data": grad(lambda u: (tp.pmean(u, "data") * tp.psum(u, "model")).sum())(v),
+    }
+
+
+def mesh_reference() -> dict:
+    f = tp.pmap(tp.pmap(mesh_program, axis_name="model"), axis_name="data")
+    return f(mesh_global())
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def scenario_collectives(rank: int, nproc: int) -> dict:
+    import torchpmap.distributed as tpd
+
+    d = {k: local(v, rank, nproc) for k, v in global_data().items()}
+    out: dict[str, object] = {
+        "process_index": tp.process_index(),
+        "process_count": tp.process_count(),
+        "devices": [(x.platform, x.id, x.process_index) for x in tp.devices()],
+        "local_devices": [(x.platform, x.id, x.process_index) for x in tp.local_devices()],
+        "is_initialized": tpd.is_initialized(),
+    }
+    tpd.initialize()  # idempotent
+    for name, fn in collective_programs(d).items():
+        out[name] = fn(d)
+    out["backward_outside"] = backward_outside(d)
+    out["grad_around"] = grad_around(d)
+    out["replicated"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i", out_axes=None)(d["x"])
+    out["train_by_hand"] = train_by_hand(d)
+    out["train_with_helper"] = train_with_helper(d)
+    # Unequal local sizes: every process raises the same clear error (and stays usable).
+    try:
+        tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(rank + 1))
+        out["size_error"] = None
+    except ValueError as e:
+        out["size_error"] = str(e)
+    out["after_size_error"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(1))
+    if nproc == 4:
+        out["mesh"] = scenario_mesh_part(rank)
+    return out
+
+
+def scenario_mesh_part(rank: int) -> dict:
+    import torchpmap.distributed as tpd
+
+    m = tpd.mesh(MESH_SHAPE, MESH_NAMES)
+    i, j = m.coordinate("data"), m.coordinate("model")
+    a, b = MESH_LOCAL
+    block = mesh_global()[i * a : (i + 1) * a, j * b : (j + 1) * b]
+    with m:
+        f = tp.pmap(tp.pmap(mesh_program, axis_name="model"), axis_name="data")
+        result = f(block)
+    xg = block.clone().requires_grad_()
+    with m:
+        y = tp.pmap(tp.pmap(lambda v: tp.psum(v * v, "model") + tp.all_gather(v, "data").sum(0), axis_name="model"),
+                    axis_name="data")(xg)
+    y.sum().backward()
+    explicit = tp.pmap(tp.pmap(mesh_program, axis_name="model", mesh=m), axis_name="data", mesh=m)(block)
+    return {"coords": (i, j), "result": result, "explicit": explicit, "block_grad": xg.grad, "repr": repr(m)}
+
+
+def scenario_raise(rank: int, nproc: int) -> dict:
+    def f(v):
+        if int(os.environ["RANK"]) == 1:
+            raise ValueError("boom on purpose in rank 1")
+        return tp.psum(v, "i")
+
+    return _expect_failure(lambda: tp.pmap(f, axis_name="i")(torch.ones(2)))
+
+
+def scenario_die(rank: int, nproc: int) -> dict:
+    def f(v):
+        if int(os.environ["RANK"]) == 1:
+            os._exit(17)
+        return tp.psum(v, "i")
+
+    return _expect_failure(lambda: tp.pmap(f, axis_name="i")(torch.ones(2)))
+
+
+def scenario_absent(rank: int, nproc: int) -> dict:
+    """Rank 1 is alive but never calls the pmap: the others time out, saying where it is."""
+    if rank == 1:  # stay alive (outside any pmap) until rank 0 has reported
+        deadline = time.monotonic() + 30
+        while not os.path.exists(os.path.join(sys.argv[2], "rank0.pt")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return {"waited": True}
+    return _expect_failure(lambda: tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(2)))
+
+
+def _expect_failure(fn) -> dict:
+    t = time.monotonic()
+    try:
+        fn()
+        result = {"error": None}
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result = {"error": type(e).__name__, "message": str(e), "ranks": list(getattr(e, "ranks", ()))}
+    result["seconds"] = time.monotonic() - t
+    try:  # a later distributed pmap is refused at once
+        tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(2))
+        result["after"] = None
+    except BaseException as e:  # noqa: BLE001
+        result["after"] = f"{type(e).__name__}: {e}"
+    return result
+
+
+def main() -> None:
+    scenario, outdir = sys.argv[1], sys.argv[2]
+    timeout = float(os.environ.get("TEST_TIMEOUT", "30"))
+    import torchpmap.distributed as tpd
+
+    tpd.initialize(timeout=datetime.timedelta(seconds=timeout))
+    rank, nproc = tp.process_index(), tp.process_count()
+    try:
+        out = globals()[f"scenario_{scenario}"](rank, nproc)
+    except BaseException:  # noqa: BLE001 - keep the traceback for the test
+        out = {"crashed": traceback.format_exc()}
+    path = os.path.join(outdir, f"rank{rank}.pt")
+    torch.save(out, path + ".tmp")
+    os.replace(path + ".tmp", path)  # complete when it appears
+    sys.stdout.flush()
+    if scenario in ("raise", "die", "absent"):
+        # The group is out of step: skip waiting for its collectives at exit, but let rank 0
+        # (the store's host) stay as long as torchpmap's own exit hook would.
+        if rank == 0:
+            from torchpmap._process_group import linger_seconds
+
+            time.sleep(linger_seconds())
+        os._exit(0)
+    tpd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Starts a few local processes the way ``torchrun`` would, without its agent.
+
+For tests and benchmarks on one machine: every process gets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a free
+``MASTER_PORT``, so that :func:`torchpmap.distributed.initialize` joins them. Unlike
+torchrun, nothing kills the others when one fails, which is what the fault tests need
+(torchrun's agent would stop the survivors before they report).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Mapping, Optional, Sequence
+
+
+@dataclasses.dataclass
+class Finished:
+    """One process' end: its exit code (None if it was killed at the deadline) and output."""
+
+    rank: int
+    returncode: Optional[int]
+    output: str
+    seconds: float
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    argv: Sequence[str],
+    nproc: int,
+    *,
+    timeout: float,
+    env: Optional[Mapping[str, str]] = None,
+    cwd: Optional[str] = None,
+) -> list[Finished]:
+    """Runs ``python *argv`` in ``nproc`` processes and waits for all of them.
+
+    Processes still running after ``timeout`` seconds are killed (only those started
+    here); their ``returncode`` is None. Output (stdout and stderr) is collected per
+    process.
+    """
+    port = str(free_port())
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does with several processes per node
+    base.update(env or {})
+    started = time.monotonic()
+    procs, logs = [], []
+    try:
+        for rank in range(nproc):
+            log = tempfile.TemporaryFile(mode="w+")
+            child_env = dict(
+                base,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            procs.append(
+                subprocess.Popen([sys.executable, *argv], env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+            )
+            logs.append(log)
+        ended: dict[int, float] = {}
+        deadline = started + timeout
+        while len(ended) < nproc and time.monotonic() < deadline:
+            for rank, p in enumerate(procs):
+                if rank not in ended and p.poll() is not None:
+                    ended[rank] = time.monotonic() - started
+            time.sleep(0.05)
+        results = []
+        for rank, (p, log) in enumerate(zip(procs, logs)):
+            if rank not in ended:
+                p.kill()
+                p.wait()
+            log.seek(0)
+            results.append(
+                Finished(rank, p.returncode if rank in ended else None, log.read(), ended.get(rank, timeout))
+            )
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()

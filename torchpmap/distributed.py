@@ -1,0 +1,296 @@
+"""Multi-process and multi-node ``pmap`` on ``torch.distributed``.
+
+Every process runs the same program (multi-controller, as JAX's multi-host pmap). Launch
+it with ``torchrun``; call :func:`initialize` once at the start; then a pmapped function
+called in a process receives that process' **local portion** of the mapped axis and
+returns its local portion of the result, as plain tensors. Collectives (``psum``,
+``all_gather``, ``ppermute``, ...) run over the **global** axis, across processes::
+
+    # torchrun --nproc-per-node=2 train.py
+    import torch, torchpmap
+    import torchpmap.distributed as tpd
+
+    tpd.initialize()                          # joins the process group torchrun set up
+    rank, n = torchpmap.process_index(), torchpmap.process_count()
+    x_local = torch.arange(4.)[rank * 2 : rank * 2 + 2]   # this process' 2 instances of 4
+    total = torchpmap.pmap(lambda x: torchpmap.psum(x, "i"), axis_name="i")(x_local)
+    # total == tensor([6., 6.]) in both processes; axis_index("i") gives 0, 1 in rank 0
+    # and 2, 3 in rank 1.
+    tpd.shutdown()
+
+**Layout.** With ``n_local`` instances per process (every process must pass the same
+number: a differing count is an error naming each rank's size), the global axis has
+``n_local * process_count()`` instances and process ``r`` holds instances
+``r * n_local .. (r + 1) * n_local - 1``. Forward results are bitwise those of one
+process running the whole axis (each collective gathers every process' values and runs
+the same math). Gradients flow across processes: ``.backward()`` on each process' local
+loss yields, in every process, its part of the gradient of the sum of all processes'
+losses, with the same conventions as on one process (the transpose of ``psum`` is
+``psum``, of ``all_gather`` is ``psum_scatter``, ...). A data-parallel step is written
+exactly as for one process (``pmean`` of the gradients over the batch axis), see
+``examples/multiprocess_data_parallel.py``.
+
+**Devices.** After :func:`initialize`, :func:`torchpmap.devices` lists one device per
+process (``Device(platform, id, process_index)``, in rank order),
+:func:`torchpmap.local_devices` this process' own (``cuda:LOCAL_RANK``, or the CPU),
+:func:`torchpmap.process_index` / :func:`torchpmap.process_count` are the rank and the
+world size. A nested pmap (over a name that is no mesh axis) runs within the process.
+
+**Meshes.** :func:`mesh` arranges the processes in a named grid on top of
+``torch.distributed.device_mesh.init_device_mesh``. Inside ``with mesh:``, a pmap over a
+mesh axis exchanges only within that axis' process group, so nested pmaps over
+``("data", "model")`` give data and model parallelism. Processes are laid out in
+row-major order: with ``mesh((2, 2), ("data", "model"))``, rank ``r`` sits at
+``data = r // 2``, ``model = r % 2``, and each process holds its own block of the
+global ``(data, model, ...)`` array::
+
+    # torchrun --nproc-per-node=4 prog.py
+    m = tpd.mesh((2, 2), ("data", "model"))
+    i, j = m.coordinate("data"), m.coordinate("model")
+    block = x_global[i : i + 1, j : j + 1]          # this process' instance of each axis
+    with m:
+        f = torchpmap.pmap(torchpmap.pmap(g, axis_name="model"), axis_name="data")
+        out = f(block)     # psum(., "model") sums over the 2 processes of this row
+
+**Faults.** A process whose pmapped function raises, or that dies, makes the others
+fail with :class:`RankFailed` naming its rank (and the exception it raised) instead of
+hanging, within seconds and at most within the ``timeout`` given to :func:`initialize`.
+A process waiting in a collective watches failure records and heartbeats kept in the
+rendezvous store; with gloo a peer's death also surfaces at once as a closed connection.
+If every process is alive but one never reaches the collective (a rank-dependent
+branch), the others raise ``TimeoutError`` after ``timeout``, saying where each process
+is. After a failure the processes are out of step and later distributed pmaps raise
+at once: restart the job (``torchrun --max-restarts``). With NCCL, faults are left to
+NCCL's own watchdog and the process group timeout.
+
+``torch.func`` transforms work inside the pmapped function and around the pmap
+(``torch.func.grad`` of a function that calls a distributed pmap, ``vmap`` of it), since
+each process runs its slice in its own thread of control.
+
+What is not supported across processes: ``devices=`` (each process runs its instances
+on its local device), a ``torchpmap.Mesh`` built by hand from the global devices (use
+:func:`mesh`), the debug mode ``config.disable_vectorization`` (ignored), and random
+numbers that match a single-process run (each process draws from its own generator).
+
+Example (in a single process everything is local and :func:`initialize` does nothing):
+    >>> import torchpmap, torchpmap.distributed as tpd
+    >>> tpd.initialize()          # no torchrun environment: a quiet no-op
+    >>> torchpmap.process_index(), torchpmap.process_count(), tpd.is_initialized()
+    (0, 1, False)
+    >>> tpd.shutdown()            # nothing to shut down: also a no-op
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from typing import Hashable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from torchpmap import _process_group as _pg
+from torchpmap._devices import Device, devices, local_devices, process_count, process_index
+from torchpmap._mesh import Mesh
+from torchpmap._process_group import RankFailed
+
+__all__ = [
+    "initialize",
+    "shutdown",
+    "is_initialized",
+    "mesh",
+    "ProcessMesh",
+    "RankFailed",
+    "Device",
+    "devices",
+    "local_devices",
+    "process_index",
+    "process_count",
+]
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
+    """Joins the process group described by the ``torchrun`` environment.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    (what ``torchrun`` sets), initializes ``torch.distributed``'s default process group
+    and starts the fault watch (see the module documentation). Call it in every process,
+    before the first pmap.
+
+    * Without that environment, or with ``WORLD_SIZE=1``, it returns quietly: the
+      program runs as a single process.
+    * It is idempotent: a second call (or a call after someone else initialized the
+      default process group) changes nothing.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when this process has a CUDA
+            device (it then uses ``cuda:LOCAL_RANK``), else gloo.
+        timeout: how long joining and every collective may wait for the other
+            processes before raising. Failures of other processes are reported much
+            sooner (seconds); this bounds the wait for a process that is alive but
+            never arrives.
+
+    Example:
+        >>> import torchpmap.distributed as tpd
+        >>> tpd.initialize(timeout=datetime.timedelta(seconds=30))  # single process: nothing to do
+        >>> tpd.is_initialized()
+        False
+    """
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"initialize: timeout must be a datetime.timedelta, got {timeout!r}")
+    if backend is not None and backend not in ("nccl", "gloo", "mpi", "ucc", "xccl"):
+        raise ValueError(f"initialize: unknown backend {backend!r}; use 'nccl' or 'gloo' (or None to pick one)")
+    if dist.is_available() and dist.is_initialized():
+        existing = str(dist.get_backend())
+        if backend is not None and backend not in existing.split(":") and backend not in existing:
+            raise ValueError(
+                f"initialize: the default process group is already initialized with backend {existing!r}, not "
+                f"{backend!r}; call shutdown() first to start over with another backend"
+            )
+        if _pg.active():
+            _pg.state()  # adopt a group initialized elsewhere
+        return
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or world.strip() in ("", "1"):
+        return
+    if not world.strip().isdigit() or int(world) < 1:
+        raise ValueError(f"initialize: WORLD_SIZE must be a positive integer, got {world!r}")
+    missing = [v for v in _ENV if not os.environ.get(v)]
+    if missing:
+        raise RuntimeError(
+            f"initialize: WORLD_SIZE={world} asks for {world} processes, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set. Launch the program with torchrun (which sets "
+            f"{', '.join(_ENV)} and LOCAL_RANK), e.g. torchrun --nproc-per-node={world} prog.py"
+        )
+    if not dist.is_available():
+        raise RuntimeError("initialize: this build of PyTorch has no torch.distributed support")
+    rank, world_size = int(os.environ["RANK"]), int(world)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"initialize: RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
+    cuda = torch.cuda.is_available()
+    if backend is None:
+        backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size, timeout=timeout
+    )
+    st = _pg.install(
+        backend=backend, timeout=timeout.total_seconds(), local_rank=local_rank, base_store=store, owns_group=True
+    )
+    if st.store is not None:  # every process has published its device before anyone goes on
+        st.store.wait([f"device/{r}" for r in range(world_size)], timeout)
+
+
+def shutdown() -> None:
+    """Leaves the multi-process run: stops the fault watch and destroys the default
+    process group if :func:`initialize` created it. Idempotent; a no-op for a single
+    process. Call it in every process at the end of the program.
+
+    After a failure, destroying the group may wait until the failed process has exited
+    (gloo finishes the collectives in flight first).
+    """
+    st = _pg.uninstall()
+    if st is not None and st.owns_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """True when more than one process takes part (``torch.distributed`` is initialized
+    with a world size above 1), whoever initialized it."""
+    return _pg.active()
+
+
+class ProcessMesh(Mesh):
+    """A :class:`torchpmap.Mesh` whose devices are processes: one device per process,
+    laid out row-major by rank, with one ``torch.distributed`` process group per axis.
+
+    Made by :func:`mesh`. Used as a context (``with m:``) or as ``pmap(..., mesh=m)``,
+    a pmap over one of its axes exchanges only with the processes along that axis (those
+    that share this process' coordinates on the other axes).
+
+    Attributes:
+        device_mesh: the underlying ``torch.distributed.device_mesh.DeviceMesh``.
+    """
+
+    def __init__(self, device_mesh, axis_names: Sequence[Hashable]):
+        self.device_mesh = device_mesh
+        st = _pg.state()
+        ranks = device_mesh.mesh
+        grid = np.empty(tuple(ranks.shape), dtype=object)
+        for index, r in zip(np.ndindex(*grid.shape), ranks.flatten().tolist()):
+            grid[index] = st.devices[r]
+        super().__init__(grid, axis_names)
+        self._groups = {name: device_mesh.get_group(name) for name in self.axis_names}
+        self._coords = {name: int(device_mesh.get_local_rank(name)) for name in self.axis_names}
+
+    def group(self, axis_name: Hashable):
+        """The process group of the processes along ``axis_name`` (this process' row)."""
+        return self._groups[self._axis(axis_name)]
+
+    def coordinate(self, axis_name: Hashable) -> int:
+        """This process' index along ``axis_name``."""
+        return self._coords[self._axis(axis_name)]
+
+    def _axis(self, axis_name: Hashable) -> Hashable:
+        if axis_name not in self._groups:
+            raise KeyError(f"{axis_name!r} is not an axis of this mesh; its axes are {self.axis_names}")
+        return axis_name
+
+    def __repr__(self) -> str:
+        coords = ", ".join(f"{a}={i}" for a, i in self._coords.items())
+        return f"ProcessMesh(shape={self.shape}, this process at {coords})"
+
+
+def mesh(shape: Sequence[int], axis_names: Sequence[Hashable]) -> ProcessMesh:
+    """Arranges all processes in a grid of the given ``shape`` with named axes.
+
+    Built on ``torch.distributed.device_mesh.init_device_mesh``; a collective call, so
+    every process must call it with the same arguments. ``prod(shape)`` must equal the
+    number of processes. Rank ``r`` sits at the row-major coordinates of ``r``
+    (:meth:`ProcessMesh.coordinate`); each process then holds one block of every mesh
+    axis (``n_local`` instances, the same in every process).
+
+    Example (4 processes, ``torchrun --nproc-per-node=4``)::
+
+        m = torchpmap.distributed.mesh((2, 2), ("data", "model"))
+        with m:
+            step = torchpmap.pmap(torchpmap.pmap(f, axis_name="model"), axis_name="data")
+            out = step(local_block)   # shape (1, 1, ...) per process
+
+    Raises:
+        RuntimeError: when no multi-process run is active (call :func:`initialize`
+            under torchrun first; in one process, use :class:`torchpmap.Mesh`).
+        ValueError: when the shape does not match the number of processes.
+    """
+    shape = tuple(shape)
+    axis_names = tuple(axis_names)
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
+        raise ValueError(f"mesh: shape must be positive ints, got {shape!r}")
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh: shape {shape} has {len(shape)} axes but {len(axis_names)} names were given: {axis_names}")
+    if len(set(axis_names)) != len(axis_names) or not all(isinstance(a, str) for a in axis_names):
+        raise ValueError(f"mesh: axis_names must be distinct strings, got {axis_names!r}")
+    if not _pg.active():
+        raise RuntimeError(
+            "mesh: no multi-process run is active. Launch with torchrun and call torchpmap.distributed.initialize() "
+            "first; within one process, use torchpmap.Mesh over torchpmap.devices() instead."
+        )
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ValueError(
+            f"mesh: shape {shape} holds {math.prod(shape)} processes, but the run has {world}; the shape's "
+            f"product must equal the number of processes"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    st = _pg.state()
+    st.check_usable()
+    device_mesh = init_device_mesh(st.local_device.platform, shape, mesh_dim_names=axis_names)
+    return ProcessMesh(device_mesh, axis_names)
