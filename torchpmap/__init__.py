@@ -36,6 +36,8 @@ from torchpmap.training import (
     unshard,
 )
 
+from torchpmap import distributed
+
 __version__ = "0.1.0"
 
 __all__ = [
