@@ -21,6 +21,7 @@ from torchpmap._sharded import ShardedTensor
 from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 
 _RANDOMNESS = ("error", "different", "same")
+_MAX_CACHED_LAYOUTS = 64  # argument structures remembered per mapped function
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,8 @@ class MappedFunction:
             raise TypeError(f"{opts.kind}: the first argument must be a callable, got {fun!r}")
         check_options(opts)
         self.fun, self.opts = fun, opts
+        self._layouts: dict[Any, list[tuple[Any, str]]] = {}  # argument structure -> leaf axes
+        self._out_layouts: dict[Any, list[tuple[Any, str]]] = {}  # output structure -> out axes
         functools.update_wrapper(self, fun, updated=())
 
     def __repr__(self) -> str:
@@ -183,43 +186,72 @@ class MappedFunction:
         return [a for i, a in enumerate(in_axes) if i not in statics]
 
     def _flatten(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> _Flat:
-        what = self.opts.kind
-        positions = [i for i in range(len(args)) if i not in statics]
-        axes_and_labels: list[tuple[Any, str]] = []
-        for pos, arg, axis in zip(positions, dyn_args, self._positional_axes(args, statics)):
-            label = self._arg_label(pos)
-            for leaf_axis, path in broadcast_prefix(axis, arg, f"{what} in_axes[{pos}] (for {label})"):
-                axes_and_labels.append((leaf_axis, f"{label}{' at ' + path if path else ''}"))
-        for name, value in kwargs.items():  # keyword arguments are always mapped over axis 0
-            for path, _ in pytree.tree_leaves_with_path(value):
-                axes_and_labels.append((0, f"keyword argument {name!r}{' at ' + pytree.keystr(path) if path else ''}"))
-
         leaves, spec = pytree.tree_flatten((dyn_args, kwargs))
+        # A leaf's axis depends only on the arguments' structure: match the in_axes prefix
+        # once per structure, so that a repeated call skips it.
+        key = (spec, tuple(statics), len(args))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._leaf_axes(args, statics, dyn_args, kwargs)
+            if len(self._layouts) < _MAX_CACHED_LAYOUTS:
+                self._layouts[key] = layout
         mapped_slots, in_dims, sizes = [], [], []
-        for k, (leaf, (axis, label)) in enumerate(zip(leaves, axes_and_labels)):
+        for k, (leaf, (axis, label)) in enumerate(zip(leaves, layout)):
             if isinstance(leaf, np.ndarray) or (isinstance(leaf, np.generic) and axis is not None):
                 leaf = leaves[k] = torch.as_tensor(leaf)
             if axis is None:
                 continue
-            if not isinstance(leaf, (torch.Tensor, ShardedTensor)):
-                raise TypeError(
-                    f"{what} in_axes maps {label} along axis {axis}, but it is a {type(leaf).__name__} "
-                    f"({leaf!r}), which has no axes. Only tensors and numpy arrays can be mapped: give it "
-                    f"in_axes None to pass it unchanged to every instance, or pass a tensor."
-                )
-            rank = leaf.dim()
-            if not -rank <= axis < rank:
-                raise ValueError(
-                    f"{what} was asked to map {label} along axis {axis}, which needs a rank of at least "
-                    f"{axis + 1 if axis >= 0 else -axis}, but it has rank {rank} (shape {tuple(leaf.shape)}). "
-                    f"Fix in_axes for it, or give it None to broadcast it."
-                )
             mapped_slots.append(k)
-            in_dims.append(axis % rank)
-            sizes.append((leaf.shape[axis], f"axis {axis} of {label} (shape {tuple(leaf.shape)})"))
+            in_dims.append(self._mapped_dim(leaf, axis, label))
+            sizes.append(leaf.shape[axis])
+        if len(set(sizes)) > 1:
+            self._raise_inconsistent(leaves, layout, mapped_slots)
         return _Flat(leaves, spec, mapped_slots, in_dims, self._common_size(sizes))
 
-    def _common_size(self, sizes: list[tuple[int, str]]) -> int:
+    def _leaf_axes(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> list[tuple[Any, str]]:
+        """(axis, label for messages) of every argument leaf, in flatten order."""
+        what = self.opts.kind
+        positions = [i for i in range(len(args)) if i not in statics]
+        layout: list[tuple[Any, str]] = []
+        for pos, arg, axis in zip(positions, dyn_args, self._positional_axes(args, statics)):
+            label = self._arg_label(pos)
+            for leaf_axis, path in broadcast_prefix(axis, arg, f"{what} in_axes[{pos}] (for {label})"):
+                layout.append((leaf_axis, f"{label}{' at ' + path if path else ''}"))
+        for name, value in kwargs.items():  # keyword arguments are always mapped over axis 0
+            for path, _ in pytree.tree_leaves_with_path(value):
+                layout.append((0, f"keyword argument {name!r}{' at ' + pytree.keystr(path) if path else ''}"))
+        return layout
+
+    def _mapped_dim(self, leaf: Any, axis: int, label: str) -> int:
+        """The non-negative mapped dim of ``leaf``, or a TypeError/ValueError naming it."""
+        what = self.opts.kind
+        if not isinstance(leaf, (torch.Tensor, ShardedTensor)):
+            raise TypeError(
+                f"{what} in_axes maps {label} along axis {axis}, but it is a {type(leaf).__name__} "
+                f"({leaf!r}), which has no axes. Only tensors and numpy arrays can be mapped: give it "
+                f"in_axes None to pass it unchanged to every instance, or pass a tensor."
+            )
+        rank = leaf.dim()
+        if not -rank <= axis < rank:
+            raise ValueError(
+                f"{what} was asked to map {label} along axis {axis}, which needs a rank of at least "
+                f"{axis + 1 if axis >= 0 else -axis}, but it has rank {rank} (shape {tuple(leaf.shape)}). "
+                f"Fix in_axes for it, or give it None to broadcast it."
+            )
+        return axis % rank
+
+    def _raise_inconsistent(self, leaves: list, layout: list[tuple[Any, str]], mapped_slots: list[int]) -> None:
+        found = [(leaves[k].shape[layout[k][0]], layout[k]) for k in mapped_slots]
+        lines = "\n".join(
+            f"  * size {size}: axis {axis} of {label} (shape {tuple(leaves[k].shape)})"
+            for k, (size, (axis, label)) in zip(mapped_slots, found)
+        )
+        raise ValueError(
+            f"{self.opts.kind} got inconsistent sizes for the mapped axes: every mapped argument must have the "
+            f"same size along its mapped axis, but found sizes {sorted({s for s, _ in found})}:\n{lines}"
+        )
+
+    def _common_size(self, sizes: list[int]) -> int:
         what, axis_size = self.opts.kind, self.opts.axis_size
         if not sizes:
             if axis_size is not None:
@@ -228,14 +260,7 @@ class MappedFunction:
                 f"{what} needs at least one mapped argument, but in_axes maps none (every entry is None and no "
                 f"keyword arguments were given). Map an argument, or pass axis_size= to say how many instances to run."
             )
-        distinct = sorted({s for s, _ in sizes})
-        if len(distinct) > 1:
-            lines = "\n".join(f"  * size {s}: {where}" for s, where in sizes)
-            raise ValueError(
-                f"{what} got inconsistent sizes for the mapped axes: every mapped argument must have the same size "
-                f"along its mapped axis, but found sizes {distinct}:\n{lines}"
-            )
-        size = distinct[0]
+        size = sizes[0]
         if axis_size is not None and axis_size != size:
             raise ValueError(f"{what}: axis_size={axis_size} was given, but the mapped arguments have size {size}")
         return size
@@ -286,8 +311,14 @@ class MappedFunction:
         return tensors
 
     def _out_axes(self, holder: dict[str, Any]) -> list[tuple[Optional[int], str]]:
-        tree = pytree.tree_unflatten([None] * holder["leaves"], holder["spec"])
-        return list(broadcast_prefix(self.opts.out_axes, tree, f"{self.opts.kind} out_axes"))
+        spec = holder["spec"]
+        axes = self._out_layouts.get(spec)
+        if axes is None:
+            tree = pytree.tree_unflatten([None] * holder["leaves"], spec)
+            axes = list(broadcast_prefix(self.opts.out_axes, tree, f"{self.opts.kind} out_axes"))
+            if len(self._out_layouts) < _MAX_CACHED_LAYOUTS:
+                self._out_layouts[spec] = axes
+        return axes
 
     def _replicated_outputs(self, holder: dict[str, Any]) -> dict[int, str]:
         """Tensor-output positions whose out axis is None, with their key paths."""

@@ -10,7 +10,8 @@ import contextlib
 from typing import Any, Sequence
 
 import torch
-from torch.func import vmap
+from torch._C import _functorch
+from torch._functorch.vmap import doesnt_support_saved_tensors_hooks, lazy_load_decompositions
 
 from torchpmap import _axis_env, _devices
 from torchpmap._engines import MappedCall
@@ -49,9 +50,30 @@ def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exch
         _check_unmapped(outputs, call.must_be_unmapped(), token)
         return outputs
 
-    batched = vmap(one_instance, in_dims=(0, *call.in_dims), out_dims=0, randomness=call.randomness)
     with _nested_maps_stay_on(token.device):
-        return list(batched(token, *mapped))
+        return _vmap_flat(one_instance, call.size, (token, *mapped), (0, *call.in_dims), call.randomness)
+
+
+_decompositions_loaded = False
+
+
+@doesnt_support_saved_tensors_hooks
+def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[int], randomness: str) -> list:
+    """``torch.func.vmap(fn, in_dims, out_dims=0, randomness)(*inputs)`` on flat lists.
+
+    The same functorch calls torch.func.vmap makes, without its pytree handling: the front
+    end has already flattened the arguments and checked the axes, and this is the hot path.
+    """
+    global _decompositions_loaded
+    if not _decompositions_loaded:
+        lazy_load_decompositions()
+        _decompositions_loaded = True
+    level = _functorch._vmap_increment_nesting(size, randomness)
+    try:
+        batched = [_functorch._add_batch_dim(t, d, level) for t, d in zip(inputs, in_dims)]
+        return [_functorch._remove_batch_dim(out, level, size, 0) for out in fn(*batched)]
+    finally:
+        _functorch._vmap_decrement_nesting()
 
 
 @contextlib.contextmanager
