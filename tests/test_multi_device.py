@@ -119,7 +119,7 @@ def test_collective_that_cannot_complete_times_out(cpu_devices, monkeypatch):
     def device_1_skips(v):
         return v if placed_on() == 1 else tp.psum(v, "i")
 
-    with pytest.raises(TimeoutError, match=r"psum over axis 'i' waited 0.5 s.*devices \[1\]"):
+    with pytest.raises(TimeoutError, match=r"psum over axis 'i' waited 0.5 s for the participants \[1\] of 2"):
         tp.pmap(device_1_skips, axis_name="i")(torch.arange(2.))
 
 

@@ -127,12 +127,13 @@ def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
     requested = list(requested)
     if not requested:
         raise ValueError("pmap: 'devices' must be a non-empty list of devices, or None for all of them")
-    known = {d: d for d in devices()}
-    for d in devices():
-        known[str(d)] = known[d.torch_device] = d
+    known: dict[Any, Device] = {}
+    for d in devices():  # by Device, by "cpu:1", by torch.device; the first device wins ties
+        for key in (d, str(d), d.torch_device, str(d.torch_device)):
+            known.setdefault(key, d)
     chosen = []
     for i, d in enumerate(requested):
-        key = torch.device(d) if isinstance(d, str) else d
+        key = d if isinstance(d, str) and d in known else torch.device(d) if isinstance(d, str) else d
         if key not in known:
             raise ValueError(f"pmap: devices[{i}] = {d!r} is not one of torchpmap.devices() = {devices()}")
         chosen.append(known[key])

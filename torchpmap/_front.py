@@ -142,6 +142,12 @@ class MappedFunction:
     # ------------------------------------------------------------------ arguments
 
     def _statics(self, args: tuple) -> dict[int, Any]:
+        for i in self.opts.donate_argnums:
+            if not -len(args) <= i < len(args):
+                raise ValueError(
+                    f"pmap: donate_argnums includes {i}, but only {len(args)} positional arguments were passed. "
+                    f"Donated arguments must be passed positionally."
+                )
         statics: dict[int, Any] = {}
         for i in self.opts.static_argnums:
             pos = i + len(args) if i < 0 else i

@@ -29,7 +29,7 @@ class ShardedTensor:
 
     Example:
         >>> import torch
-        >>> from torchpmap._devices import Device
+        >>> from torchpmap import Device, ShardedTensor
         >>> st = ShardedTensor([(Device("cpu", 0), torch.zeros(2)), (Device("cpu", 1), torch.ones(2))])
         >>> st.shape, st.devices()
         (torch.Size([4]), [cpu:0, cpu:1])

@@ -76,9 +76,10 @@ class Rendezvous:
                 if left <= 0:
                     missing = sorted(set(range(count)) - set(slot.values))
                     raise TimeoutError(
-                        f"torchpmap: {what} waited {self.timeout:g} s for the instances on devices {missing} of "
-                        f"{count}, which never arrived (a deadlock, or a device that stopped). Raise "
-                        "torchpmap.config.collective_timeout if they are just slow."
+                        f"torchpmap: {what} waited {self.timeout:g} s for the participants {missing} of {count} "
+                        "along the axis (device slices; single instances in debug mode), which never arrived: a "
+                        "deadlock, or a device that stopped. Raise torchpmap.config.collective_timeout if they "
+                        "are just slow."
                     )
                 self._wait(left)
             result = slot.results[index]
