@@ -12,7 +12,8 @@ and the autodiff transforms (``B.grad``, ``B.jvp``, ``B.jacrev``, ``B.jacfwd``):
     check(program, (np.arange(4.0, dtype=np.float32),), jax_kind="pmap")
 
 :func:`check` converts the numpy arguments for each side (same dtype on both), runs the
-program with JAX and with torchpmap (``tp.pmap`` and ``tp.vmap`` by default) and asserts, with :func:`assert_same`, that the two
+program once with JAX (under ``jax.jit``: one compilation per program) and with torchpmap
+(``tp.pmap`` and ``tp.vmap`` by default), and asserts with :func:`assert_same` that the
 results have the same pytree structure and, leaf by leaf, the same shape, corresponding
 dtypes and the same numbers.
 
@@ -47,6 +48,9 @@ import torchpmap as tp  # noqa: E402
 assert not jax.config.jax_enable_x64, "the JAX reference runs with x64 disabled, JAX's default"
 
 JAX_DEVICE_COUNT = jax.device_count()
+assert JAX_DEVICE_COUNT >= 8, (
+    f"JAX sees {JAX_DEVICE_COUNT} device(s): jax was imported before XLA_FLAGS asked for 8 host devices"
+)
 
 # --------------------------------------------------------------------------- dtypes
 
@@ -64,8 +68,8 @@ TORCH_TO_JAX_DTYPE: dict[torch.dtype, np.dtype] = {t: np.dtype(j) for t, j, _ in
 
 #: The one documented dtype exception: where JAX returns its default integer (int32 with
 #: x64 disabled), torchpmap returns torch's default integer, int64, by design. Applies to
-#: psum/psum_scatter of bools (a count), axis_index, and Python ints returned by the
-#: mapped function. Only allowed (and then required) under ``jax_default_int=True``.
+#: psum of bools (a count), axis_index, and Python ints returned by the mapped function
+#: (or summed by psum). Only allowed (and then required) under ``jax_default_int=True``.
 DEFAULT_INT_EXCEPTION = (torch.int64, np.dtype(np.int32))
 
 #: (rtol, atol) per torch dtype; integers and bools are compared exactly.
