@@ -256,7 +256,7 @@ def run(program: Callable, backend: Backend, kind: Optional[str], args: tuple) -
 MULTI_DEVICE_ERRORS = (
     "encloses a pmap that runs on several devices",
     "does not divide evenly over the",
-    "forward-mode AD (torch.func.jvp / jacfwd)",
+    "forward-mode AD (torch.func.jvp / jacfwd) inside a pmap that spans several devices",
 )
 
 

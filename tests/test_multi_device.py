@@ -238,3 +238,13 @@ def test_debug_mode_runs_instances_one_at_a_time(cpu_devices, capsys):
     assert sorted(capsys.readouterr().out.split("\n")[:-1]) == [f"instance {i}" for i in range(4)]
     assert torch.equal(torch.as_tensor(debug), 6 * x)
     assert any("instance 0" in n for n in info.value.__notes__)
+
+
+def test_forward_mode_ad_across_devices_is_refused(cpu_devices):
+    cpu_devices(4)
+    jvp_inside = tp.pmap(lambda v: torch.func.jvp(torch.sin, (v,), (torch.ones_like(v),))[1])
+    for _ in range(5):  # the threads race for PyTorch's process-wide forward-AD level: every outcome must be this error
+        with pytest.raises(NotImplementedError, match=r"forward-mode AD \(torch.func.jvp / jacfwd\)"):
+            jvp_inside(torch.arange(8.0))
+    one = tp.pmap(lambda v: torch.func.jvp(torch.sin, (v,), (torch.ones_like(v),))[1], devices=tp.devices()[:1])
+    assert torch.allclose(one(torch.arange(8.0)), torch.cos(torch.arange(8.0)))

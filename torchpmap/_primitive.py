@@ -74,12 +74,9 @@ def _refuse_forward_mode(prim: Primitive) -> None:
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
     if any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
-        raise NotImplementedError(
-            f"torchpmap: forward-mode AD (torch.func.jvp / jacfwd) through {prim.name} over axis "
-            f"{prim.frame.name!r}, which spans several devices, is not supported: PyTorch keeps forward-mode AD "
-            "state per process, so device threads would interfere. Use reverse mode (grad, vjp, jacrev), or "
-            "run this pmap on one device (devices=[torchpmap.devices()[0]])."
-        )
+        from torchpmap._engines.multi_device import FORWARD_MODE_ACROSS_DEVICES
+
+        raise NotImplementedError(f"{FORWARD_MODE_ACROSS_DEVICES} (It reached {prim.name} over axis {prim.frame.name!r}.)")
 
 
 def _run_unvectorized(prim: Primitive, x: torch.Tensor) -> torch.Tensor:

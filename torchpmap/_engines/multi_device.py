@@ -17,10 +17,17 @@ from torchpmap import _devices
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
-from torchpmap._engines.random_streams import call_seed, thread_stream
+from torchpmap._engines.thread_mode import call_seed, device_thread_mode
 from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
 from torchpmap._sharded import ShardedTensor
+
+
+FORWARD_MODE_ACROSS_DEVICES = (
+    "torchpmap: forward-mode AD (torch.func.jvp / jacfwd) inside a pmap that spans several devices is not "
+    "supported: PyTorch keeps forward-mode AD state per process, so the device threads interfere. Use reverse "
+    "mode (grad, vjp, jacrev), or run this pmap on one device (devices=[torchpmap.devices()[0]])."
+)
 
 
 def refuse_enclosing_transforms() -> None:
@@ -71,7 +78,7 @@ def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = 
                 devices=(devices[d],),
             )
             exchange = ThreadExchange(rendezvous, d, torch_devices, group)
-            with thread_stream(seed, d, call.randomness, torch_devices[d]):
+            with device_thread_mode(seed, d, call.randomness, torch_devices[d]):
                 return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
         except BaseException:
             rendezvous.fail(f"the instances {d * k}..{d * k + k - 1} on device {devices[d]}")
@@ -89,6 +96,8 @@ def collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> lis
     errors = [f.exception() for f in futures]
     first = next((e for e in errors if e is not None and not isinstance(e, PeerFailed)), None)
     first = first or next((e for e in errors if e is not None), None)
+    if isinstance(first, RuntimeError) and "forward AD" in str(first):  # the race of the other threads
+        raise NotImplementedError(FORWARD_MODE_ACROSS_DEVICES) from first
     if first is not None:
         d = errors.index(first)
         if hasattr(first, "add_note"):

@@ -27,7 +27,7 @@ from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
 from torchpmap._engines.multi_device import collect, refuse_enclosing_transforms, slice_for_device
-from torchpmap._engines.random_streams import call_seed, thread_stream
+from torchpmap._engines.thread_mode import call_seed, device_thread_mode
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
 from torchpmap._sharded import ShardedTensor, as_local
@@ -94,7 +94,7 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
         _thread.state = state
         _devices.set_current_default((devices[j],))
         try:
-            stream = thread_stream(seed, j, call.randomness, devices[j].torch_device)
+            stream = device_thread_mode(seed, j, call.randomness, devices[j].torch_device)
             with rendezvous.turn(), _axis_env.inherited(rebound), stream:
                 part = dataclasses.replace(
                     call,

@@ -1,0 +1,80 @@
+"""What device threads must not share: random streams and forward-mode AD state.
+
+A thread-local TorchFunctionMode sees every torch call of a device thread:
+
+* **Random numbers.** Device threads share torch's default generators, so the numbers an
+  instance draws would depend on thread scheduling. Each thread instead gets its own
+  stream, seeded from one draw of the caller's generator (so ``torch.manual_seed`` makes
+  a whole pmap reproducible); the mode swaps the thread's state into the default
+  generator around each random op, under a lock. Other ops pass straight through and run
+  concurrently.
+* **Forward-mode AD.** PyTorch keeps forward-AD levels per process, so ``jvp``/``jacfwd``
+  in concurrent threads corrupt each other (errors, or tangents silently lost). The mode
+  refuses ``torch._make_dual``, the first step of every jvp, before any tangent exists.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_RANDOM_OPS = frozenset(
+    """rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson
+    dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d rrelu gumbel_softmax
+    uniform_ normal_ bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_""".split()
+)
+_lock = threading.Lock()
+
+
+def call_seed(randomness: str) -> int | None:
+    """One draw from the caller's generator for a call that may use random numbers."""
+    if randomness == "error":
+        return None
+    return int(torch.randint(0, 2**62, (), generator=torch.default_generator))
+
+
+_DUAL_OPS = frozenset({"_make_dual", "make_dual"})
+
+
+class _DeviceThreadMode(TorchFunctionMode):
+    def __init__(self, seed: int | None, device: torch.device):
+        super().__init__()
+        self.seed = seed
+        if seed is None:
+            return
+        self.generators = [torch.default_generator]
+        if device.type == "cuda":
+            self.generators.append(torch.cuda.default_generators[device.index or 0])
+        self.states = []
+        for g in self.generators:
+            own = torch.Generator(device=g.device)
+            own.manual_seed(seed)
+            self.states.append(own.get_state())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", None)
+        if name in _DUAL_OPS:
+            from torchpmap._engines.multi_device import FORWARD_MODE_ACROSS_DEVICES
+
+            raise NotImplementedError(FORWARD_MODE_ACROSS_DEVICES)
+        if self.seed is None or name not in _RANDOM_OPS:
+            return func(*args, **(kwargs or {}))
+        with _lock:
+            saved = [g.get_state() for g in self.generators]
+            for g, state in zip(self.generators, self.states):
+                g.set_state(state)
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.states = [g.get_state() for g in self.generators]
+                for g, state in zip(self.generators, saved):
+                    g.set_state(state)
+
+
+def device_thread_mode(seed: int | None, index: int, randomness: str, device: torch.device) -> _DeviceThreadMode:
+    """The mode for device thread ``index``: its random stream is seed + index for
+    "different", seed for "same", none for "error" (vmap then refuses random ops)."""
+    if seed is not None and randomness == "different":
+        seed += index
+    return _DeviceThreadMode(seed, device)
