@@ -22,6 +22,7 @@ from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 
 _RANDOMNESS = ("error", "different", "same")
 _MAX_CACHED_LAYOUTS = 64  # argument structures remembered per mapped function
+_LEAF_SPEC = pytree.tree_flatten(0)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,7 @@ class _Flat:
     """The flattened positional and keyword arguments of one call."""
 
     leaves: list[Any]
-    spec: pytree.TreeSpec
+    spec: Optional[pytree.TreeSpec]  # None: the arguments are just positional tensors
     mapped_slots: list[int]
     in_dims: list[int]
     size: int
@@ -116,8 +117,11 @@ class MappedFunction:
             broadcast_iter = iter(broadcast)
             mapped = set(flat.mapped_slots)
             leaves = [leaf if k in mapped else next(broadcast_iter) for k, leaf in enumerate(leaves)]
-            call_args, call_kwargs = pytree.tree_unflatten(leaves, flat.spec)
-            call_args = list(call_args)
+            if flat.spec is None:
+                call_args, call_kwargs = leaves, {}
+            else:
+                call_args, call_kwargs = pytree.tree_unflatten(leaves, flat.spec)
+                call_args = list(call_args)
             for i in sorted(statics):
                 call_args.insert(i, statics[i])
             return self._flatten_output(self.fun(*call_args, **call_kwargs), out_holder)
@@ -192,10 +196,14 @@ class MappedFunction:
         return [a for i, a in enumerate(in_axes) if i not in statics]
 
     def _flatten(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> _Flat:
-        leaves, spec = pytree.tree_flatten((dyn_args, kwargs))
-        # A leaf's axis depends only on the arguments' structure: match the in_axes prefix
-        # once per structure, so that a repeated call skips it.
-        key = (spec, tuple(statics), len(args))
+        if not kwargs and all(type(a) is torch.Tensor for a in dyn_args):
+            leaves, spec = list(dyn_args), None  # the common case needs no pytree pass
+            key: Any = ("tensors", tuple(statics), len(args))
+        else:
+            leaves, spec = pytree.tree_flatten((dyn_args, kwargs))
+            # A leaf's axis depends only on the arguments' structure: match the in_axes
+            # prefix once per structure, so that a repeated call skips it.
+            key = (spec, tuple(statics), len(args))
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._leaf_axes(args, statics, dyn_args, kwargs)
@@ -299,6 +307,9 @@ class MappedFunction:
     # ------------------------------------------------------------------ outputs
 
     def _flatten_output(self, out: Any, holder: dict[str, Any]) -> list[torch.Tensor]:
+        if type(out) is torch.Tensor:  # the common case needs no pytree pass
+            holder.update(spec=_LEAF_SPEC, constants={}, leaves=1)
+            return [out]
         leaves, spec = pytree.tree_flatten(out)
         tensors, constants = [], {}
         for k, leaf in enumerate(leaves):
