@@ -251,6 +251,11 @@ class _Heartbeat(threading.Thread):
 
     def stop(self, exited: bool) -> None:
         self._stop_event.set()
+        if self is not threading.current_thread() and self.is_alive():
+            # Join before the store goes: a daemon thread still inside a C++ store call when
+            # the interpreter finalizes aborts the process ("terminate called without an
+            # active exception").
+            self.join(timeout=HEARTBEAT_INTERVAL + 5.0)
         if exited and self.st.store is not None:
             try:  # so that the others do not take a finished process for a dead one
                 self.st.store.set(f"alive/{self.st.rank}", f"exited|{self.st.calls}|")

@@ -198,6 +198,13 @@ def shutdown() -> None:
     """
     st = _pg.uninstall()
     if st is not None and st.owns_group and dist.is_available() and dist.is_initialized():
+        if st.poisoned is None:
+            # Leave together: rank 0 hosts the rendezvous store, and tearing its server down
+            # while another rank's client still talks to it can abort that process at exit.
+            try:
+                dist.barrier()
+            except Exception:  # a peer is gone: nothing to wait for
+                pass
         dist.destroy_process_group()
 
 
