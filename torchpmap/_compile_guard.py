@@ -13,7 +13,7 @@ import torch
 
 
 def refuse_under_compile(what: str) -> None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():  # true only inside code dynamo traces, in any thread
         raise NotImplementedError(
             f"torchpmap.{what} cannot run under torch.compile yet: torch.compile ignores the "
             "custom batching rules that implement collectives and would return wrong results. "

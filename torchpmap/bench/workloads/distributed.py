@@ -86,7 +86,11 @@ def _worker(rank: int, init_method: str, plan: timing.Plan, columns: tuple[str, 
             with open(report, "wb") as f:
                 pickle.dump((measured.samples, results, unavailable), f)
     finally:
-        torch.distributed.destroy_process_group()
+        # torchpmap's side first (its fault watch uses this group's store), then the group.
+        importlib.import_module("torchpmap.distributed").shutdown()
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
 
 def _local_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
