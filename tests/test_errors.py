@@ -7,7 +7,6 @@ raised from the device threads and re-raised in the caller).
 from __future__ import annotations
 
 import contextlib
-import re
 
 import pytest
 import torch

@@ -72,4 +72,5 @@ __all__ = [
     "unshard",
     "prefetch_to_device",
     "data_parallel_step",
+    "distributed",
 ]

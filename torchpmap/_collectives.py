@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from torchpmap import _axis_env
-from torchpmap._axis_env import AxisFrame, AxisName
+from torchpmap._axis_env import AxisFrame
 from torchpmap._compile_guard import refuse_under_compile
 from torchpmap._primitive import bind
 from torchpmap._primitives import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter

@@ -128,7 +128,7 @@ class AllGather(Primitive):
     name = "all_gather"
 
     def compute(self, X):
-        lead, at = self.lead, self.lead + self.axis
+        at = self.lead + self.axis
         if self.groups is None:
             out = X.movedim(0, at)  # every instance gets the same stack
             return (out.flatten(at, at + 1) if self.tiled else out), None

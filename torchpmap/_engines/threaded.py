@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
