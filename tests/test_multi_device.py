@@ -248,29 +248,3 @@ def test_forward_mode_ad_across_devices_is_refused(cpu_devices):
             jvp_inside(torch.arange(8.0))
     one = tp.pmap(lambda v: torch.func.jvp(torch.sin, (v,), (torch.ones_like(v),))[1], devices=tp.devices()[:1])
     assert torch.allclose(one(torch.arange(8.0)), torch.cos(torch.arange(8.0)))
-
-
-def test_pytree_psum_is_one_exchange_per_dtype_and_bitwise_equal(cpu_devices, monkeypatch):
-    devs = cpu_devices(4)
-    from torchpmap._engines import rendezvous
-
-    calls = []
-    original = rendezvous.ThreadExchange.all_gather
-
-    def counting(self, t, what):
-        calls.append(what)
-        return original(self, t, what)
-
-    monkeypatch.setattr(rendezvous.ThreadExchange, "all_gather", counting)
-    tree = {"w": torch.randn(8, 3, 2), "b": torch.randn(8), "n": torch.rand(8, 5) > 0.5, "s": torch.randn(8, 4)}
-
-    def f(t):
-        return tp.psum(t, "i"), tp.pmean(t["w"], "i")
-
-    many = tp.pmap(f, axis_name="i")(tree)
-    per_device_calls = len(calls) // 4
-    assert per_device_calls == 3  # psum: one float bucket + one bool bucket; pmean: one leaf
-    one = tp.pmap(f, axis_name="i", devices=devs[:1])(tree)
-    flat_many, flat_one = torch.utils._pytree.tree_leaves(many), torch.utils._pytree.tree_leaves(one)
-    for a, b in zip(flat_many, flat_one):
-        assert a.dtype == b.dtype and torch.equal(torch.as_tensor(a), b)

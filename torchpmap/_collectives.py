@@ -41,34 +41,6 @@ def _tree_apply(what: str, x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -
     return pytree.tree_map(lambda leaf: fn(_leaf_tensor(leaf, what)), x)
 
 
-def _tree_apply_elementwise(what: str, x: Any, frames: list[AxisFrame], fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Like :func:`_tree_apply`, for an ``fn`` that acts on each element independently.
-
-    When an axis spans devices or processes, every exchange costs a round trip, so the
-    leaves (per dtype and device) are packed into one flat tensor, exchanged once and
-    split again, as DDP buckets gradients. The numbers are the same: each element is
-    still reduced over the same instances in the same order.
-    """
-    if all(f.exchange is None for f in frames):
-        return _tree_apply(what, x, fn)
-    refuse_under_compile(what)
-    leaves, spec = pytree.tree_flatten(x)
-    tensors = [_leaf_tensor(leaf, what) for leaf in leaves]
-    buckets: dict[tuple, list[int]] = {}
-    for k, t in enumerate(tensors):
-        buckets.setdefault((t.dtype, t.device), []).append(k)
-    out: list[Any] = [None] * len(tensors)
-    for members in buckets.values():
-        if len(members) == 1:
-            out[members[0]] = fn(tensors[members[0]])
-            continue
-        packed = fn(torch.cat([tensors[k].reshape(-1) for k in members]))
-        pieces = packed.split([tensors[k].numel() for k in members])
-        for k, piece in zip(members, pieces):
-            out[k] = piece.reshape(tensors[k].shape)
-    return pytree.tree_unflatten(out, spec)
-
-
 def _frames(axis_name: AxisNames, what: str) -> list[AxisFrame]:
     return _axis_env.frames(_axis_env.normalize_names(axis_name, what))
 
@@ -141,7 +113,7 @@ def psum(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[i
     """
     frames = _frames(axis_name, "psum")
     groups = _check_groups(axis_index_groups, frames, "psum", equal_sizes=False)
-    return _tree_apply_elementwise("psum", x, frames, lambda t: _reduce(t, frames, lambda f: Psum(f, groups=groups)))
+    return _tree_apply("psum", x, lambda t: _reduce(t, frames, lambda f: Psum(f, groups=groups)))
 
 
 def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
@@ -167,7 +139,7 @@ def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[
                 group_size[i] = len(g)
         return total / _per_instance(group_size, axis_name, t.device)
 
-    return _tree_apply_elementwise("pmean", x, frames, mean)
+    return _tree_apply("pmean", x, mean)
 
 
 def pmax(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
