@@ -54,11 +54,6 @@ def check_options(opts: MapOptions) -> None:
         raise ValueError(f"{what}: randomness must be one of {_RANDOMNESS}, got {opts.randomness!r}")
     if opts.axis_size is not None and (not isinstance(opts.axis_size, int) or opts.axis_size < 1):
         raise ValueError(f"{what}: axis_size must be a positive int or None, got {opts.axis_size!r}")
-    for arg in ("static_argnums", "donate_argnums"):
-        for i in getattr(opts, arg):
-            if not isinstance(i, int) or isinstance(i, bool):
-                name = "static_broadcasted_argnums" if arg == "static_argnums" else arg
-                raise TypeError(f"{what}: {name} must be ints, got {i!r}")
     if opts.devices is not None:
         _devices.resolve(opts.devices)
 
@@ -108,15 +103,16 @@ class MappedFunction:
         statics = self._statics(args)
         dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
         flat = self._flatten(args, statics, dyn_args, kwargs)
+        mapped = set(flat.mapped_slots)
+        broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
         out_holder: dict[str, Any] = {}
 
         def body(slices: Sequence[torch.Tensor], broadcast: Sequence[Any]) -> list[torch.Tensor]:
             leaves = list(flat.leaves)
             for slot, value in zip(flat.mapped_slots, slices):
                 leaves[slot] = value
-            broadcast_iter = iter(broadcast)
-            mapped = set(flat.mapped_slots)
-            leaves = [leaf if k in mapped else next(broadcast_iter) for k, leaf in enumerate(leaves)]
+            for slot, value in zip(broadcast_slots, broadcast):  # as placed by the engine
+                leaves[slot] = value
             if flat.spec is None:
                 call_args, call_kwargs = leaves, {}
             else:
@@ -126,13 +122,12 @@ class MappedFunction:
                 call_args.insert(i, statics[i])
             return self._flatten_output(self.fun(*call_args, **call_kwargs), out_holder)
 
-        mapped = set(flat.mapped_slots)
         mesh = self._mesh()
         call = _engines.MappedCall(
             body=body,
             mapped=[flat.leaves[k] for k in flat.mapped_slots],
             in_dims=flat.in_dims,
-            broadcast=[leaf for k, leaf in enumerate(flat.leaves) if k not in mapped],
+            broadcast=[flat.leaves[k] for k in broadcast_slots],
             axis_name=self.opts.axis_name,
             size=flat.size,
             randomness=self.opts.randomness,

@@ -58,12 +58,17 @@ def _starts_at(t: ShardedTensor, d: int, dim: int) -> int:
     return sum(s.tensor.shape[dim] for s in t.shards[:d])
 
 
-def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = None) -> list[ShardedTensor]:
+def slice_label(d: int, k: int, device: Device) -> str:
+    """How messages name slice ``d`` of ``k`` instances: the instance itself when k == 1."""
+    which = f"instance {d}" if k == 1 else f"one of the instances {d * k}..{d * k + k - 1}"
+    return f"{which} (on device {device})"
+
+
+def run(call: MappedCall) -> list[ShardedTensor]:
     refuse_enclosing_transforms()
     devices = list(call.devices)
     k = call.size // len(devices)
-    rendezvous = rendezvous or Rendezvous(config.collective_timeout)
-    group = group if group is not None else object()
+    rendezvous, group = Rendezvous(config.collective_timeout), object()
     torch_devices = tuple(d.torch_device for d in devices)
     seed = call_seed(call.randomness)
 
@@ -73,7 +78,6 @@ def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = 
             part = dataclasses.replace(
                 call,
                 mapped=[slice_for_device(t, dim, d, k, devices[d]) for t, dim in zip(call.mapped, call.in_dims)],
-                in_dims=list(call.in_dims),
                 size=k,
                 devices=(devices[d],),
             )
@@ -81,7 +85,7 @@ def run(call: MappedCall, *, rendezvous: Rendezvous | None = None, group: Any = 
             with device_thread_mode(seed, d, call.randomness, torch_devices[d]):
                 return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
         except BaseException:
-            rendezvous.fail(f"the instances {d * k}..{d * k + k - 1} on device {devices[d]}")
+            rendezvous.fail(slice_label(d, k, devices[d]))
             raise
         finally:
             _devices.set_current_default(None)
@@ -101,7 +105,6 @@ def collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> lis
     if first is not None:
         d = errors.index(first)
         if hasattr(first, "add_note"):
-            which = f"instance {d}" if k == 1 else f"one of the instances {d * k}..{d * k + k - 1}"
-            first.add_note(f"torchpmap: raised by {which} (on device {devices[d]})")
+            first.add_note(f"torchpmap: raised by {slice_label(d, k, devices[d])}")
         raise first
     return [f.result() for f in futures]

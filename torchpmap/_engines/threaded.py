@@ -26,7 +26,7 @@ from torchpmap import _axis_env, _devices, _mesh
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
-from torchpmap._engines.multi_device import collect, refuse_enclosing_transforms, slice_for_device
+from torchpmap._engines.multi_device import collect, refuse_enclosing_transforms, slice_for_device, slice_label
 from torchpmap._engines.thread_mode import call_seed, device_thread_mode
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
@@ -106,7 +106,7 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
                     return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
                 return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
         except BaseException:
-            rendezvous.fail(f"instance {j}" if k == 1 else f"the instances {j * k}..{j * k + k - 1} on device {devices[j]}")
+            rendezvous.fail(slice_label(j, k, devices[j]))
             raise
         finally:
             _thread.state = None
