@@ -17,10 +17,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PYTHON) examples/train_digits.py
 
-# The whole suite on one device, then the device-spanning parts again on 4 CPU devices.
+# The whole suite on one device, then the device-spanning parts again on 4 CPU devices,
+# then every JAX comparison again through pmap(jit=True), where a fallback to eager fails.
 test: $(STAMP)
 	TORCHPMAP_NUM_CPU_DEVICES=1 $(PYTHON) -m pytest -q
 	TORCHPMAP_NUM_CPU_DEVICES=4 $(PYTHON) -m pytest -q tests
+	TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(PYTHON) -m pytest -q tests/test_jax_differential.py \
+		-W error::torchpmap.JitFallbackWarning
 
 test-quick: $(STAMP)
 	$(PYTHON) -m pytest -q -x -m "not slow"

@@ -159,6 +159,10 @@ class _Torch(Backend):
                 return tp.vmap(fun, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name, **options)
 
             return vmap
+        if kind == "pmap_jit":  # on one device: the engine that compiles
+            return lambda fun, axis_name=None, **options: _pmap_on_valid_devices(
+                fun, axis_name, jit=JIT_OPTIONS, **{"devices": tp.devices()[:1], **options}
+            )
         raise ValueError(kind)
 
     def from_numpy(self, a: np.ndarray) -> torch.Tensor:
@@ -260,6 +264,13 @@ MULTI_DEVICE_ERRORS = (
 )
 
 
+#: How the differential sweep compiles (TORCHPMAP_TEST_JIT=1 adds tp.pmap(jit=...) to every
+#: check): aot_eager runs the traced graph through dynamo and AOTAutograd without
+#: generating code, so the sweep checks the trace; tests/test_jit.py also runs inductor.
+JIT_OPTIONS = {"backend": os.environ.get("TORCHPMAP_TEST_JIT_BACKEND", "aot_eager")}
+DEFAULT_TORCH_KINDS = ("pmap", "vmap", "pmap_jit") if os.environ.get("TORCHPMAP_TEST_JIT") == "1" else ("pmap", "vmap")
+
+
 def _pmap_on_valid_devices(fun: Callable, axis_name=None, **options) -> Callable:
     """``tp.pmap``, except that an axis size that cannot be split over this run's devices
     (a documented ValueError, required here) runs on one device instead; sharded results
@@ -301,7 +312,7 @@ def check(
     program: Callable,
     args: tuple,
     *,
-    torch_kind: Any = ("pmap", "vmap"),
+    torch_kind: Any = DEFAULT_TORCH_KINDS,
     jax_kind: Optional[str] = "pmap",
     jax_args: Optional[tuple] = None,
     jax_program: Optional[Callable] = None,

@@ -806,8 +806,15 @@ JAC_FUNS = {
 }
 
 
+# Under TORCHPMAP_TEST_JIT, tracing jacfwd through torch.stack on fake tensors hits a device
+# mismatch inside PyTorch (cpu vs meta), so pmap(jit=True) runs that program eagerly and warns.
+_TRACE_FAILS_IN_TORCH = pytest.mark.filterwarnings("ignore::torchpmap.JitFallbackWarning")
+
+
 @jax_param
-@pytest.mark.parametrize("fname", list(JAC_FUNS))
+@pytest.mark.parametrize(
+    "fname", [pytest.param(f, marks=_TRACE_FAILS_IN_TORCH) if f == "psum_scatter" else f for f in JAC_FUNS]
+)
 def test_jacobians_inside_map(jax_kind, fname):
     g = JAC_FUNS[fname]
 

@@ -15,6 +15,7 @@ from torchpmap._collectives import (
     pswapaxes,
 )
 from torchpmap._config import config, disable_vectorization
+from torchpmap._engines.compiled import JitFallbackWarning
 from torchpmap._mesh import Mesh
 from torchpmap._sharded import ShardedTensor
 from torchpmap._devices import (
@@ -59,6 +60,7 @@ __all__ = [
     "ShardedTensor",
     "config",
     "disable_vectorization",
+    "JitFallbackWarning",
     "Device",
     "devices",
     "local_devices",

@@ -6,7 +6,7 @@ The machinery is in :mod:`torchpmap._front` (arguments and axes) and
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from torchpmap._front import MapOptions, MappedFunction, _as_int_tuple
 
@@ -23,6 +23,7 @@ def pmap(
     donate_argnums: int | Sequence[int] = (),
     randomness: str = "different",
     mesh: Optional[Any] = None,
+    jit: bool | Mapping[str, Any] = False,
 ) -> Callable:
     """Parallel map: runs ``fun`` once per slice of the mapped axis, as a single program
     on multiple data, with collectives across the instances addressed by ``axis_name``.
@@ -61,6 +62,18 @@ def pmap(
         mesh: a :class:`Mesh` (default: the one of an enclosing ``with mesh:``). When
             ``axis_name`` is one of its axes, the instances are placed along that mesh
             axis, and nested pmaps over other mesh axes fill the grid.
+        jit: compile the mapped program with ``torch.compile`` (True, or a dict of
+            ``torch.compile`` keyword arguments such as ``{"mode": "max-autotune"}``).
+            The vectorized program is traced once per input signature (shapes, dtypes,
+            devices, ``requires_grad``, non-tensor arguments), collectives included, and
+            the trace is compiled; later calls with the same signature run the compiled
+            code without running ``fun`` in Python. As with ``jax.jit``, Python side
+            effects happen only while tracing, and branching on a tensor's value raises.
+            Tensors that ``fun`` closes over are read at every call, so in-place updates
+            (an optimizer step) are seen. Only the single-device engine compiles: on
+            several devices or processes the call runs eagerly, with a warning. Inside
+            another transform (an enclosing pmap, ``torch.func.grad``) the call is part
+            of the enclosing computation and runs eagerly.
 
     Example:
         >>> import torch, torchpmap
@@ -85,6 +98,7 @@ def pmap(
             donate_argnums=donate_argnums,
             randomness=randomness,
             mesh=mesh,
+            jit=jit,
         )
     statics = _as_int_tuple(static_broadcasted_argnums, "static_broadcasted_argnums")
     donated = _as_int_tuple(donate_argnums, "donate_argnums")
@@ -104,6 +118,7 @@ def pmap(
         donate_argnums=donated,
         devices=None if devices is None else tuple(devices),
         mesh=mesh,
+        jit=jit,
     )
     return MappedFunction(fun, opts)
 
@@ -116,13 +131,14 @@ def vmap(
     randomness: str = "error",
     *,
     axis_size: Optional[int] = None,
+    jit: bool | Mapping[str, Any] = False,
 ) -> Callable:
     """Vectorizing map with named-axis collectives, like ``jax.vmap(..., axis_name=...)``.
 
     The same program model as :func:`pmap`, run as one vectorized computation where the
     inputs already are, on any number of instances. ``out_axes=None`` is checked: an
     output that varies along the axis raises. ``randomness`` defaults to ``"error"``, as
-    in ``torch.func.vmap``.
+    in ``torch.func.vmap``. ``jit`` compiles the program, as in :func:`pmap`.
 
     Example:
         >>> import torch, torchpmap
@@ -132,9 +148,21 @@ def vmap(
     """
     if fun is None:
         return functools.partial(
-            vmap, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name, randomness=randomness, axis_size=axis_size
+            vmap,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            axis_name=axis_name,
+            randomness=randomness,
+            axis_size=axis_size,
+            jit=jit,
         )
     opts = MapOptions(
-        kind="vmap", axis_name=axis_name, in_axes=in_axes, out_axes=out_axes, randomness=randomness, axis_size=axis_size
+        kind="vmap",
+        axis_name=axis_name,
+        in_axes=in_axes,
+        out_axes=out_axes,
+        randomness=randomness,
+        axis_size=axis_size,
+        jit=jit,
     )
     return MappedFunction(fun, opts)

@@ -6,6 +6,7 @@ Every pmap/vmap call and every collective checks here first, so dynamo never tra
 into the batching rules: under ``torch.compile(fullgraph=True)`` this error is what the
 user sees; under plain ``torch.compile`` dynamo turns it into a graph break and runs the
 pmap eagerly, with correct numbers (tests/test_compile_guard.py checks both).
+``pmap(..., jit=True)`` is the way to compile: see :mod:`torchpmap._engines.compiled`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,6 @@ def refuse_under_compile(what: str) -> None:
         raise NotImplementedError(
             f"torchpmap.{what} cannot run under torch.compile yet: torch.compile ignores the "
             "custom batching rules that implement collectives and would return wrong results. "
-            "Compile the per-instance computation without collectives instead, or call the "
-            "pmapped function outside torch.compile."
+            "Use pmap(..., jit=True), which traces the collectives itself and then compiles, or "
+            "call the pmapped function outside torch.compile."
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 
 from torchpmap import _devices, _engines, _mesh
 from torchpmap._compile_guard import refuse_under_compile
+from torchpmap._engines.compiled import ProgramCache
 from torchpmap._sharded import ShardedTensor
 from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 
@@ -39,6 +40,7 @@ class MapOptions:
     donate_argnums: tuple[int, ...] = ()
     devices: Optional[tuple[Any, ...]] = None
     mesh: Any = None
+    jit: Any = False  # False, True, or keyword arguments for torch.compile
 
 
 def check_options(opts: MapOptions) -> None:
@@ -56,6 +58,23 @@ def check_options(opts: MapOptions) -> None:
         raise ValueError(f"{what}: axis_size must be a positive int or None, got {opts.axis_size!r}")
     if opts.devices is not None:
         _devices.resolve(opts.devices)
+    if not isinstance(opts.jit, (bool, Mapping)):
+        raise TypeError(
+            f"{what}: jit must be True, False or a dict of torch.compile keyword arguments "
+            f"(e.g. {{'mode': 'max-autotune'}}), got {opts.jit!r}"
+        )
+
+
+def _leaf_signature(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
+    if isinstance(leaf, ShardedTensor):
+        return ("sharded", leaf.shape, leaf.dtype, tuple(leaf.devices()))
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("object", id(leaf))  # baked in by identity
+    return (type(leaf), leaf)
 
 
 def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -72,6 +91,7 @@ class _Flat:
 
     leaves: list[Any]
     spec: Optional[pytree.TreeSpec]  # None: the arguments are just positional tensors
+    structure: Hashable  # the arguments' structure: what the leaf axes depend on
     mapped_slots: list[int]
     in_dims: list[int]
     size: int
@@ -87,6 +107,7 @@ class MappedFunction:
         self.fun, self.opts = fun, opts
         self._layouts: dict[Any, list[tuple[Any, str]]] = {}  # argument structure -> leaf axes
         self._out_layouts: dict[Any, list[tuple[Any, str]]] = {}  # output structure -> out axes
+        self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
         functools.update_wrapper(self, fun, updated=())
 
     def __repr__(self) -> str:
@@ -105,7 +126,7 @@ class MappedFunction:
         flat = self._flatten(args, statics, dyn_args, kwargs)
         mapped = set(flat.mapped_slots)
         broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
-        out_holder: dict[str, Any] = {}
+        out_holder: dict[str, Any] = {}  # filled by body; restored by a compiled program that skips it
 
         def body(slices: Sequence[torch.Tensor], broadcast: Sequence[Any]) -> list[torch.Tensor]:
             leaves = list(flat.leaves)
@@ -134,11 +155,24 @@ class MappedFunction:
             devices=self._devices_for(flat.size, mesh) if what == "pmap" else None,
             mesh=mesh,
             must_be_unmapped=(lambda: self._replicated_outputs(out_holder)) if what == "vmap" else dict,
+            programs=self._programs,
+            signature=self._signature(flat, statics) if self._programs is not None else None,
+            body_record=out_holder,
         )
         outputs = _engines.run(call)
         return self._stack_outputs(outputs, out_holder)
 
     # ------------------------------------------------------------------ arguments
+
+    def _signature(self, flat: _Flat, statics: dict[int, Any]) -> Hashable:
+        """Everything about a call that a compiled program bakes in (see _engines.compiled)."""
+        return (
+            flat.structure,
+            tuple(statics.items()),
+            tuple(_leaf_signature(leaf) for leaf in flat.leaves),
+            torch.is_grad_enabled(),
+            _devices.current_default(),
+        )
 
     def _statics(self, args: tuple) -> dict[int, Any]:
         for i in self.opts.donate_argnums:
@@ -215,7 +249,7 @@ class MappedFunction:
             sizes.append(leaf.shape[axis])
         if len(set(sizes)) > 1:
             self._raise_inconsistent(leaves, layout, mapped_slots)
-        return _Flat(leaves, spec, mapped_slots, in_dims, self._common_size(sizes))
+        return _Flat(leaves, spec, key, mapped_slots, in_dims, self._common_size(sizes))
 
     def _leaf_axes(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> list[tuple[Any, str]]:
         """(axis, label for messages) of every argument leaf, in flatten order."""

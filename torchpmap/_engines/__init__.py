@@ -7,6 +7,7 @@ leaf with the mapped axis at dim 0; it never sees pytrees, in_axes or out_axes.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
@@ -31,6 +32,13 @@ class MappedCall:
         must_be_unmapped: after ``body`` ran, the positions of output leaves that must
             not vary along the axis (``vmap``'s ``out_axes=None``), with their key paths.
             An engine raises ValueError for one that does.
+        programs: for ``jit=True``, the mapped function's compiled programs
+            (a :class:`~torchpmap._engines.compiled.ProgramCache`); None runs eagerly.
+        signature: what identifies this call's program in ``programs``: everything
+            about the arguments that a trace bakes in (structure, shapes, dtypes, ...).
+        body_record: a dict ``body`` fills as it runs (what the front end learns about
+            the outputs). When a compiled program answers a call without running
+            ``body``, it fills this dict with what ``body`` recorded when it was traced.
     """
 
     body: Callable[[Sequence[torch.Tensor], Sequence[Any]], Sequence[torch.Tensor]]
@@ -43,20 +51,44 @@ class MappedCall:
     devices: Optional[Sequence[Device]]
     must_be_unmapped: Callable[[], dict[int, str]] = dict
     mesh: Any = None
+    programs: Any = None
+    signature: Hashable = None
+    body_record: dict = dataclasses.field(default_factory=dict)
 
 
 def run(call: MappedCall) -> list[torch.Tensor]:
-    """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0."""
+    """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0.
+
+    ``body`` may not run at all: a compiled program of an earlier call with the same
+    ``signature`` computes the outputs.
+    """
     from torchpmap._config import config
     from torchpmap._engines import distributed, multi_device, threaded, vectorized
 
     if call.devices is not None and distributed.active():  # several processes: one slice each
+        _warn_not_compiled(call, "spans several processes")
         return distributed.run(call)
 
     if config.disable_vectorization:
         return threaded.run_one_at_a_time(call)
     if call.mesh is not None:
+        _warn_not_compiled(call, "maps an axis of a device mesh")
         return threaded.run_mesh(call, call.mesh)
     if call.devices is not None and len(call.devices) > 1:
+        _warn_not_compiled(call, f"runs on {len(call.devices)} devices")
         return multi_device.run(call)
-    return vectorized.run(call)
+    if call.programs is not None and torch._C._functorch.maybe_current_level() is None:
+        return call.programs.run(call, call.signature)
+    return vectorized.run(call)  # eager, or jit=True inside a transform: part of the enclosing computation
+
+
+def _warn_not_compiled(call: MappedCall, why: str) -> None:
+    from torchpmap._engines.compiled import JitFallbackWarning
+
+    if call.programs is not None:
+        warnings.warn(
+            f"pmap(jit=True) over axis {call.axis_name!r} {why}; only the single-device vectorized engine "
+            "compiles, so this call runs eagerly (same results). Pass devices=torchpmap.devices()[:1] to compile it.",
+            JitFallbackWarning,
+            stacklevel=4,
+        )

@@ -23,6 +23,7 @@ COLUMNS: dict[str, str] = {
     "jax.vmap": "jax.jit(jax.vmap(..., axis_name=...))",
     "torch.ddp": "torch DistributedDataParallel, 2 processes (gloo)",
     "torchpmap.1dev": "torchpmap.pmap on one device",
+    "torchpmap.jit": "torchpmap.pmap(jit=True): traced once, compiled with torch.compile",
 }
 
 

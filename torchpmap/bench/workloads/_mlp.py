@@ -56,9 +56,9 @@ def instance_step(params: Params, x: torch.Tensor, y: torch.Tensor) -> Params:
     return sgd(params, grads)
 
 
-def torchpmap_step(devices: Any = None) -> Callable[[Params, torch.Tensor, torch.Tensor], Params]:
+def torchpmap_step(devices: Any = None, jit: bool = False) -> Callable[[Params, torch.Tensor, torch.Tensor], Params]:
     """The data-parallel step: params broadcast, data mapped, updated params replicated."""
-    return torchpmap.pmap(instance_step, axis_name=AXIS, in_axes=(None, 0, 0), out_axes=None, devices=devices)
+    return torchpmap.pmap(instance_step, axis_name=AXIS, in_axes=(None, 0, 0), out_axes=None, devices=devices, jit=jit)
 
 
 def plain_step(params: Params, x: torch.Tensor, y: torch.Tensor) -> Params:

@@ -22,6 +22,7 @@ def build(cfg: Config) -> list[Case]:
         "torch": fw.torch_impl(cfg, add_one, x),
         "jax.pmap": _jax_pmap(x),
         "jax.vmap": _jax_vmap(x),
+        "torchpmap.jit": fw.torch_impl(cfg, torchpmap.pmap(add_one, devices=fw.torchpmap_devices(), jit=True), x),
     }
     return [Case("dispatch", "dispatch", "call", columns)]
 

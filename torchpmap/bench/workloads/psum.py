@@ -35,6 +35,9 @@ def build(cfg: Config) -> list[Case]:
         "jax.pmap": _jax_pmap(x),
         "jax.vmap": _jax_vmap(x),
     }
+    if not cfg.quick:  # compiling costs seconds; CI's quick run leaves it to mlp_step and dispatch
+        jit = torchpmap.pmap(instance_psum, axis_name=AXIS, out_axes=None, devices=fw.torchpmap_devices(), jit=True)
+        columns["torchpmap.jit"] = fw.torch_impl(cfg, jit, x)
     return [Case("psum", f"psum[{mib} MiB]", "call", columns, rtol=1e-5, atol=1e-5)]
 
 

@@ -43,6 +43,9 @@ def _case(cfg: Config, n: int) -> Case:
         "jax.pmap": _jax_pmap(n, x, w),
         "jax.vmap": _jax_vmap(x, w),
     }
+    if not cfg.quick:  # compiling costs seconds; CI's quick run leaves it to mlp_step and dispatch
+        jit = torchpmap.pmap(instance_fn, axis_name=AXIS, in_axes=(0, None), devices=fw.torchpmap_devices(), jit=True)
+        columns["torchpmap.jit"] = fw.torch_impl(cfg, jit, x, w)
     return Case("scaling", f"scaling[n={n}]", "instance", columns, per=n, rtol=1e-4, atol=1e-5)
 
 

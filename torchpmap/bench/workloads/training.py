@@ -19,6 +19,7 @@ def build(cfg: Config) -> list[Case]:
         "torch": fw.torch_impl(cfg, _mlp.plain_step, params, *_mlp.flatten_batch(x, y)),
         "jax.pmap": jax_pmap_step(params, x, y),
         "jax.vmap": jax_vmap_step(params, x, y),
+        "torchpmap.jit": fw.torch_impl(cfg, _mlp.torchpmap_step(fw.torchpmap_devices(), jit=True), params, x, y),
     }
     return [Case("mlp_step", "mlp_step", "step", columns, rtol=1e-4, atol=1e-5)]
 

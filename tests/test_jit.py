@@ -1,0 +1,220 @@
+"""``pmap(..., jit=True)``: traced once per signature, compiled, and the same numbers as eager.
+
+The differential suite runs every JAX comparison with ``jit`` too (``TORCHPMAP_TEST_JIT=1``,
+a pass of ``make test``); this file checks what is particular to the compiled mode: when it
+traces again, what it reads at every call, gradients, and where it falls back to eager.
+Most tests compile with ``aot_eager`` (the same trace and AOTAutograd, no code generation:
+fast); the ``inductor`` tests check real generated code.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchpmap as tp
+
+FAST = {"backend": "aot_eager"}
+ONE_DEVICE = tp.devices()[:1]
+
+
+def jit_pmap(fun, axis_name="i", jit=FAST, **options):
+    return tp.pmap(fun, axis_name, jit=jit, devices=options.pop("devices", ONE_DEVICE), **options)
+
+
+def eager_pmap(fun, axis_name="i", **options):
+    return tp.pmap(fun, axis_name, devices=options.pop("devices", ONE_DEVICE), **options)
+
+
+def counting(fun):
+    """``fun`` that counts how often its Python body runs."""
+
+    def wrapped(*args, **kwargs):
+        wrapped.runs += 1
+        return fun(*args, **kwargs)
+
+    wrapped.runs = 0
+    return wrapped
+
+
+def centred(x):
+    return x - tp.pmean(x, "i"), tp.psum(x.sum(), "i")
+
+
+def test_same_numbers_as_eager_and_python_runs_only_while_tracing():
+    fun = counting(centred)
+    f = jit_pmap(fun)
+    x = torch.randn(4, 3)
+    for _ in range(3):
+        out = f(x)
+    assert fun.runs == 1
+    expected = eager_pmap(centred)(x)
+    torch.testing.assert_close(out, expected)
+    assert f._programs.compiled_count() == 1
+
+
+def test_a_new_signature_traces_again():
+    fun = counting(lambda x, k: x * k + tp.axis_index("i"))
+    f = jit_pmap(fun, in_axes=(0, None))
+    x = torch.ones(4, 2)
+    f(x, 2.0)
+    f(x, 2.0)
+    assert fun.runs == 1
+    torch.testing.assert_close(f(x, 3.0), x * 3 + torch.arange(4.0)[:, None])  # a new Python number
+    torch.testing.assert_close(f(torch.ones(4, 5), 2.0), 2 + torch.arange(4.0)[:, None].expand(4, 5))  # shape
+    f(x.double(), 2.0)  # dtype
+    f(x.requires_grad_(), 2.0)  # requires_grad
+    assert fun.runs == 5
+
+
+def test_static_arguments_are_part_of_the_signature():
+    fun = counting(lambda x, power: tp.psum(x**power, "i"))
+    f = tp.pmap(fun, "i", static_broadcasted_argnums=1, jit=FAST, devices=ONE_DEVICE)
+    x = torch.arange(4.0)
+    torch.testing.assert_close(f(x, 2), torch.full((4,), 14.0))
+    torch.testing.assert_close(f(x, 3), torch.full((4,), 36.0))
+    torch.testing.assert_close(f(x, 2), torch.full((4,), 14.0))
+    assert fun.runs == 2
+
+
+def test_pytree_outputs_with_none_and_out_axes_survive_cached_calls():
+    def fun(d):
+        return {"sum": tp.psum(d["a"], "i"), "nothing": None, "pair": (d["b"] * 2, d["a"].sum())}
+
+    f = jit_pmap(fun, out_axes={"sum": None, "nothing": 0, "pair": (1, 0)})
+    d = {"a": torch.randn(4, 3), "b": torch.randn(4, 2)}
+    first, second = f(d), f(d)
+    expected = eager_pmap(fun, out_axes={"sum": None, "nothing": 0, "pair": (1, 0)})(d)
+    for out in (first, second):
+        assert out["nothing"] is None
+        torch.testing.assert_close(out, expected)
+        assert out["pair"][0].shape == (2, 4)
+
+
+def test_closed_over_tensors_are_read_at_every_call():
+    w = torch.ones(3)
+    f = jit_pmap(lambda x: tp.psum(x * w, "i"))
+    x = torch.ones(4, 3)
+    torch.testing.assert_close(f(x), torch.full((4, 3), 4.0))
+    w.mul_(10)  # an in-place update, as an optimizer step makes
+    torch.testing.assert_close(f(x), torch.full((4, 3), 40.0))
+
+
+def test_backward_outside_reaches_arguments_and_closed_over_parameters():
+    w = torch.randn(3, 2, requires_grad=True)
+    x = torch.randn(4, 5, 3, requires_grad=True)
+
+    def fun(x):
+        y = torch.tanh(x @ w)
+        return y / tp.psum(y.abs().sum(), "i")
+
+    grads = {}
+    for name, mapped in (("jit", jit_pmap(fun)), ("eager", eager_pmap(fun))):
+        mapped(x).pow(2).sum().backward()
+        grads[name] = (x.grad.clone(), w.grad.clone())
+        x.grad = w.grad = None
+    torch.testing.assert_close(grads["jit"], grads["eager"])
+
+
+def test_grad_inside_the_map_and_data_parallel_update():
+    w = torch.randn(3, 2)
+    x, y = torch.randn(4, 8, 3), torch.randn(4, 8, 2)
+
+    def step(w, x, y):
+        g = torch.func.grad(lambda w: ((x @ w - y) ** 2).mean())(w)
+        return w - 0.1 * tp.pmean(g, "i")
+
+    expected = eager_pmap(step, in_axes=(None, 0, 0), out_axes=None)(w, x, y)
+    torch.testing.assert_close(jit_pmap(step, in_axes=(None, 0, 0), out_axes=None)(w, x, y), expected)
+
+
+def test_random_numbers_are_drawn_at_every_call_and_differ_per_instance():
+    f = jit_pmap(lambda x: x + torch.rand(()), randomness="different")
+    x = torch.zeros(4)
+    a, b = f(x), f(x)
+    assert len(set(a.tolist())) == 4
+    assert not torch.equal(a, b)
+    same = jit_pmap(lambda x: x + torch.rand(()), randomness="same")(x)
+    assert len(set(same.tolist())) == 1
+
+
+def test_a_value_dependent_branch_runs_eagerly_with_a_warning():
+    flag = torch.tensor(1.0)
+    f = jit_pmap(lambda x: x * 2 if flag > 0 else x * 3)
+    x = torch.ones(4)
+    with pytest.warns(tp.JitFallbackWarning, match="depends on the value of a tensor"):
+        torch.testing.assert_close(f(x), x * 2)
+    flag.fill_(-1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per signature; the branch is taken anew
+        torch.testing.assert_close(f(x), x * 3)
+
+
+def test_user_errors_come_from_the_eager_run():
+    f = jit_pmap(lambda x: x @ torch.ones(5))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied|size mismatch|must match"):
+        f(torch.ones(4, 3))
+
+
+def test_vmap_out_axes_none_check_still_applies():
+    f = tp.vmap(lambda x: x * 2, axis_name="i", out_axes=None, jit=FAST)
+    with pytest.raises(ValueError, match="out_axes=None"):
+        f(torch.arange(3.0))
+
+
+def test_inside_a_transform_the_call_runs_as_part_of_it():
+    fun = counting(lambda x: tp.psum(x**2, "i"))
+    f = jit_pmap(fun)
+    x = torch.arange(4.0)
+    g = torch.func.grad(lambda x: f(x).sum())(x)
+    torch.testing.assert_close(g, 8 * x)  # d/dx_j of sum_i psum(x^2) = 4 * 2 x_j
+    inner = tp.pmap(fun, "i", jit=FAST)  # nested: runs where its enclosing instance runs
+    outer = tp.pmap(lambda row: inner(row), "outer", devices=ONE_DEVICE)(torch.ones(2, 4))
+    torch.testing.assert_close(outer, torch.full((2, 4), 4.0))
+    assert len(f._programs) == len(inner._programs) == 0  # nothing was traced
+
+
+@pytest.mark.skipif(tp.device_count() < 2, reason="needs TORCHPMAP_NUM_CPU_DEVICES >= 2")
+def test_several_devices_run_eagerly_with_a_warning():
+    f = tp.pmap(centred, "i", jit=FAST, devices=tp.devices()[:2])
+    x = torch.randn(4, 3)
+    with pytest.warns(tp.JitFallbackWarning, match="runs on 2 devices"):
+        out = f(x)
+    torch.testing.assert_close(out[0].gather(), eager_pmap(centred)(x)[0])
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, ["backend"]])
+def test_jit_option_is_checked(bad):
+    with pytest.raises(TypeError, match="jit must be True, False or a dict"):
+        tp.pmap(centred, "i", jit=bad)
+
+
+# --------------------------------------------------------------------------- inductor
+
+
+def test_inductor_mlp_step_matches_eager():
+    torch.manual_seed(0)
+    params = {"w1": torch.randn(16, 32) / 4, "b1": torch.zeros(32), "w2": torch.randn(32, 4) / 6, "b2": torch.zeros(4)}
+    x, y = torch.randn(4, 8, 16), torch.randint(0, 4, (4, 8))
+
+    def loss(p, x, y):
+        h = torch.relu(x @ p["w1"] + p["b1"])
+        return torch.nn.functional.cross_entropy(h @ p["w2"] + p["b2"], y)
+
+    def step(p, x, y):
+        g = tp.pmean(torch.func.grad(loss)(p, x, y), "i")
+        return {k: p[k] - 0.1 * g[k] for k in p}
+
+    options = dict(in_axes=(None, 0, 0), out_axes=None)
+    compiled = tp.pmap(step, "i", jit=True, devices=ONE_DEVICE, **options)
+    expected = eager_pmap(step, **options)(params, x, y)
+    torch.testing.assert_close(compiled(params, x, y), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(compiled(params, x, y), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_inductor_backward_outside():
+    x = torch.randn(8, 6, requires_grad=True)
+    f = tp.pmap(lambda v: torch.sin(v) * tp.pmax(v.detach(), "i"), "i", jit=True, devices=ONE_DEVICE)
+    f(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()) * x.detach().amax(0))
