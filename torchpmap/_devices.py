@@ -76,6 +76,14 @@ def set_current_default(devices: tuple[Device, ...] | None) -> None:
     _placement.devices = devices
 
 
+def at(device: torch.device) -> tuple[Device, ...] | None:
+    """The local Device for a torch device, as a 1-tuple; None if torchpmap has none there."""
+    for d in _this_process():
+        if d.torch_device == device:
+            return (d,)
+    return None
+
+
 def local_devices() -> list[Device]:
     """The devices of this process.
 

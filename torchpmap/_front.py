@@ -121,8 +121,11 @@ class MappedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         what = self.opts.kind
         refuse_under_compile(what)
-        statics = self._statics(args)
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+        if self.opts.static_argnums or self.opts.donate_argnums:
+            statics = self._statics(args)
+            dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+        else:
+            statics, dyn_args = {}, args
         flat = self._flatten(args, statics, dyn_args, kwargs)
         mapped = set(flat.mapped_slots)
         broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
@@ -373,6 +376,8 @@ class MappedFunction:
 
     def _stack_outputs(self, outputs: list[torch.Tensor], holder: dict[str, Any]) -> Any:
         spec, constants = holder["spec"], holder["constants"]
+        if spec is _LEAF_SPEC and self.opts.out_axes == 0:  # one tensor, stacked where the engine put it
+            return outputs[0]
         result, it = [], iter(outputs)
         for k, (axis, path) in enumerate(self._out_axes(holder)):
             if k in constants:

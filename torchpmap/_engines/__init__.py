@@ -15,7 +15,7 @@ import torch
 from torchpmap._devices import Device
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False, slots=True)  # not frozen: a frozen __init__ costs microseconds per call
 class MappedCall:
     """One call of a mapped function, flattened.
 
@@ -62,9 +62,6 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     ``body`` may not run at all: a compiled program of an earlier call with the same
     ``signature`` computes the outputs.
     """
-    from torchpmap._config import config
-    from torchpmap._engines import distributed, multi_device, threaded, vectorized
-
     if call.devices is not None and distributed.active():  # several processes: one slice each
         _warn_not_compiled(call, "spans several processes")
         return distributed.run(call)
@@ -83,8 +80,6 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 
 
 def _warn_not_compiled(call: MappedCall, why: str) -> None:
-    from torchpmap._engines.compiled import JitFallbackWarning
-
     if call.programs is not None:
         warnings.warn(
             f"pmap(jit=True) over axis {call.axis_name!r} {why}; only the single-device vectorized engine "
@@ -92,3 +87,9 @@ def _warn_not_compiled(call: MappedCall, why: str) -> None:
             JitFallbackWarning,
             stacklevel=4,
         )
+
+
+# The engines import MappedCall from here, so they come after it (imported once, not per call).
+from torchpmap._config import config  # noqa: E402
+from torchpmap._engines import distributed, multi_device, threaded, vectorized  # noqa: E402
+from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402

@@ -6,7 +6,6 @@ used: a chunked vmap would show each collective only its chunk.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -35,23 +34,41 @@ def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exch
     device = call.devices[0].torch_device if call.devices else None
     mapped = [place(t, device) for t in call.mapped]
     broadcast = [place(v, device) for v in call.broadcast]
-    token_device = device if device is not None else (mapped[0].device if mapped else None)
-    token = torch.arange(call.size, device=token_device)
+    token = _token(call.size, device if device is not None else (mapped[0].device if mapped else None))
 
     def one_instance(token: torch.Tensor, *slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        binding = contextlib.nullcontext()
-        if call.axis_name is not None:
-            frame = _axis_env.AxisFrame(
-                call.axis_name, axis_size or call.size, token, call.size, offset, exchange
-            )
-            binding = _axis_env.bound(frame)
-        with binding:
+        if call.axis_name is None:
             outputs = tuple(call.body(slices, broadcast))
+        else:
+            frame = _axis_env.AxisFrame(call.axis_name, axis_size or call.size, token, call.size, offset, exchange)
+            with _axis_env.bound(frame):
+                outputs = tuple(call.body(slices, broadcast))
         _check_unmapped(outputs, call.must_be_unmapped(), token)
         return outputs
 
-    with _nested_maps_stay_on(token.device):
+    # A pmap nested in this map runs vectorized here: its inputs are batched at this
+    # thread's vmap level and cannot travel to other device threads.
+    previous = _devices.current_default()
+    if previous is None:
+        _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(token.device))
+    try:
         return _vmap_flat(one_instance, call.size, (token, *mapped), (0, *call.in_dims), call.randomness)
+    finally:
+        _devices.set_current_default(previous)
+
+
+_tokens: dict[tuple[int, Any], torch.Tensor] = {}
+
+
+def _token(size: int, device: torch.device | None) -> torch.Tensor:
+    """``arange(size)`` on ``device``, made once: the token is only read, never written."""
+    key = (size, device)
+    token = _tokens.get(key)
+    if token is None:
+        token = torch.arange(size, device=device)
+        if type(token) is torch.Tensor and len(_tokens) < 256:  # never keep a tracer's fake tensor
+            _tokens[key] = token
+    return token
 
 
 _decompositions_loaded = False
@@ -74,20 +91,6 @@ def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[
         return [_functorch._remove_batch_dim(out, level, size, 0) for out in fn(*batched)]
     finally:
         _functorch._vmap_decrement_nesting()
-
-
-@contextlib.contextmanager
-def _nested_maps_stay_on(device: torch.device):
-    """A pmap nested in this map runs vectorized here: its inputs are batched at this
-    thread's vmap level and cannot travel to other device threads."""
-    previous = _devices.current_default()
-    if previous is None:
-        here = [d for d in _devices.local_devices() if d.torch_device == device]
-        _devices.set_current_default(tuple(here[:1]) or None)
-    try:
-        yield
-    finally:
-        _devices.set_current_default(previous)
 
 
 def _check_unmapped(outputs: Sequence[torch.Tensor], required: dict[int, str], token: torch.Tensor) -> None:
