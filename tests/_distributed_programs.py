@@ -14,6 +14,7 @@ import time
 import traceback
 
 import torch
+import torch.utils._pytree as pytree
 from torch.func import grad
 
 import torchpmap as tp
@@ -21,7 +22,7 @@ import torchpmap as tp
 G = 4  # the global size of the mapped axis in the collectives scenario
 
 
-def global_data() -> dict[str, torch.Tensor]:
+def global_data() -> dict:
     g = torch.Generator().manual_seed(1234)
     return {
         "x": torch.randn(G, 3, generator=g),
@@ -31,7 +32,19 @@ def global_data() -> dict[str, torch.Tensor]:
         "w": torch.randn(G, 3, generator=g),  # cotangent weights for .backward()
         "mlp_x": torch.randn(G, 8, 5, generator=g),
         "mlp_y": torch.randn(G, 8, 1, generator=g),
+        "tree": {  # leaves of several dtypes and shapes for the pytree collectives
+            "f32": torch.randn(G, 3, 2, generator=g),
+            "f64": torch.randn(G, 5, generator=g, dtype=torch.float64),
+            "scalar": torch.randn(G, generator=g),
+            "c64": torch.randn(G, 3, generator=g, dtype=torch.complex64),
+            "i64": torch.randint(-50, 50, (G, 2), generator=g),
+        },
     }
+
+
+def local_data(rank: int, nproc: int) -> dict:
+    """This process' part of :func:`global_data`."""
+    return pytree.tree_map(lambda t: local(t, rank, nproc), global_data())
 
 
 def local(t: torch.Tensor, rank: int, nproc: int) -> torch.Tensor:
@@ -78,10 +91,70 @@ def collective_programs(d: dict[str, torch.Tensor]):
         "vmap_around": lambda d: torch.func.vmap(pm(lambda v: tp.psum(v, "i") * v), in_dims=1, out_dims=1)(
             torch.stack([d["x"], 2 * d["x"]], dim=1)
         ),
+        "pytree_psum": lambda d: pm(lambda t: tp.psum({**t, "number": 1.5}, "i"))(d["tree"]),
+        "pytree_pmean": lambda d: pm(lambda t: tp.pmean({**t, "number": 1.5}, "i"))(d["tree"]),
+        "pytree_pmax": lambda d: pm(lambda t: tp.pmax({k: v for k, v in t.items() if k != "c64"}, "i"))(d["tree"]),
+        "pytree_grad_inside": lambda d: pm(lambda t: grad(_tree_loss)(_floats(t), t["i64"]))(d["tree"]),
         "grad_inside_scatter_a2a": lambda d: pm(
             grad(lambda v: (tp.psum_scatter(v, "i") ** 2).sum() + (tp.all_to_all(v, "i", 0, 0) * v * (tp.axis_index("i") + 1)).sum())
         )(d["x_sq"]),
     }
+
+
+def _floats(t: dict) -> dict:
+    return {k: v for k, v in t.items() if v.is_floating_point() or v.is_complex()}
+
+
+def _as_real(v: torch.Tensor) -> torch.Tensor:
+    return (torch.view_as_real(v) if v.is_complex() else v).double()
+
+
+def _real_sum(out: dict, weights: dict | None = None) -> torch.Tensor:
+    """A real scalar from the float and complex leaves, each weighted (by its position if no weights)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for j, (k, v) in enumerate(out.items()):
+        total = total + (_as_real(v) * (_as_real(weights[k]) if weights else j + 1.0)).sum()
+    return total
+
+
+def _tree_loss(floats: dict, ints: torch.Tensor) -> torch.Tensor:
+    """pmean of a mixed pytree (ints and a number get no gradient), then a weighted sum."""
+    return _real_sum(_floats(tp.pmean({**floats, "i64": ints, "number": 2.5}, "i")))
+
+
+def pytree_backward(d: dict) -> dict:
+    """``.backward()`` after a pmean of a mixed pytree, with integer cotangents (sums that never
+    round: bitwise the same in every summation order); the float leaves' gradients."""
+    leaves = {k: v.clone().requires_grad_() for k, v in _floats(d["tree"]).items()}
+    out = tp.pmap(lambda t: tp.pmean({**t, "number": 2.5}, "i"), axis_name="i")({**d["tree"], **leaves})
+    # the same small integers for every instance (the processes' losses add up to the one-process loss)
+    weights = {k: (torch.arange(v[0].numel()) % 5 - 2).reshape(v.shape[1:]).to(v.dtype) for k, v in leaves.items()}
+    _real_sum({k: out[k] for k in leaves}, weights).backward()
+    return {k: v.grad for k, v in leaves.items()}
+
+
+def count_transfers(d: dict) -> dict:
+    """How many all-gathers and all-to-alls a pmean of a 6-leaf pytree and its backward make."""
+    from torchpmap._engines import distributed as engine
+
+    counts = {"all_gather": 0, "all_to_all": 0}
+    gather, all_to_all = engine._all_gather_flat, torch.distributed.all_to_all_single
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    engine._all_gather_flat = counted("all_gather", gather)
+    torch.distributed.all_to_all_single = counted("all_to_all", all_to_all)
+    try:
+        tree = {f"p{k}": d["x"].clone().requires_grad_() * (k + 1) for k in range(6)}
+        out = tp.pmap(lambda t: tp.pmean(t, "i"), axis_name="i")(tree)
+        sum(o.sum() for o in out.values()).backward()
+    finally:
+        engine._all_gather_flat, torch.distributed.all_to_all_single = gather, all_to_all
+    return counts
 
 
 def _backward_program(v: torch.Tensor) -> torch.Tensor:
@@ -148,6 +221,7 @@ def reference() -> dict[str, object]:
     out = {name: fn(d) for name, fn in collective_programs(d).items()}
     out["backward_outside"] = backward_outside(d)
     out["grad_around"] = grad_around(d)
+    out["pytree_backward"] = pytree_backward(d)
     out["replicated"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i", out_axes=None)(d["x"])
     out["train_by_hand"] = train_by_hand(d)
     out["train_with_helper"] = train_with_helper(d)
@@ -175,6 +249,9 @@ def mesh_program(v: torch.Tensor):
         "index_rev": tp.axis_index(("model", "data")),
         "gather_model": tp.all_gather(v, "model"),
         "shift_data": tp.ppermute(v, "data", _ring(MESH_SHAPE[0] * MESH_LOCAL[0])),
+        # pytrees with leaves batched at different levels (a number, an index of the other axis)
+        "tree_data": tp.psum({"v": v, "n": 2.0, "i": tp.axis_index("model")}, "data"),
+        "tree_model": tp.pmean({"v": v, "n": 2.0, "i": tp.axis_index("data")}, "model"),
         "grad_data": grad(lambda u: (tp.pmean(u, "data") * tp.psum(u, "model")).sum())(v),
     }
 
@@ -190,7 +267,7 @@ def mesh_reference() -> dict:
 def scenario_collectives(rank: int, nproc: int) -> dict:
     import torchpmap.distributed as tpd
 
-    d = {k: local(v, rank, nproc) for k, v in global_data().items()}
+    d = local_data(rank, nproc)
     out: dict[str, object] = {
         "process_index": tp.process_index(),
         "process_count": tp.process_count(),
@@ -203,6 +280,8 @@ def scenario_collectives(rank: int, nproc: int) -> dict:
         out[name] = fn(d)
     out["backward_outside"] = backward_outside(d)
     out["grad_around"] = grad_around(d)
+    out["pytree_backward"] = pytree_backward(d)
+    out["transfers"] = count_transfers(d)
     out["replicated"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i", out_axes=None)(d["x"])
     out["train_by_hand"] = train_by_hand(d)
     out["train_with_helper"] = train_with_helper(d)

@@ -107,7 +107,10 @@ def test_collectives_and_training_match_one_process(nproc, tmp_path, reference):
         # unequal local sizes: the same error everywhere, naming every rank's size
         assert "rank 0: 1" in res["size_error"] and f"rank {nproc - 1}: {nproc}" in res["size_error"]
         assert torch.equal(res["after_size_error"], torch.full((1,), float(nproc)))
-    for name in list(progs.collective_programs(progs.global_data())) + ["backward_outside", "grad_around"]:
+        # a pmean of 6 tensors: one all-gather forward, one all-to-all backward (not 6 of each)
+        assert res["transfers"] == {"all_gather": 1, "all_to_all": 1}, res["transfers"]
+    programs = list(progs.collective_programs(progs.global_data())) + ["backward_outside", "grad_around", "pytree_backward"]
+    for name in programs:
         _assert_same(name, _concat(per_rank, name), reference[name], bitwise=name not in NOT_BITWISE)
     for name in ("replicated", "train_by_hand", "train_with_helper"):
         for res in per_rank:  # the same (replicated) value in every process, that of one process

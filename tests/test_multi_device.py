@@ -248,3 +248,136 @@ def test_forward_mode_ad_across_devices_is_refused(cpu_devices):
             jvp_inside(torch.arange(8.0))
     one = tp.pmap(lambda v: torch.func.jvp(torch.sin, (v,), (torch.ones_like(v),))[1], devices=tp.devices()[:1])
     assert torch.allclose(one(torch.arange(8.0)), torch.cos(torch.arange(8.0)))
+
+
+# --------------------------------------------------------------------------- pytrees: one exchange per collective
+
+
+def _mixed_tree(seed: int = 0) -> dict:
+    """Per-instance leaves (8 instances) of several dtypes and shapes, scalars included."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "f32": torch.randn(8, 3, 2, generator=g),
+        "f64": torch.randn(8, 5, generator=g, dtype=torch.float64),
+        "scalar": torch.randn(8, generator=g),  # each instance holds a 0-d tensor
+        "c64": torch.randn(8, 3, generator=g, dtype=torch.complex64),
+        "i64": torch.randint(-50, 50, (8, 2), generator=g),
+    }
+
+
+def _floats(t: dict) -> dict:
+    return {k: v for k, v in t.items() if v.is_floating_point() or v.is_complex()}
+
+
+def _real_sum(out: dict) -> torch.Tensor:
+    """A real scalar loss over the float and complex leaves, summed in float64."""
+    return sum(torch.view_as_real(v).double().sum() if v.is_complex() else v.double().sum() for v in out.values())
+
+
+def _reduction(op: str):
+    """The pytree reduction ``op``, with a Python number among the leaves."""
+    return lambda t: getattr(tp, op)({**t, "number": 1.5}, "i")
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean", "pmax", "pmin"])
+@pytest.mark.parametrize("n_devices", [2, 4])
+def test_pytree_reduction_bitwise_equal_to_one_device(cpu_devices, op, n_devices):
+    devs = cpu_devices(n_devices)
+    tree = _mixed_tree()
+    if op in ("pmax", "pmin"):  # no order on complex numbers
+        tree.pop("c64")
+    f = _reduction(op)
+    many, one = tp.pmap(f, axis_name="i")(tree), tp.pmap(f, axis_name="i", devices=devs[:1])(tree)
+    assert many.keys() == one.keys() == {*tree, "number"}
+    for k in one:
+        assert many[k].devices() == devs and torch.equal(torch.as_tensor(many[k]), one[k]), k
+        assert many[k].dtype == one[k].dtype
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean"])
+@pytest.mark.parametrize("n_devices", [2, 4])
+def test_pytree_reduction_gradients_inside_bitwise_equal_to_one_device(cpu_devices, op, n_devices):
+    devs = cpu_devices(n_devices)
+    tree = _mixed_tree(1)
+    reduce = _reduction(op)
+
+    def loss(floats: dict, ints: torch.Tensor) -> torch.Tensor:  # the int and number leaves get no gradient
+        out = _floats(reduce({**floats, "i64": ints}))
+        return _real_sum({k: v * (j + 1.0) for j, (k, v) in enumerate(out.items())})  # a different cotangent each
+
+    f = lambda t: grad(loss)(_floats(t), t["i64"])  # noqa: E731
+    many, one = tp.pmap(f, axis_name="i")(tree), tp.pmap(f, axis_name="i", devices=devs[:1])(tree)
+    for k in one:
+        assert torch.equal(torch.as_tensor(many[k]), one[k]), k
+
+
+def _backward(f, tree: dict, weights: dict, devices) -> dict:
+    """``.backward()`` of a weighted sum of ``pmap(f)``'s outputs: the gradient of each float leaf."""
+    leaves = {k: v.clone().requires_grad_() for k, v in _floats(tree).items()}
+    out = tp.pmap(f, axis_name="i", devices=devices)({**tree, **leaves})
+    gathered = {k: o.gather() if isinstance(o, tp.ShardedTensor) else o for k, o in out.items()}
+    _real_sum({k: gathered[k] * w for k, w in weights.items()}).backward()
+    return {k: v.grad for k, v in leaves.items()}
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean"])
+@pytest.mark.parametrize("n_devices", [2, 4])
+def test_pytree_reduction_backward_outside(cpu_devices, op, n_devices):
+    devs = cpu_devices(n_devices)
+    tree = _mixed_tree(2)
+    g = torch.Generator().manual_seed(3)
+    random_weights = {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in _floats(tree).items()}
+    integer_weights = {k: torch.randint(-3, 4, v.shape, generator=g).to(v.dtype) for k, v in _floats(tree).items()}
+    bundled = _reduction(op)
+    one_by_one = lambda t: {k: getattr(tp, op)(v, "i") for k, v in {**t, "number": 1.5}.items()}  # noqa: E731
+    # Bundling moves bytes only: the gradients are bitwise those of one collective per leaf.
+    many = _backward(bundled, tree, random_weights, devs)
+    for k, want in _backward(one_by_one, tree, random_weights, devs).items():
+        assert torch.equal(many[k], want), k
+    # Across devices .backward() adds the cotangents per device, then over devices (in another
+    # order than one device does); with sums that round nowhere the gradients are bitwise equal.
+    many = _backward(bundled, tree, integer_weights, devs)
+    for k, want in _backward(bundled, tree, integer_weights, devs[:1]).items():
+        assert torch.equal(many[k], want), k
+
+
+def test_pytree_leaves_batched_at_different_levels(cpu_devices):
+    devs = cpu_devices(2)
+    x = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(4))
+
+    def f(v):  # "u" is batched over the inner axis "k", "v" is not: each keeps its own lead dim
+        inner = lambda u: tp.psum({"u": u, "v": v, "n": 3}, "i")  # noqa: E731
+        return tp.vmap(inner, axis_name="k")(v)
+
+    many, one = tp.pmap(f, axis_name="i")(x), tp.pmap(f, axis_name="i", devices=devs[:1])(x)
+    for k in one:
+        assert torch.equal(torch.as_tensor(many[k]), one[k]), k
+
+
+def _record_meetings(monkeypatch) -> list:
+    """Records (meeting key, number of tensors) for every rendezvous a device thread joins."""
+    from torchpmap._engines.rendezvous import Rendezvous
+
+    meetings, meet = [], Rendezvous.meet
+
+    def recording_meet(self, key, index, count, what, value, combine):
+        meetings.append((key, len(value)))
+        return meet(self, key, index, count, what, value, combine)
+
+    monkeypatch.setattr(Rendezvous, "meet", recording_meet)
+    return meetings
+
+
+def test_pmean_of_a_pytree_is_one_exchange_per_axis(cpu_devices, monkeypatch):
+    devs = cpu_devices(4)
+    meetings = _record_meetings(monkeypatch)
+    tree = {f"p{k}": torch.randn(4, k + 1, 2) for k in range(6)}
+    # grad of a pmean over 2 devices: each device meets once forward and once for the transpose
+    tp.pmap(grad(lambda t: _real_sum(tp.pmean(t, "i"))), axis_name="i", devices=devs[:2])(tree)
+    assert [n for _, n in meetings] == [6] * 4 and len({key for key, _ in meetings}) == 2
+    # over two mesh axes (2 x 2 devices, one instance each): each device meets once per axis
+    meetings.clear()
+    with tp.Mesh(np.array(devs).reshape(2, 2), ("i", "j")):
+        nested = tp.pmap(tp.pmap(lambda t: tp.pmean(t, ("i", "j")), axis_name="j"), axis_name="i")
+        nested({k: v.reshape(2, 2, *v.shape[1:]) for k, v in tree.items()})
+    assert [n for _, n in meetings] == [6] * 8 and len({key for key, _ in meetings}) == 4

@@ -6,7 +6,9 @@ product of those axes in row-major order: the first name is the most significant
 ``axis_index(("i", "j")) == i * axis_size("j") + j``.
 
 The math of each collective is in :mod:`torchpmap._primitives`; this module checks the
-arguments, splits tuple names into per-axis steps and maps over the pytree.
+arguments, splits tuple names into per-axis steps and maps over the pytree. The leaves of
+a pytree are bound together (:func:`~torchpmap._primitive.bind_many`): each keeps its own
+math, but across devices or processes they travel in one exchange per axis.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.utils._pytree as pytree
 from torchpmap import _axis_env
 from torchpmap._axis_env import AxisFrame
 from torchpmap._compile_guard import refuse_under_compile
-from torchpmap._primitive import bind
+from torchpmap._primitive import bind_many
 from torchpmap._primitives import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
 
 AxisNames = Any  # a name or a tuple of names
@@ -36,9 +38,16 @@ def _leaf_tensor(leaf: Any, what: str) -> torch.Tensor:
     raise TypeError(f"{what} takes tensors, numpy arrays or Python numbers, got {type(leaf).__name__}: {leaf!r}")
 
 
-def _tree_apply(what: str, x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+Leaves = Sequence[torch.Tensor]
+
+
+def _tree_apply(what: str, x: Any, fn: Callable[[list[torch.Tensor]], Leaves]) -> Any:
+    """``fn`` on all the leaves of ``x`` at once (as tensors), rebuilt into ``x``'s structure."""
     refuse_under_compile(what)
-    return pytree.tree_map(lambda leaf: fn(_leaf_tensor(leaf, what)), x)
+    if isinstance(x, torch.Tensor):  # the common case, without pytree's flatten and unflatten
+        return fn([x])[0]
+    leaves, spec = pytree.tree_flatten(x)
+    return pytree.tree_unflatten(fn([_leaf_tensor(leaf, what) for leaf in leaves]), spec)
 
 
 def _frames(axis_name: AxisNames, what: str) -> list[AxisFrame]:
@@ -113,7 +122,7 @@ def psum(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[i
     """
     frames = _frames(axis_name, "psum")
     groups = _check_groups(axis_index_groups, frames, "psum", equal_sizes=False)
-    return _tree_apply("psum", x, lambda t: _reduce(t, frames, lambda f: Psum(f, groups=groups)))
+    return _tree_apply("psum", x, lambda ts: _reduce(ts, frames, lambda f: Psum(f, groups=groups)))
 
 
 def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
@@ -129,15 +138,15 @@ def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[
     frames = _frames(axis_name, "pmean")
     groups = _check_groups(axis_index_groups, frames, "pmean", equal_sizes=False)
 
-    def mean(t: torch.Tensor) -> torch.Tensor:
-        total = _reduce(t, frames, lambda f: Psum(f, groups=groups))
+    def mean(ts: list[torch.Tensor]) -> Leaves:
+        totals = _reduce(ts, frames, lambda f: Psum(f, groups=groups))
         if groups is None:
-            return total / _total_size(frames)
+            return [total / _total_size(frames) for total in totals]
         group_size = [0] * frames[0].size
         for g in groups:
             for i in g:
                 group_size[i] = len(g)
-        return total / _per_instance(group_size, axis_name, t.device)
+        return [total / _per_instance(group_size, axis_name, total.device) for total in totals]
 
     return _tree_apply("pmean", x, mean)
 
@@ -167,7 +176,7 @@ def pmin(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[i
 def _extremum(x, axis_name, axis_index_groups, op: str, what: str):
     frames = _frames(axis_name, what)
     groups = _check_groups(axis_index_groups, frames, what, equal_sizes=False)
-    return _tree_apply(what, x, lambda t: _reduce(t, frames, lambda f: Pextremum(f, op=op, groups=groups)))
+    return _tree_apply(what, x, lambda ts: _reduce(ts, frames, lambda f: Pextremum(f, op=op, groups=groups)))
 
 
 def _per_instance(table: list[int], axis_name: AxisNames, device: torch.device) -> torch.Tensor:
@@ -177,10 +186,10 @@ def _per_instance(table: list[int], axis_name: AxisNames, device: torch.device) 
     return torch.tensor(table, device=device).index_select(0, index).squeeze(0)
 
 
-def _reduce(t: torch.Tensor, frames: list[AxisFrame], prim: Callable[[AxisFrame], Any]) -> torch.Tensor:
+def _reduce(ts: Leaves, frames: list[AxisFrame], prim: Callable[[AxisFrame], Any]) -> Leaves:
     for frame in frames:  # a reduction over a product of axes is one reduction per axis
-        t = bind(prim(frame), t)
-    return t
+        ts = bind_many((prim(frame),) * len(ts), ts)
+    return ts
 
 
 # --------------------------------------------------------------------------- gathers and scatters
@@ -211,14 +220,16 @@ def all_gather(
     frames = _frames(axis_name, "all_gather")
     groups = _check_groups(axis_index_groups, frames, "all_gather", equal_sizes=True)
 
-    def gather(t: torch.Tensor) -> torch.Tensor:
+    def position(t: torch.Tensor) -> int:
         if tiled and t.dim() == 0:
             raise ValueError("all_gather: tiled=True needs a value of rank at least 1 to concatenate along; got a scalar")
-        rank = t.dim() if tiled else t.dim() + 1
-        at = _normalize_dim(axis, rank, "all_gather", "axis")
+        return _normalize_dim(axis, t.dim() if tiled else t.dim() + 1, "all_gather", "axis")
+
+    def gather(ts: list[torch.Tensor]) -> Leaves:
+        ats = [position(t) for t in ts]
         for frame in reversed(frames):  # least significant axis innermost
-            t = bind(AllGather(frame, axis=at, groups=groups), t)
-        return t.flatten(at, at + len(frames) - (0 if tiled else 1))
+            ts = bind_many([AllGather(frame, axis=at, groups=groups) for at in ats], ts)
+        return [t.flatten(at, at + len(frames) - (0 if tiled else 1)) for t, at in zip(ts, ats)]
 
     return _tree_apply("all_gather", x, gather)
 
@@ -240,7 +251,7 @@ def psum_scatter(x: Any, axis_name: AxisNames, *, scatter_dimension: int = 0, ti
     frames = _frames(axis_name, "psum_scatter")
     n = _total_size(frames)
 
-    def scatter(t: torch.Tensor) -> torch.Tensor:
+    def dimension(t: torch.Tensor) -> int:
         if t.dim() == 0:
             raise ValueError(f"psum_scatter: needs a value of rank at least 1 to scatter over {_axis_phrase(frames)}; got a scalar")
         dim = _normalize_dim(scatter_dimension, t.dim(), "psum_scatter", "scatter_dimension")
@@ -255,10 +266,14 @@ def psum_scatter(x: Any, axis_name: AxisNames, *, scatter_dimension: int = 0, ti
                 f"psum_scatter: with tiled=True, scatter_dimension {scatter_dimension} of the value (shape "
                 f"{tuple(t.shape)}) has size {size}, which is not divisible by the size of {_axis_phrase(frames)}"
             )
+        return dim
+
+    def scatter(ts: list[torch.Tensor]) -> Leaves:
+        dims = [dimension(t) for t in ts]
         for k, frame in enumerate(frames):  # most significant axis first, each keeps its block
-            last = k == len(frames) - 1
-            t = bind(PsumScatter(frame, dimension=dim, tiled=tiled or not last), t)
-        return t
+            blocks = tiled or k < len(frames) - 1
+            ts = bind_many([PsumScatter(frame, dimension=dim, tiled=blocks) for dim in dims], ts)
+        return ts
 
     return _tree_apply("psum_scatter", x, scatter)
 
@@ -296,19 +311,21 @@ def ppermute(x: Any, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> A
     frames = _frames(axis_name, "ppermute")
     pairs = _check_perm(perm, _total_size(frames), frames)
     if len(frames) == 1:
-        return _tree_apply("ppermute", x, lambda t: bind(Ppermute(frames[0], perm=pairs), t))
+        return _tree_apply("ppermute", x, lambda ts: bind_many((Ppermute(frames[0], perm=pairs),) * len(ts), ts))
     source = [-1] * _total_size(frames)
     for s, d in pairs:
         source[d] = s
-    return _tree_apply("ppermute", x, lambda t: _receive_from(t, axis_name, source))
+    return _tree_apply("ppermute", x, lambda ts: _receive_from(ts, axis_name, source))
 
 
-def _receive_from(t: torch.Tensor, axis_name: AxisNames, source: list[int]) -> torch.Tensor:
+def _receive_from(ts: list[torch.Tensor], axis_name: AxisNames, source: list[int]) -> Leaves:
     """ppermute over a product of axes: gather all values, keep the one from my source."""
-    everyone = all_gather(t, axis_name)
-    mine = _per_instance(source, axis_name, t.device)
-    received = everyone.index_select(0, mine.clamp(min=0).reshape(1)).squeeze(0)
-    return torch.where(mine >= 0, received, torch.zeros_like(received))
+    received = []
+    for everyone in all_gather(ts, axis_name):
+        mine = _per_instance(source, axis_name, everyone.device)
+        value = everyone.index_select(0, mine.clamp(min=0).reshape(1)).squeeze(0)
+        received.append(torch.where(mine >= 0, value, torch.zeros_like(value)))
+    return received
 
 
 def pshuffle(x: Any, axis_name: AxisNames, perm: Sequence[int]) -> Any:
@@ -350,7 +367,7 @@ def all_to_all(x: Any, axis_name: AxisNames, split_axis: int, concat_axis: int, 
     frames = _frames(axis_name, "all_to_all")
     n = _total_size(frames)
 
-    def exchange(t: torch.Tensor) -> torch.Tensor:
+    def axes(t: torch.Tensor) -> tuple[int, int]:
         if t.dim() == 0:
             raise ValueError("all_to_all: needs a value of rank at least 1 to split; got a scalar")
         split = _normalize_dim(split_axis, t.dim(), "all_to_all", "split_axis")
@@ -366,18 +383,24 @@ def all_to_all(x: Any, axis_name: AxisNames, split_axis: int, concat_axis: int, 
                 f"all_to_all: with tiled=True, split_axis {split_axis} of the value (shape {tuple(t.shape)}) has size "
                 f"{size}, which is not divisible by the size of {_axis_phrase(frames)}"
             )
+        return split, concat
+
+    def exchange(ts: list[torch.Tensor]) -> Leaves:
+        split_concat = [axes(t) for t in ts]
         if len(frames) == 1:
-            return bind(AllToAll(frames[0], split_axis=split, concat_axis=concat, tiled=tiled), t)
-        return _all_to_all_product(t, axis_name, n, split, concat, tiled)
+            prims = [AllToAll(frames[0], split_axis=s, concat_axis=c, tiled=tiled) for s, c in split_concat]
+            return bind_many(prims, ts)
+        everyone = all_gather(ts, axis_name)
+        return [_my_pieces(e, axis_name, n, s, c, tiled) for e, (s, c) in zip(everyone, split_concat)]
 
     return _tree_apply("all_to_all", x, exchange)
 
 
-def _all_to_all_product(t, axis_name, n: int, split: int, concat: int, tiled: bool) -> torch.Tensor:
-    """all_to_all over a product of axes: gather every value, keep the pieces for me."""
-    everyone = all_gather(t, axis_name)  # (source, *shape)
+def _my_pieces(everyone: torch.Tensor, axis_name, n: int, split: int, concat: int, tiled: bool) -> torch.Tensor:
+    """all_to_all over a product of axes, from every instance's value ``(source, *shape)``:
+    keep the pieces for me."""
     if tiled:
-        everyone = everyone.unflatten(1 + split, (n, t.shape[split] // n))
+        everyone = everyone.unflatten(1 + split, (n, everyone.shape[1 + split] // n))
     mine = axis_index(axis_name).reshape(1)
     pieces = everyone.index_select(1 + split, mine).squeeze(1 + split)  # (source, *piece)
     out = pieces.movedim(0, concat)

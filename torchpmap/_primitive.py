@@ -13,11 +13,16 @@ finds the vmap level that owns the named axis:
 ``backward`` and ``jvp`` bind the primitive's transpose (or the primitive itself, for
 ``jvp`` of a linear op), so ``grad``/``jvp`` inside the map follow JAX's conventions;
 transforms outside the map differentiate the plain torch ops of ``compute`` directly.
+
+:func:`bind_many` binds several tensors (the leaves of a pytree) over one axis through
+one ``_Bind`` node: when the axis is split over devices or processes, their values travel
+in a single exchange, while each tensor's math stays its own (so results are bitwise
+those of binding each tensor alone).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -59,13 +64,40 @@ class Primitive:
         return 1 + self.lead + d
 
 
-def bind(prim: Primitive, x: torch.Tensor) -> torch.Tensor:
-    """Applies ``prim`` to this instance's ``x``."""
-    if prim.frame.exchange is not None:
-        _refuse_forward_mode(prim)
-    if not prim.frame.vectorized and torch._C._functorch.maybe_current_level() is None:
-        return _run_unvectorized(prim, x)  # plain torch ops: outer autograd sees them directly
-    return _Bind.apply(prim, prim.frame.token, x)
+def bind_many(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """Applies ``prims[k]`` to this instance's ``xs[k]`` for every ``k``, in one exchange.
+
+    The prims share one frame (typically one collective over the leaves of a pytree) but
+    each keeps its own ``lead``: leaves may be batched at different enclosing vmap levels.
+    Only the transfer is shared. Each leaf is computed on its own, exactly as it would be
+    bound alone, so results are bitwise those of binding the leaves one by one.
+    """
+    if not xs:
+        return ()
+    frame = prims[0].frame
+    if frame.exchange is not None:
+        _refuse_forward_mode(prims[0])
+    if not frame.vectorized and torch._C._functorch.maybe_current_level() is None:
+        return _run_unvectorized(prims, xs)  # plain torch ops: outer autograd sees them directly
+    return _apply(prims, frame.token, xs)
+
+
+class _Prims(tuple):
+    """The prims of one ``_Bind`` call. A tuple subclass is a single leaf to pytree, and
+    functorch flattens the arguments of every autograd.Function call: as a plain tuple the
+    prims would cost dispatch time on every collective."""
+
+
+def _apply(prims: Sequence[Primitive], token: torch.Tensor, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``_Bind`` on ``xs``, its results as a tuple."""
+    out = _Bind.apply(_Prims(prims), token, *xs)
+    return (out,) if len(xs) == 1 else out
+
+
+def _single_or_tuple(values: Sequence[Any]) -> Any:
+    """What ``_Bind`` returns for its outputs: one alone (a lone tensor, the common case,
+    skips functorch's handling of tuple outputs, which costs dispatch time), else the tuple."""
+    return values[0] if len(values) == 1 else tuple(values)
 
 
 def _refuse_forward_mode(prim: Primitive) -> None:
@@ -79,19 +111,23 @@ def _refuse_forward_mode(prim: Primitive) -> None:
         raise NotImplementedError(f"{FORWARD_MODE_ACROSS_DEVICES} (It reached {prim.name} over axis {prim.frame.name!r}.)")
 
 
-def _run_unvectorized(prim: Primitive, x: torch.Tensor) -> torch.Tensor:
-    """``prim`` on a slice that holds a single instance and has no vmap level."""
-    out, member_dim = run_owning(prim, x.unsqueeze(0))
-    return out if member_dim is None else out.select(member_dim, 0)
+def _run_unvectorized(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``prims`` on a slice that holds a single instance and has no vmap level."""
+    owned = run_owning(prims, [x.unsqueeze(0) for x in xs])
+    return tuple(out if member_dim is None else out.select(member_dim, 0) for out, member_dim in owned)
 
 
 class _Bind(torch.autograd.Function):
+    """``(prims, token, *xs) -> (result of each x)``: one node for the tensors bound
+    together (a lone tensor's result comes alone, not in a tuple)."""
+
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(prim: Primitive, token: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(prims: _Prims, token: torch.Tensor, *xs: torch.Tensor) -> Any:
+        prim = prims[0]
         if not prim.frame.vectorized:  # every vmap level above was peeled off
-            return _run_unvectorized(prim, x)
+            return _single_or_tuple(_run_unvectorized(prims, xs))
         raise RuntimeError(
             f"torchpmap: {prim.name} over axis {prim.frame.name!r} ran outside the vmap level "
             "of that axis. This happens when the axis token escapes its pmap, or under "
@@ -100,51 +136,104 @@ class _Bind(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.prim, ctx.token = inputs[0], inputs[1]
+        ctx.prims, ctx.token = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)  # a result that gets no gradient needs no transposed exchange
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if not ctx.prim.frame.vectorized and torch._C._functorch.maybe_current_level() is None:
+    def backward(ctx, *grads: Optional[torch.Tensor]):
+        prim = ctx.prims[0]
+        if not prim.frame.vectorized and torch._C._functorch.maybe_current_level() is None:
             # plain autograd runs this node in one thread; the other devices' nodes would never meet it
             raise NotImplementedError(
-                f"torchpmap: .backward() through {ctx.prim.name} over mesh axis {ctx.prim.frame.name!r} called "
+                f"torchpmap: .backward() through {prim.name} over mesh axis {prim.frame.name!r} called "
                 "under a torch.func transform inside the pmap is not supported. Differentiate inside the pmap "
                 "with torch.func.grad, or call the collective outside the inner transform."
             )
-        return None, None, _Bind.apply(ctx.prim.transpose(), ctx.token, grad)
+        return None, None, *_bind_given(ctx.prims, ctx.token, grads, _transposed)
 
     @staticmethod
-    def jvp(ctx, _prim_t, _token_t, x_t: torch.Tensor) -> torch.Tensor:
-        if not ctx.prim.linear:
-            ctx.prim.transpose()  # raises the primitive's own "not differentiable" error
-        return _Bind.apply(ctx.prim, ctx.token, x_t)
+    def jvp(ctx, _prims_t, _token_t, *x_ts: Optional[torch.Tensor]) -> Any:
+        return _single_or_tuple(_bind_given(ctx.prims, ctx.token, x_ts, _linear))
 
     @staticmethod
-    def vmap(info, in_dims, prim: Primitive, token: torch.Tensor, x: torch.Tensor):
-        _, token_dim, x_dim = in_dims
-        if token_dim is None:  # another level: pass its batch dim through
-            if x_dim is None:
-                return _Bind.apply(prim, token, x), None
-            moved = x.movedim(x_dim, 0)
-            return _Bind.apply(prim.with_lead(prim.lead + 1), token, moved), 0
-        if x_dim is None:
-            if prim.frame.exchange is None:
-                return prim.compute_unbatched(x)
-            return run_owning(prim, x.unsqueeze(0).expand(prim.frame.local_size, *x.shape))
-        return run_owning(prim, x.movedim(x_dim, 0))
+    def vmap(info, in_dims, prims: _Prims, token: torch.Tensor, *xs: torch.Tensor):
+        token_dim, x_dims = in_dims[1], in_dims[2:]
+        if token_dim is None:  # another level: pass its batch dims through as lead dims
+            moved = tuple(x if d is None else x.movedim(d, 0) for x, d in zip(xs, x_dims))
+            led = _Prims(p if d is None else p.with_lead(p.lead + 1) for p, d in zip(prims, x_dims))
+            return _Bind.apply(led, token, *moved), _single_or_tuple([None if d is None else 0 for d in x_dims])
+        outs, member_dims = zip(*_run_at_owner(prims, xs, x_dims))
+        return _single_or_tuple(outs), _single_or_tuple(member_dims)
 
 
-def run_owning(prim: Primitive, X: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
-    """Runs ``prim`` at the level that owns its axis, on this slice's instances ``X``.
+def _transposed(prim: Primitive) -> Primitive:
+    return prim.transpose()
 
-    When the axis is split over devices, every slice's ``X`` is gathered first and the
-    same math runs on the whole axis, so results are bitwise those of one device.
+
+def _linear(prim: Primitive) -> Primitive:
+    """``prim`` itself, the jvp of a linear collective; raises for the others."""
+    if not prim.linear:
+        prim.transpose()  # raises the primitive's own "not differentiable" error
+    return prim
+
+
+def _bind_given(
+    prims: Sequence[Primitive],
+    token: torch.Tensor,
+    values: Sequence[Optional[torch.Tensor]],
+    derive: Callable[[Primitive], Primitive],
+) -> tuple[Optional[torch.Tensor], ...]:
+    """Binds ``derive(prims[k])`` to each ``values[k]`` that is not None, all in one node;
+    None stays None (an output without gradient or tangent costs no exchange)."""
+    given = [k for k, v in enumerate(values) if v is not None]
+    out: list[Optional[torch.Tensor]] = [None] * len(values)
+    if given:
+        results = _apply([derive(prims[k]) for k in given], token, [values[k] for k in given])
+        for k, result in zip(given, results):
+            out[k] = result
+    return tuple(out)
+
+
+def _run_at_owner(
+    prims: Sequence[Primitive], xs: Sequence[torch.Tensor], x_dims: Sequence[Optional[int]]
+) -> list[tuple[torch.Tensor, Optional[int]]]:
+    """At the vmap level that owns the axis: ``xs[k]`` is batched along ``x_dims[k]``, or
+    is the same on every instance (None)."""
+    frame = prims[0].frame
+    if frame.exchange is None:
+        return [
+            p.compute_unbatched(x) if d is None else p.compute(x.movedim(d, 0)) for p, x, d in zip(prims, xs, x_dims)
+        ]
+    n = frame.local_size  # the other slices hold other values: gather them as a batch
+    Xs = [x.unsqueeze(0).expand(n, *x.shape) if d is None else x.movedim(d, 0) for x, d in zip(xs, x_dims)]
+    return run_owning(prims, Xs)
+
+
+def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, Optional[int]]]:
+    """Runs ``prims[k]`` at the level that owns their axis, on this slice's instances ``Xs[k]``;
+    returns (result, member dim or None) for each.
+
+    When the axis is split over devices, every slice's values are gathered first, all
+    tensors in one exchange, and the same math runs on the whole axis, so results are
+    bitwise those of one device.
     """
-    exchange = prim.frame.exchange
+    exchange = prims[0].frame.exchange
     if exchange is None:
-        return prim.compute(X)
-    everyone = exchange.all_gather(X, f"{prim.name} over axis {prim.frame.name!r}").flatten(0, 1)
-    out, member_dim = prim.compute(everyone)
+        return [p.compute(X) for p, X in zip(prims, Xs)]
+    everyone = exchange.all_gather_many(Xs, _describe(prims))
+    return [_own_part(p, *p.compute(E.flatten(0, 1))) for p, E in zip(prims, everyone)]
+
+
+def _describe(prims: Sequence[Primitive]) -> str:
+    """How waits and errors name the exchange; the count also tells instances that
+    bundle different numbers of tensors apart."""
+    prim = prims[0]
+    what = f"{prim.name} over axis {prim.frame.name!r}"
+    return what if len(prims) == 1 else f"{what} ({len(prims)} tensors at once)"
+
+
+def _own_part(prim: Primitive, out: torch.Tensor, member_dim: Optional[int]) -> tuple[torch.Tensor, Optional[int]]:
+    """This slice's instances of a result computed for the whole axis."""
     if member_dim is None:
         return out, None
     return out.narrow(member_dim, prim.frame.offset, prim.frame.local_size), member_dim

@@ -21,15 +21,17 @@ Which processes form the axis:
 
 The exchange is an autograd Function (backward: every process' cotangent for this
 slice, summed, via all_to_all), so ``.backward()`` across processes and the gradient
-conventions of the collectives (psum transposes to psum, ...) hold. Every wait goes
-through :func:`torchpmap._process_group.wait`, which turns a failed or dead peer into
-an error naming its rank instead of a hang.
+conventions of the collectives (psum transposes to psum, ...) hold. A collective over a
+pytree moves all its leaves in one transfer each way (packed as bytes): a data-parallel
+step makes one all-gather for the ``pmean`` of its gradients, not one per parameter.
+Every wait goes through :func:`torchpmap._process_group.wait`, which turns a failed or
+dead peer into an error naming its rank instead of a hang.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,69 +70,130 @@ class ProcessExchange:
         if check is not None:
             check()
 
-    def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Every process' ``t`` stacked along a new dim 0 (in group order), on ``t``'s device.
+    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """For each ``ts[k]``: every process' value stacked along a new dim 0 (in group
+        order), all tensors in one transfer.
 
-        Differentiable: the gradient of ``t`` is the sum of every process' cotangent for
-        this process' entry of the stack.
+        Differentiable: the gradient of ``ts[k]`` is the sum of every process' cotangent
+        for this process' entry of stack ``k`` (all tensors again in one transfer).
         """
-        return _GatherProcesses.apply(self, what, t)
+        return list(_GatherProcesses.apply(self, what, *ts))
 
-    def gather_plain(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """``all_gather`` without autograd."""
+    def gather_plain(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """``all_gather_many`` without autograd: one all-gather of every tensor's bytes."""
         self.settle()  # never send values shaped by a local size that the others do not share
-        send = torch.view_as_real(t) if t.is_complex() else t
-        flat = send.contiguous().reshape(-1)
-        received = flat.new_empty(self.size * flat.numel())  # one flat buffer: gloo's fastest all-gather
-        work = _all_gather_flat(received, flat, group=self.group, async_op=True)
+        layout = _Layout.of(ts)
+        send = layout.pack(ts, rows=1).view(-1)
+        received = send.new_empty(self.size * send.numel())  # one flat buffer: gloo's fastest all-gather
+        work = _all_gather_flat(received, send, group=self.group, async_op=True)
         pg.wait(work, f"{what} across {self.label}")
-        out = received.view(self.size, *send.shape)
-        return torch.view_as_complex(out) if t.is_complex() else out
+        return layout.unpack(received.view(self.size, layout.row))
 
-    def scatter_sum(self, grad: torch.Tensor, what: str) -> torch.Tensor:
-        """``grad`` has one entry per process along dim 0; returns the sum over processes
-        of their entries for this process (the transpose of :meth:`all_gather`)."""
-        send = grad.contiguous()
-        if send.is_complex():
-            send = torch.view_as_real(send)
+    def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
+        sum over processes of their entries for this process (the transpose of
+        :meth:`all_gather_many`), all tensors in one all-to-all."""
+        layout = _Layout.of([g[0] for g in grads])
+        send = layout.pack(grads, rows=self.size)  # row p: what process p receives
         received = torch.empty_like(send)
         work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
         pg.wait(work, f"the gradient of {what} across {self.label}")
-        if grad.is_complex():
-            received = torch.view_as_complex(received)
-        return received.sum(0)
+        return [r.sum(0) for r in layout.unpack(received)]  # each contiguous, as a lone tensor's
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where the bytes of several tensors sit in one row of a ``uint8`` buffer, so that
+    tensors of any dtypes and shapes travel in one collective.
+
+    Each tensor starts at a multiple of the largest element size among them, so that a
+    segment can be viewed back as its dtype in place (a lone tensor needs no padding, and
+    packing it copies nothing).
+    """
+
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    offsets: tuple[int, ...]
+    nbytes: tuple[int, ...]
+    row: int
+
+    @classmethod
+    def of(cls, ts: Sequence[torch.Tensor]) -> "_Layout":
+        align = max(t.element_size() for t in ts)
+        offsets, nbytes, end = [], [], 0
+        for t in ts:
+            start = -(-end // align) * align
+            offsets.append(start)
+            nbytes.append(t.numel() * t.element_size())
+            end = start + nbytes[-1]
+        row = -(-end // align) * align
+        return cls(tuple(t.shape for t in ts), tuple(t.dtype for t in ts), tuple(offsets), tuple(nbytes), row)
+
+    def pack(self, ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+        """``ts[k]`` of shape ``(rows, *shapes[k])`` (or ``shapes[k]`` when rows == 1) ->
+        a ``(rows, row)`` byte buffer whose row ``r`` holds entry ``r`` of every tensor."""
+        flats = [t.contiguous().reshape(rows, t.numel() // rows).view(torch.uint8) for t in ts]
+        if len(flats) == 1:
+            return flats[0]
+        buffer = flats[0].new_empty(rows, self.row)
+        for flat, start in zip(flats, self.offsets):
+            buffer[:, start : start + flat.shape[1]].copy_(flat)
+        return buffer
+
+    def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """A ``(m, row)`` byte buffer -> tensor ``k`` of every row, ``(m, *shapes[k])``, contiguous."""
+        m = buffer.shape[0]
+        return [
+            buffer[:, start : start + n].view(dtype).reshape(m, *shape).contiguous()
+            for shape, dtype, start, n in zip(self.shapes, self.dtypes, self.offsets, self.nbytes)
+        ]
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
 class _GatherProcesses(torch.autograd.Function):
-    """``t`` of every process -> their stack; backward sums the cotangents per slice."""
+    """``ts`` of every process -> their stacks; backward sums the cotangents per slice.
+
+    Each direction is one transfer for all tensors. Backward sends the cotangents of the
+    floating-point tensors only (zeros where a result got no gradient): their dtypes, the
+    same in every process, decide the layout, so every process packs the same one.
+    """
 
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(exchange: ProcessExchange, what: str, t: torch.Tensor) -> torch.Tensor:
-        return exchange.gather_plain(t, what)
+    def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(exchange.gather_plain(ts, what))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.exchange, ctx.what = inputs[0], inputs[1]
+        ctx.differentiable = [_differentiable(t) for t in inputs[2:]]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return None, None, ctx.exchange.scatter_sum(grad, ctx.what)
+    def backward(ctx, *grads: torch.Tensor):
+        sent = [k for k, ok in enumerate(ctx.differentiable) if ok]
+        out: list[Optional[torch.Tensor]] = [None] * len(grads)
+        if sent:
+            summed = ctx.exchange.scatter_sum([grads[k] for k in sent], ctx.what)
+            for k, g in zip(sent, summed):
+                out[k] = g
+        return None, None, *out
 
     @staticmethod
-    def vmap(info, in_dims, exchange: ProcessExchange, what: str, t: torch.Tensor):
-        # An enclosing map batches t (a pmap over one mesh axis nested in a pmap over
-        # another): gather the whole batch at once; the processes of this group hold
-        # the same instances of the enclosing axis, so entry b matches entry b.
-        t_dim = in_dims[2]
-        if t_dim is None:
-            return _GatherProcesses.apply(exchange, what, t), None
-        return _GatherProcesses.apply(exchange, what, t.movedim(t_dim, 0)), 1
+    def vmap(info, in_dims, exchange: ProcessExchange, what: str, *ts: torch.Tensor):
+        # An enclosing map batches some ts (a pmap over one mesh axis nested in a pmap over
+        # another): gather the whole batch at once; the processes of this group hold the
+        # same instances of the enclosing axis, so entry b matches entry b.
+        t_dims = in_dims[2:]
+        moved = [t if d is None else t.movedim(d, 0) for t, d in zip(ts, t_dims)]
+        return _GatherProcesses.apply(exchange, what, *moved), tuple(None if d is None else 1 for d in t_dims)
 
 
 # --------------------------------------------------------------------------- which processes form the axis

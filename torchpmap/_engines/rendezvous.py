@@ -1,9 +1,10 @@
 """Meeting points for the device threads of one multi-device call.
 
 A collective across devices is a rendezvous: every participating thread deposits its
-value; the last to arrive combines all values with one autograd Function, so that a
-later ``.backward()`` meets a single node and never waits for another thread; each
-thread then takes its own result. A failure in any thread, a wait past
+values (all the leaves of a pytree: one meeting per collective); the last to arrive
+combines them with one autograd Function per leaf, so that a later ``.backward()``
+meets a single node and never waits for another thread; each thread then takes its own
+results. A failure in any thread, a wait past
 ``config.collective_timeout`` or two threads disagreeing on the collective all end the
 call with an error instead of a hang.
 """
@@ -163,10 +164,19 @@ class ThreadExchange:
     group: Hashable
     seq: int = 0
 
-    def all_gather(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        """Every slice's ``t`` stacked along a new dim 0, on this slice's device."""
+    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """For each ``ts[k]``: every slice's value stacked along a new dim 0, on this slice's
+        device. All tensors travel in one meeting (one wait per collective, not per tensor)."""
         self.seq += 1
         devices = self.devices
-        return self.rendezvous.meet(
-            (self.group, self.seq), self.index, len(devices), what, t, lambda ts: GatherAll.apply(devices, *ts)
-        )
+        key, combine = (self.group, self.seq), lambda per_slice: _gather_each(devices, per_slice)
+        return self.rendezvous.meet(key, self.index, len(devices), what, ts, combine)
+
+
+def _gather_each(
+    devices: tuple[torch.device, ...], per_slice: list[Sequence[torch.Tensor]]
+) -> list[list[torch.Tensor]]:
+    """``per_slice[i][k]`` (tensor k of slice i) -> result ``[i][k]``: tensor k of every
+    slice, stacked on slice i's device. One GatherAll node per tensor, as a lone tensor gets."""
+    stacks = [GatherAll.apply(devices, *tensor_k) for tensor_k in zip(*per_slice)]  # stacks[k][i]
+    return [list(mine) for mine in zip(*stacks)]
