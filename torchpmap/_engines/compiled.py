@@ -144,15 +144,19 @@ def _lift_constants(graph: torch.fx.GraphModule) -> list[torch.Tensor]:
     through the compiled graph, and an in-place update of it is seen by the next call.
     """
     first_op = next(n for n in graph.graph.nodes if n.op != "placeholder")  # the output node at least
+    inputs: dict[str, torch.fx.Node] = {}  # attribute -> its placeholder (several nodes may read one)
     constants: list[torch.Tensor] = []
     for node in list(graph.graph.nodes):
-        value = getattr(graph, node.target) if node.op == "get_attr" else None
+        value = getattr(graph, node.target, None) if node.op == "get_attr" else None
         if not isinstance(value, torch.Tensor):
             continue
-        with graph.graph.inserting_before(first_op):
-            node.replace_all_uses_with(graph.graph.placeholder(f"constant_{len(constants)}"))
+        if node.target not in inputs:
+            with graph.graph.inserting_before(first_op):
+                inputs[node.target] = graph.graph.placeholder(f"constant_{len(constants)}")
+            constants.append(value)
+        node.replace_all_uses_with(inputs[node.target])
         graph.graph.erase_node(node)
-        delattr(graph, node.target)
-        constants.append(value)
+    for target in inputs:
+        delattr(graph, target)
     graph.recompile()
     return constants
