@@ -7,9 +7,10 @@ computed, as :class:`~torchpmap._sharded.ShardedTensor`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from concurrent.futures import Future
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -73,26 +74,39 @@ def run(call: MappedCall) -> list[ShardedTensor]:
     seed = call_seed(call.randomness)
 
     def one_device(d: int) -> list[torch.Tensor]:
-        _devices.set_current_default((devices[d],))
-        try:
-            part = dataclasses.replace(
-                call,
-                mapped=[slice_for_device(t, dim, d, k, devices[d]) for t, dim in zip(call.mapped, call.in_dims)],
-                size=k,
-                devices=(devices[d],),
-            )
+        with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
             exchange = ThreadExchange(rendezvous, d, torch_devices, group)
-            with device_thread_mode(seed, d, call.randomness, torch_devices[d]):
-                return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
-        except BaseException:
-            rendezvous.fail(slice_label(d, k, devices[d]))
-            raise
-        finally:
-            _devices.set_current_default(None)
+            return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
 
     futures = [pool.submit(lambda d=d: one_device(d)) for d in range(len(devices))]
     per_device = collect(futures, devices, k)
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+@contextlib.contextmanager
+def device_thread(
+    call: MappedCall, rendezvous: Rendezvous, seed: int, j: int, k: int, device: Device
+) -> Iterator[MappedCall]:
+    """A device thread's set-up and tear-down for slice ``j`` (``k`` instances) of ``call``.
+
+    Pins nested pmaps to ``device``, gives the thread its own random stream, and yields
+    the slice's call (its inputs moved there); a failure marks the rendezvous failed, so
+    that the other threads stop waiting, and propagates.
+    """
+    _devices.set_current_default((device,))
+    try:
+        with device_thread_mode(seed, j, call.randomness, device.torch_device):
+            yield dataclasses.replace(
+                call,
+                mapped=[slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)],
+                size=k,
+                devices=(device,),
+            )
+    except BaseException:
+        rendezvous.fail(slice_label(j, k, device))
+        raise
+    finally:
+        _devices.set_current_default(None)
 
 
 def collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> list[list[torch.Tensor]]:

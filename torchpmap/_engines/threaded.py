@@ -26,8 +26,8 @@ from torchpmap import _axis_env, _devices, _mesh
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
-from torchpmap._engines.multi_device import collect, refuse_enclosing_transforms, slice_for_device, slice_label
-from torchpmap._engines.thread_mode import call_seed, device_thread_mode
+from torchpmap._engines.multi_device import collect, device_thread, refuse_enclosing_transforms
+from torchpmap._engines.thread_mode import call_seed
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
 from torchpmap._sharded import ShardedTensor, as_local
@@ -92,25 +92,14 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
         state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path)
         rebound = tuple(dataclasses.replace(f, exchange=_exchange(state, f.name)) for f in frames)
         _thread.state = state
-        _devices.set_current_default((devices[j],))
         try:
-            stream = device_thread_mode(seed, j, call.randomness, devices[j].torch_device)
-            with rendezvous.turn(), _axis_env.inherited(rebound), stream:
-                part = dataclasses.replace(
-                    call,
-                    mapped=[slice_for_device(t, dim, j, k, devices[j]) for t, dim in zip(call.mapped, call.in_dims)],
-                    size=k,
-                    devices=(devices[j],),
-                )
-                if k > 1:
-                    return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
-                return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
-        except BaseException:
-            rendezvous.fail(slice_label(j, k, devices[j]))
-            raise
+            with rendezvous.turn(), _axis_env.inherited(rebound):
+                with device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
+                    if k > 1:
+                        return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
+                    return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
         finally:
             _thread.state = None
-            _devices.set_current_default(None)
 
     futures = [pool.submit(lambda j=j: one_thread(j)) for j in range(count)]
     with rendezvous.passing_turn() if parent is not None else contextlib.nullcontext():
