@@ -66,7 +66,7 @@ def main() -> None:
 
     def instance_step(params, x, y):  # one instance, on its shard of the global batch
         grads, loss = grad_and_value(loss_fn)(params, x, y)
-        return tp.pmean(grads, "batch"), tp.pmean(loss, "batch")  # averaged over every process' instances
+        return tp.pmean((grads, loss), "batch")  # averaged over every process' instances, in one exchange
 
     p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
 

@@ -28,7 +28,7 @@ The whole pattern, written by hand (this is what :func:`data_parallel_step` does
 ...     return ((x @ params["w"] + params["b"] - y) ** 2).mean()
 >>> def instance_grads(params, x, y):                   # runs once per instance
 ...     grads, loss = grad_and_value(loss_fn)(params, x, y)
-...     return tp.pmean(grads, "batch"), tp.pmean(loss, "batch")
+...     return tp.pmean((grads, loss), "batch")           # one exchange for both
 >>> p_grads = tp.pmap(instance_grads, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
 >>> x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
 >>> y = x @ torch.tensor([[1.0], [2.0], [3.0]]) + 4.0
@@ -489,12 +489,9 @@ def data_parallel_step(
         grads, (loss, state) = grad_and_value(loss_of, has_aux=True)(params)
         buffer_change = {k: state[k] - floating[k] for k in floating}
         counters = {k: state[k] for k in other}
-        return (
-            pmean(grads, axis_name),
-            pmean(loss, axis_name),
-            pmean(buffer_change, axis_name),
-            counters,
-        )
+        # One pmean of everything: across devices or processes, one exchange instead of three.
+        grads, loss, buffer_change = pmean((grads, loss, buffer_change), axis_name)
+        return grads, loss, buffer_change, counters
 
     # Floating buffers are mapped (one copy per instance, updated separately); the
     # others are broadcast: an in-place update must be the same on every instance.
