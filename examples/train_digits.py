@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="digits_training.png", help="where to write the loss/accuracy plot")
     parser.add_argument("--quick", action="store_true", help="a short run for CI (15 epochs)")
+    parser.add_argument("--jit", action="store_true", help="compile the step: pmap(..., jit=True), one device")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads per torch op; the model is so small that 1 is fastest")
     args = parser.parse_args()
@@ -104,7 +105,7 @@ def main() -> None:
     # The optimizer and its schedule are plain torch.optim: the data-parallel step only
     # fills in p.grad (averaged over the instances) before optimizer.step().
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
-    step = data_parallel_step(model, F.cross_entropy, optimizer, axis_name="batch")
+    step = data_parallel_step(model, F.cross_entropy, optimizer, axis_name="batch", jit=args.jit)
 
     print(f"{n} instances on {tp.local_device_count()} device(s) {tp.local_devices()}; "
           f"{args.batch_size // n} examples per instance and step")

@@ -293,6 +293,18 @@ def test_data_parallel_step_matches_single_process(optimizer, n):
     _assert_same_params(parallel, reference, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_data_parallel_step_compiled_matches_single_process(backend):
+    x, y = _data()
+    reference, parallel = _mlp(), _mlp()
+    want = _reference_steps(reference, OPTIMIZERS["adam"], x, y, steps=6)
+    opt = OPTIMIZERS["adam"](parallel.parameters())
+    step = data_parallel_step(parallel, F.cross_entropy, opt, devices=tp.devices()[:1], jit={"backend": backend})
+    got = [step(shard((x, y), n=4)).item() for _ in range(6)]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    _assert_same_params(parallel, reference, rtol=1e-4, atol=1e-5)
+
+
 def test_data_parallel_step_gradients_are_right_on_every_call():
     """With several devices the instances run in concurrent device threads. functional_call
     swaps tensors into the module it is given: threads sharing the user's module gave wrong

@@ -55,7 +55,7 @@ from __future__ import annotations
 import copy
 import queue
 import threading
-from typing import Any, Callable, Hashable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -399,6 +399,7 @@ def data_parallel_step(
     *,
     axis_name: Hashable = "batch",
     devices: Optional[Sequence[Any]] = None,
+    jit: bool | Mapping[str, Any] = False,
 ) -> Callable[[PyTree], torch.Tensor]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
 
@@ -454,6 +455,9 @@ def data_parallel_step(
         optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
         axis_name: the name of the mapped axis that the averages run over.
         devices: passed to :func:`torchpmap.pmap` (default: all local devices).
+        jit: passed to :func:`torchpmap.pmap`: compile the per-instance step (forward,
+            gradient and averages) with ``torch.compile`` (on one device; see ``pmap``).
+            Dropout then draws from the compiled code's random generator.
 
     Example:
         >>> import torch
@@ -501,6 +505,7 @@ def data_parallel_step(
         in_axes=(None, None, 0, None, 0, 0),
         out_axes=None,
         devices=devices,
+        jit=jit,
     )
 
     def step(batch: PyTree) -> torch.Tensor:
