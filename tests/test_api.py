@@ -497,3 +497,14 @@ def test_nested_pmap_matches_plain_sums():
     assert_same(sj, x.sum(1, keepdim=True).expand(2, 4))
     assert_same(si, x.sum(0, keepdim=True).expand(2, 4))
     assert_same(sij, torch.full((2, 4), x.sum().item()))
+
+
+def test_a_first_call_under_inference_mode_does_not_spoil_later_autograd_calls():
+    """The axis token is made once per (size, device) and reused; one made under
+    inference_mode could not be saved for backward by a later call."""
+    f = tp.pmap(lambda x: x[tp.axis_index("i")].sum() * x, axis_name="i", devices=tp.devices()[:1])
+    with torch.inference_mode():
+        f(torch.ones(5, 5))
+    x = torch.ones(5, 5, requires_grad=True)
+    f(x).sum().backward()
+    assert x.grad is not None

@@ -66,7 +66,8 @@ def _token(size: int, device: torch.device | None) -> torch.Tensor:
     token = _tokens.get(key)
     if token is None:
         token = torch.arange(size, device=device)
-        if type(token) is torch.Tensor and len(_tokens) < 256:  # never keep a tracer's fake tensor
+        # never keep a tracer's fake tensor, nor an inference tensor (autograd could not save it later)
+        if type(token) is torch.Tensor and not token.is_inference() and len(_tokens) < 256:
             _tokens[key] = token
     return token
 
