@@ -211,6 +211,28 @@ def test_mesh_places_instance_d_m_on_mesh_device(cpu_devices):
     assert torch.equal(y.grad, 4 * (torch.arange(2.0) + 1) * x)
 
 
+def test_nested_mesh_results_stay_sharded_in_two_dims(cpu_devices):
+    devs = cpu_devices(6)
+    mesh = tp.Mesh(np.array(devs).reshape(2, 3), ("data", "model"))
+    x = torch.arange(12.0).reshape(2, 3, 2)
+    f = tp.pmap(tp.pmap(lambda v: v * 2 + tp.psum(v, "model"), axis_name="model"), axis_name="data")
+    expected = tp.pmap(tp.pmap(lambda v: v * 2 + tp.psum(v, "model"), axis_name="model"), axis_name="data",
+                       devices=devs[:1])(x)
+    with mesh:
+        out = f(x)
+        assert out.devices() == list(mesh.devices.flat)  # block (d, m) on mesh.devices[d, m]
+        for d, row in enumerate(out.shards):
+            assert [b.device for b in row.tensor.shards] == list(mesh.devices[d])
+            assert all(b.tensor.shape == (1, 1, 2) for b in row.tensor.shards)
+        assert torch.equal(out.gather(), expected) and torch.equal(out[1], expected[1])
+        # fed back with the same placement, every block is used where it is
+        blocks = sorted(b.tensor.data_ptr() for row in out.shards for b in row.tensor.shards)
+        seen = []
+        g = tp.pmap(tp.pmap(lambda v: (seen.append(v.data_ptr()), v + 1)[1], axis_name="model"), axis_name="data")
+        assert torch.equal(g(out).gather(), expected + 1)
+        assert sorted(seen) == blocks
+
+
 def test_mesh_errors(cpu_devices):
     devs = cpu_devices(4)
     with pytest.raises(ValueError, match="2 dimensions .* 1 axis names"):

@@ -23,6 +23,10 @@ class Shard(NamedTuple):
 class ShardedTensor:
     """A tensor split along ``dim`` into consecutive shards on several devices.
 
+    A shard may itself be a ShardedTensor split along another dim: nested pmaps over the
+    two axes of a device mesh return one, so that block ``(d, m)`` of the result stays on
+    ``mesh.devices[d, m]``. Each top-level shard then names the first device of its block.
+
     Torch functions and operators on it (``torch.sum(st)``, ``st * 2``) and ``gather()``
     are differentiable; ``torch.as_tensor`` goes through DLPack and refuses a value that
     requires grad rather than silently detaching it.
@@ -66,8 +70,8 @@ class ShardedTensor:
         return self._shape[0]
 
     def devices(self) -> list[Device]:
-        """The device of each shard, in order."""
-        return [s.device for s in self.shards]
+        """The devices that hold the data, in shard order (a nested shard's, row-major)."""
+        return [d for s in self.shards for d in (s.tensor.devices() if isinstance(s.tensor, ShardedTensor) else [s.device])]
 
     @property
     def requires_grad(self) -> bool:
@@ -77,7 +81,7 @@ class ShardedTensor:
 
     def gather(self, device: torch.device | str | None = None) -> torch.Tensor:
         """All shards concatenated into one tensor on ``device`` (default: the first shard's)."""
-        target = torch.device(device) if device is not None else self.shards[0].tensor.device
+        target = torch.device(device) if device is not None else self.shards[0].device.torch_device
         return torch.cat([s.tensor.to(target) for s in self.shards], self.shard_dim)
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -118,6 +122,20 @@ class ShardedTensor:
         order.insert(destination % self.dim(), order.pop(source % self.dim()))
         moved = [(s.device, s.tensor.movedim(source, destination)) for s in self.shards]
         return ShardedTensor(moved, order.index(self.shard_dim))
+
+    def unsqueeze(self, dim: int) -> "ShardedTensor":
+        """Like ``torch.unsqueeze``, keeping the sharding (no data moves)."""
+        dim = dim % (self.dim() + 1)
+        shards = [(s.device, s.tensor.unsqueeze(dim)) for s in self.shards]
+        return ShardedTensor(shards, self.shard_dim + (dim <= self.shard_dim))
+
+    def select(self, dim: int, index: int) -> Any:
+        """Like ``torch.select``; along another dim than the sharded one, no data moves."""
+        dim = dim % self.dim()
+        if dim == self.shard_dim:
+            return self[(slice(None),) * dim + (index,)]
+        shards = [(s.device, s.tensor.select(dim, index)) for s in self.shards]
+        return ShardedTensor(shards, self.shard_dim - (dim < self.shard_dim))
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         first = index[0] if isinstance(index, tuple) and index else index

@@ -119,7 +119,8 @@ def _run_single(call: MappedCall, state: _ThreadState, enclosing: tuple, axis: H
     broadcast = [vectorized.place(v, device) for v in call.broadcast]
     with _axis_env.bound(frame) if name is not None else contextlib.nullcontext():
         outputs = call.body(slices, broadcast)
-    return [as_local(o, device).unsqueeze(0) for o in outputs]
+    # a nested mesh pmap's result stays sharded along its own axis: blocks stay where computed
+    return [o.unsqueeze(0) if isinstance(o, ShardedTensor) else as_local(o, device).unsqueeze(0) for o in outputs]
 
 
 def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:
