@@ -14,6 +14,7 @@ import threading
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -51,10 +52,15 @@ def _local_devices() -> tuple[Device, ...]:
     return tuple(Device("cpu", i) for i in range(int(raw)))
 
 
+_DIST_AVAILABLE = dist.is_available()
+
+
 def _multi_process():
     """The multi-process state when torch.distributed runs several processes, else None
     (see :mod:`torchpmap.distributed`: then each process has one device)."""
-    from torchpmap import _process_group
+    if not (_DIST_AVAILABLE and dist.is_initialized()):  # the common case, without an import per call
+        return None
+    from torchpmap import _process_group  # it imports this module
 
     return _process_group.view()
 

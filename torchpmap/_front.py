@@ -243,7 +243,9 @@ class MappedFunction:
                 self._layouts[key] = layout
         mapped_slots, in_dims, sizes = [], [], []
         for k, (leaf, (axis, label)) in enumerate(zip(leaves, layout)):
-            if isinstance(leaf, np.ndarray) or (isinstance(leaf, np.generic) and axis is not None):
+            if type(leaf) is not torch.Tensor and (
+                isinstance(leaf, np.ndarray) or (isinstance(leaf, np.generic) and axis is not None)
+            ):
                 leaf = leaves[k] = torch.as_tensor(leaf)
             if axis is None:
                 continue

@@ -119,9 +119,12 @@ _lock = threading.RLock()
 _generation = 0  # states made so far in this process: the same count in every process
 
 
+_DIST_AVAILABLE = dist.is_available()
+
+
 def active() -> bool:
     """True when torch.distributed is initialized with more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _DIST_AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def view() -> Optional[ProcessState]:
