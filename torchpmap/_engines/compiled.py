@@ -117,7 +117,8 @@ def _trace(call: MappedCall, options: Mapping[str, Any]) -> _Program:
     graph = make_fx(program, tracing_mode="fake", _allow_non_fake_inputs=True)(*_graph_inputs(call, tensor_slots))
     graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses
     constants = _lift_constants(graph)
-    compiled = torch.compile(graph, **{"fullgraph": True, "dynamic": False, **options})
+    # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
+    compiled = torch.compile(graph.forward, **{"fullgraph": True, "dynamic": False, **options})
     return _Program(compiled, tensor_slots, constants, dict(call.body_record))
 
 
