@@ -11,9 +11,10 @@ AOTAutograd makes it differentiable for a ``.backward()`` outside the map.
 What a trace bakes in, like ``jax.jit``: the Python control flow of the function, its
 non-tensor arguments, and the identity of the tensors it closes over (those are passed to
 the compiled graph by reference at every call, so in-place updates such as an optimizer
-step are seen). A value-dependent branch cannot be traced and raises
-:class:`TraceError`; the caller keys the cache so that anything else that changes the
-program (shapes, dtypes, devices, ``requires_grad``, non-tensor values) traces anew.
+step are seen). A branch on a tensor's value cannot be traced: that
+signature then runs eagerly, with a :class:`JitFallbackWarning`. The caller keys the
+cache so that anything else that changes the program (shapes, dtypes, devices,
+``requires_grad``, non-tensor values) traces anew.
 """
 from __future__ import annotations
 
