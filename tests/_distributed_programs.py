@@ -215,9 +215,9 @@ def train_with_helper(d: dict[str, torch.Tensor], steps: int = 3) -> dict[str, t
     return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
 
 
-def reference() -> dict[str, object]:
-    """Every program on the global data, in one process."""
-    d = global_data()
+def compared_programs(d: dict) -> dict[str, object]:
+    """Every program whose results are compared between one process and several, on
+    ``d`` (the global data in one process, a rank's share in several)."""
     out = {name: fn(d) for name, fn in collective_programs(d).items()}
     out["backward_outside"] = backward_outside(d)
     out["grad_around"] = grad_around(d)
@@ -226,6 +226,11 @@ def reference() -> dict[str, object]:
     out["train_by_hand"] = train_by_hand(d)
     out["train_with_helper"] = train_with_helper(d)
     return out
+
+
+def reference() -> dict[str, object]:
+    """Every program on the global data, in one process."""
+    return compared_programs(global_data())
 
 
 # --------------------------------------------------------------------------- mesh
@@ -276,15 +281,8 @@ def scenario_collectives(rank: int, nproc: int) -> dict:
         "is_initialized": tpd.is_initialized(),
     }
     tpd.initialize()  # idempotent
-    for name, fn in collective_programs(d).items():
-        out[name] = fn(d)
-    out["backward_outside"] = backward_outside(d)
-    out["grad_around"] = grad_around(d)
-    out["pytree_backward"] = pytree_backward(d)
+    out.update(compared_programs(d))
     out["transfers"] = count_transfers(d)
-    out["replicated"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i", out_axes=None)(d["x"])
-    out["train_by_hand"] = train_by_hand(d)
-    out["train_with_helper"] = train_with_helper(d)
     # Unequal local sizes: every process raises the same clear error (and stays usable).
     try:
         tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(rank + 1))
