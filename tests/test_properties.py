@@ -197,6 +197,19 @@ def _after(op: Op, shape, dtype, n):
 DIM_CHOICES = lambda n: st.sampled_from(sorted({1, 2, 3, n, 2 * n}))  # noqa: E731
 
 
+@st.composite
+def instance_shape(draw, n: int, max_rank: int, collective: Optional[str]) -> tuple[int, ...]:
+    """A random instance shape of rank 0..max_rank for an axis of size ``n``; for a
+    collective that splits a dim (psum_scatter, all_to_all), one dim is ``n`` or ``2n``."""
+    rank = draw(st.integers(0, max_rank))  # drawn uniformly: st.lists favours short lists
+    shape = list(draw(st.lists(DIM_CHOICES(n), min_size=rank, max_size=rank)))
+    if collective in ("psum_scatter", "all_to_all"):  # needs a dim of size n (or a multiple, tiled)
+        if not shape:
+            shape = [1]
+        shape[draw(st.integers(0, len(shape) - 1))] = n * draw(st.sampled_from([1, 2]))
+    return tuple(shape)
+
+
 COLLECTIVES = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute", "pshuffle", "all_to_all",
                "scale_by_index"]
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int32": torch.int32, "bool": torch.bool}
@@ -210,13 +223,7 @@ def chain_case(draw, first: Optional[str] = None):
     needs_number = first == "scale_by_index"  # bool excluded (see op_for)
     dtype_name = draw(st.sampled_from([d for d in DTYPES if not (needs_number and d == "bool")]))
     dtype = TORCH_DTYPES[dtype_name]
-    rank = draw(st.integers(0, 3))  # drawn uniformly: st.lists favours short lists
-    shape = list(draw(st.lists(DIM_CHOICES(n), min_size=rank, max_size=rank)))
-    if first in ("psum_scatter", "all_to_all"):  # needs a dim of size n (or a multiple, tiled)
-        if not shape:
-            shape = [1]
-        shape[draw(st.integers(0, len(shape) - 1))] = n * draw(st.sampled_from([1, 2]))
-    shape = tuple(shape)
+    shape = draw(instance_shape(n, max_rank=3, collective=first))
     ops, cur_shape, cur_dtype = [], shape, dtype
     for k in range(draw(st.integers(1, 2))):
         op = draw(op_for(cur_shape, cur_dtype, n, only=first if k == 0 else None))
@@ -447,13 +454,7 @@ def nested_case(draw, only: str):
     n = (I * J) if isinstance(names, tuple) else {"i": I, "j": J}[names]
     dtype_name = draw(st.sampled_from(["float32", "int32"]))
     dtype = TORCH_DTYPES[dtype_name]
-    rank = draw(st.integers(0, 2))
-    shape = list(draw(st.lists(DIM_CHOICES(n), min_size=rank, max_size=rank)))
-    if only in ("psum_scatter", "all_to_all"):  # needs a dim of size n (or a multiple, tiled)
-        if not shape:
-            shape = [1]
-        shape[draw(st.integers(0, len(shape) - 1))] = n * draw(st.sampled_from([1, 2]))
-    shape = tuple(shape)
+    shape = draw(instance_shape(n, max_rank=2, collective=only))
     op = draw(op_for(shape, dtype, n, only=only))
     nest = draw(st.sampled_from([("pmap", "pmap"), ("pmap", "vmap"), ("vmap", "pmap"), ("vmap", "vmap")]))
     outer_in, inner_in = draw(st.integers(0, len(shape) + 1)), draw(st.integers(0, len(shape)))
