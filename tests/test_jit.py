@@ -8,6 +8,7 @@ fast); the ``inductor`` tests check real generated code.
 """
 from __future__ import annotations
 
+import gc
 import warnings
 
 import pytest
@@ -218,3 +219,24 @@ def test_inductor_backward_outside():
     f = tp.pmap(lambda v: torch.sin(v) * tp.pmax(v.detach(), "i"), "i", jit=True, devices=ONE_DEVICE)
     f(x).sum().backward()
     torch.testing.assert_close(x.grad, torch.cos(x.detach()) * x.detach().amax(0))
+
+
+class _Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, k: float):
+        self.k = k
+
+
+def test_unhashable_arguments_are_baked_in_by_identity():
+    f = jit_pmap(lambda x, s: x * s.k, in_axes=(0, None))
+    x = torch.ones(2)
+    first = _Unhashable(2.0)
+    torch.testing.assert_close(f(x, first), x * 2)
+    address = id(first)
+    del first
+    gc.collect()
+    # a new object at the freed one's address must not reuse the program that baked in k=2
+    candidates = [_Unhashable(3.0) for _ in range(1000)]
+    reused = next((c for c in candidates if id(c) == address), candidates[0])
+    torch.testing.assert_close(f(x, reused), x * 3)

@@ -73,8 +73,24 @@ def _leaf_signature(leaf: Any) -> Hashable:
     try:
         hash(leaf)
     except TypeError:
-        return ("object", id(leaf))  # baked in by identity
+        return _ByIdentity(leaf)  # baked in by identity
     return (type(leaf), leaf)
+
+
+class _ByIdentity:
+    """A key for an unhashable object: equal only to itself. It holds the object, so
+    that its id cannot be reused by another object while a compiled program keys on it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByIdentity) and other.obj is self.obj
 
 
 def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -157,7 +173,7 @@ class MappedFunction:
             randomness=self.opts.randomness,
             devices=self._devices_for(flat.size, mesh) if what == "pmap" else None,
             mesh=mesh,
-            must_be_unmapped=(lambda: self._replicated_outputs(out_holder)) if what == "vmap" else dict,
+            must_be_unmapped=(lambda: self._replicated_outputs(out_holder)) if what == "vmap" else None,
             programs=self._programs,
             signature=self._signature(flat, statics) if self._programs is not None else None,
             body_record=out_holder,
