@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_pop_interpreter_stack
 
 from torchpmap._axis_env import AxisFrame
 
@@ -119,8 +119,6 @@ def _single_or_tuple(values: Sequence[Any]) -> Any:
 def _refuse_forward_mode(prim: Primitive) -> None:
     """PyTorch keeps forward-mode AD levels per process, not per thread, so jvp/jacfwd in
     concurrent device threads interfere; refuse instead of risking wrong tangents."""
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
     if any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
         from torchpmap._engines.multi_device import FORWARD_MODE_ACROSS_DEVICES
 

@@ -30,8 +30,9 @@ class MappedCall:
         devices: where to run; None means "where the inputs are" (``vmap``).
         mesh: the mesh whose axis ``axis_name`` names, if the call maps a mesh axis.
         must_be_unmapped: after ``body`` ran, the positions of output leaves that must
-            not vary along the axis (``vmap``'s ``out_axes=None``), with their key paths.
-            An engine raises ValueError for one that does.
+            not vary along the axis (``vmap``'s ``out_axes=None``), with their key paths;
+            None when there is nothing to check (``pmap``). An engine raises ValueError
+            for an output that does vary.
         programs: for ``jit=True``, the mapped function's compiled programs
             (a :class:`~torchpmap._engines.compiled.ProgramCache`); None runs eagerly.
         signature: what identifies this call's program in ``programs``: everything
@@ -49,7 +50,7 @@ class MappedCall:
     size: int
     randomness: str
     devices: Optional[Sequence[Device]]
-    must_be_unmapped: Callable[[], dict[int, str]] = dict
+    must_be_unmapped: Optional[Callable[[], dict[int, str]]] = None
     mesh: Any = None
     programs: Any = None
     signature: Hashable = None

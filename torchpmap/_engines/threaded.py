@@ -125,6 +125,8 @@ def _run_single(call: MappedCall, state: _ThreadState, enclosing: tuple, axis: H
 
 def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:
     """vmap's out_axes=None in debug mode: no vmap level to ask, so compare the values."""
+    if call.must_be_unmapped is None:
+        return
     for k, path in call.must_be_unmapped().items():
         first = per_thread[0][k]
         if any(not torch.equal(first, outs[k].to(first.device)) for outs in per_thread[1:]):

@@ -43,7 +43,7 @@ def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exch
             frame = _axis_env.AxisFrame(call.axis_name, axis_size or call.size, token, call.size, offset, exchange)
             with _axis_env.bound(frame):
                 outputs = tuple(call.body(slices, broadcast))
-        if call.must_be_unmapped is not dict:  # vmap's out_axes=None (pmap: nothing to check)
+        if call.must_be_unmapped is not None:  # vmap's out_axes=None
             _check_unmapped(outputs, call.must_be_unmapped(), token)
         return outputs
 
