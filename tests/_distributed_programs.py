@@ -56,9 +56,14 @@ def _ring(n):
     return [(j, (j + 1) % n) for j in range(n)]
 
 
-def collective_programs(d: dict[str, torch.Tensor]):
+#: How the compiled scenario compiles: AOTAutograd without code generation (the trace and
+#: the exchange ops are what is under test; the bench compiles with inductor).
+JIT = {"backend": "aot_eager"}
+
+
+def collective_programs(d: dict[str, torch.Tensor], jit: bool = False):
     """name -> (function of the (local or global) data dict, in_key); outputs are mapped along dim 0."""
-    pm = lambda f, **kw: tp.pmap(f, axis_name="i", **kw)  # noqa: E731
+    pm = lambda f, **kw: tp.pmap(f, axis_name="i", jit=JIT if jit else False, **kw)  # noqa: E731
     return {
         "psum": lambda d: pm(lambda v: tp.psum(v, "i"))(d["x"]),
         "pmean": lambda d: pm(lambda v: tp.pmean(v, "i"))(d["x"]),
@@ -137,12 +142,14 @@ def count_transfers(d: dict) -> dict:
     """How many all-gathers and all-to-alls a pmean of a 6-leaf pytree and its backward make."""
     from torchpmap._engines import distributed as engine
 
-    counts = {"all_gather": 0, "all_to_all": 0}
+    counts = {"all_gather": 0, "all_to_all": 0, "all_gather_bytes": 0}
     gather, all_to_all = engine._all_gather_flat, torch.distributed.all_to_all_single
 
     def counted(name, fn):
         def call(*args, **kwargs):
             counts[name] += 1
+            if name == "all_gather":
+                counts["all_gather_bytes"] += args[1].numel() * args[1].element_size()  # what this process sends
             return fn(*args, **kwargs)
         return call
 
@@ -164,10 +171,10 @@ def _backward_program(v: torch.Tensor) -> torch.Tensor:
     return s + g * v + p
 
 
-def backward_outside(d: dict[str, torch.Tensor]) -> torch.Tensor:
+def backward_outside(d: dict[str, torch.Tensor], jit: bool = False) -> torch.Tensor:
     """``.backward()`` on the (local) loss after the pmap: x.grad (mapped along dim 0)."""
     x = d["x"].clone().requires_grad_()
-    out = tp.pmap(_backward_program, axis_name="i")(x)
+    out = tp.pmap(_backward_program, axis_name="i", jit=JIT if jit else False)(x)
     (out * d["w"]).sum().backward()
     return x.grad
 
@@ -178,7 +185,7 @@ def grad_around(d: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.func.grad(lambda x: (f(x) * d["w"]).sum())(d["x"])
 
 
-def train_by_hand(d: dict[str, torch.Tensor], steps: int = 3) -> dict[str, torch.Tensor]:
+def train_by_hand(d: dict[str, torch.Tensor], steps: int = 3, jit: bool = False) -> dict[str, torch.Tensor]:
     """A data-parallel MLP trained with pmap(grad) + pmean over "batch"; returns the parameters."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
@@ -191,7 +198,7 @@ def train_by_hand(d: dict[str, torch.Tensor], steps: int = 3) -> dict[str, torch
         grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
         return tp.pmean(grads, "batch"), tp.pmean(loss, "batch")
 
-    p_step = tp.pmap(instance, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+    p_step = tp.pmap(instance, axis_name="batch", in_axes=(None, 0, 0), out_axes=None, jit=JIT if jit else False)
     losses = []
     for _ in range(steps):
         params = {k: p.detach() for k, p in model.named_parameters()}
@@ -203,14 +210,14 @@ def train_by_hand(d: dict[str, torch.Tensor], steps: int = 3) -> dict[str, torch
     return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
 
 
-def train_with_helper(d: dict[str, torch.Tensor], steps: int = 3) -> dict[str, torch.Tensor]:
+def train_with_helper(d: dict[str, torch.Tensor], steps: int = 3, jit: bool = False) -> dict[str, torch.Tensor]:
     """The same with torchpmap.training.data_parallel_step and Adam."""
     from torchpmap.training import data_parallel_step
 
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    step = data_parallel_step(model, torch.nn.functional.mse_loss, opt)
+    step = data_parallel_step(model, torch.nn.functional.mse_loss, opt, jit=JIT if jit else False)
     losses = [step((d["mlp_x"], d["mlp_y"])) for _ in range(steps)]
     return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
 
@@ -225,6 +232,25 @@ def compared_programs(d: dict) -> dict[str, object]:
     out["replicated"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i", out_axes=None)(d["x"])
     out["train_by_hand"] = train_by_hand(d)
     out["train_with_helper"] = train_with_helper(d)
+    return out
+
+
+#: The programs of compared_programs that compile as a whole (the others differentiate
+#: or map around the pmap, which then runs eagerly inside that transform).
+COMPILED = set(collective_programs({})) - {"vmap_around"} | {"backward_outside", "train_by_hand", "train_with_helper"}
+
+
+def compiled_programs(d: dict) -> dict[str, object]:
+    """The programs of :data:`COMPILED` with ``jit=True``: on one process' share, they
+    must compile (a fallback to eager is an error here) and match the eager reference."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tp.JitFallbackWarning)
+        out = {name: fn(d) for name, fn in collective_programs(d, jit=True).items() if name in COMPILED}
+        out["backward_outside"] = backward_outside(d, jit=True)
+        out["train_by_hand"] = train_by_hand(d, jit=True)
+        out["train_with_helper"] = train_with_helper(d, jit=True)
     return out
 
 
@@ -283,16 +309,29 @@ def scenario_collectives(rank: int, nproc: int) -> dict:
     tpd.initialize()  # idempotent
     out.update(compared_programs(d))
     out["transfers"] = count_transfers(d)
-    # Unequal local sizes: every process raises the same clear error (and stays usable).
-    try:
-        tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(rank + 1))
-        out["size_error"] = None
-    except ValueError as e:
-        out["size_error"] = str(e)
+    out["compiled"] = compiled_programs(d)
+    # Unequal local sizes: every process raises the same clear error (and stays usable),
+    # whether the check rides on a reduction, precedes an all_gather, ends a call without
+    # collectives, or runs in a compiled program.
+    unequal = torch.ones(rank + 1)
+    out["size_errors"] = {
+        "psum": _error_of(lambda: tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(unequal)),
+        "all_gather": _error_of(lambda: tp.pmap(lambda v: tp.all_gather(v, "i"), axis_name="i")(unequal)),
+        "none": _error_of(lambda: tp.pmap(lambda v: v * 2, axis_name="i")(unequal)),
+        "jit": _error_of(lambda: tp.pmap(lambda v: tp.pmean(v, "i"), axis_name="i", jit=JIT)(unequal)),
+    }
     out["after_size_error"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(1))
     if nproc == 4:
         out["mesh"] = scenario_mesh_part(rank)
     return out
+
+
+def _error_of(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def scenario_mesh_part(rank: int) -> dict:
@@ -330,6 +369,15 @@ def scenario_die(rank: int, nproc: int) -> dict:
         return tp.psum(v, "i")
 
     return _expect_failure(lambda: tp.pmap(f, axis_name="i")(torch.ones(2)))
+
+
+def scenario_die_jit(rank: int, nproc: int) -> dict:
+    """The same, inside a compiled program: rank 0 waits in its exchange op, not in Python."""
+    f = tp.pmap(lambda v: tp.psum(v * 2, "i"), axis_name="i", jit=JIT)
+    f(torch.ones(2))  # compiled in both
+    if rank == 1:
+        os._exit(17)
+    return _expect_failure(lambda: f(torch.ones(2)))
 
 
 def scenario_absent(rank: int, nproc: int) -> dict:
@@ -373,7 +421,7 @@ def main() -> None:
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)  # complete when it appears
     sys.stdout.flush()
-    if scenario in ("raise", "die", "absent"):
+    if scenario in ("raise", "die", "die_jit", "absent"):
         # The group is out of step: skip waiting for its collectives at exit, but let rank 0
         # (the store's host) stay as long as torchpmap's own exit hook would.
         if rank == 0:

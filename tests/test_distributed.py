@@ -28,9 +28,12 @@ import _distributed_programs as progs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
-# Forward results of collectives and everything differentiated *inside* the pmap run the
-# very same math on the same gathered values as one process: bitwise equal. A
-# .backward() through the pmap sums the cotangents of the processes in another order.
+# With one instance per process, forward results of collectives and everything
+# differentiated *inside* the pmap run the very same math on the same gathered values as
+# one process: bitwise equal. A .backward() through the pmap sums the cotangents of the
+# processes in another order. With several instances per process, a reduction (psum,
+# pmean) sums each process' instances first and then the processes' sums: equal to one
+# process up to rounding, and bitwise the same in every process.
 NOT_BITWISE = {"backward_outside", "grad_around"}
 
 
@@ -105,18 +108,38 @@ def test_collectives_and_training_match_one_process(nproc, tmp_path, reference):
         assert res["devices"] == [("cpu", 0, k) for k in range(nproc)]
         assert res["local_devices"] == [("cpu", 0, r)]
         # unequal local sizes: the same error everywhere, naming every rank's size
-        assert "rank 0: 1" in res["size_error"] and f"rank {nproc - 1}: {nproc}" in res["size_error"]
+        for how, error in res["size_errors"].items():
+            assert error and "rank 0: 1" in error and f"rank {nproc - 1}: {nproc}" in error, (how, error)
         assert torch.equal(res["after_size_error"], torch.full((1,), float(nproc)))
-        # a pmean of 6 tensors: one all-gather forward, one all-to-all backward (not 6 of each)
-        assert res["transfers"] == {"all_gather": 1, "all_to_all": 1}, res["transfers"]
+        # a pmean of 6 tensors: one all-gather forward (carrying the size check too), one
+        # all-to-all backward (not 6 of each); each process sends its own 6 sums of 3
+        # float32 and its local size, however many instances it holds
+        assert res["transfers"] == {"all_gather": 1, "all_to_all": 1, "all_gather_bytes": 6 * 3 * 4 + 8}, res["transfers"]
+    one_each = nproc == progs.G  # one instance per process
     programs = list(progs.collective_programs(progs.global_data())) + ["backward_outside", "grad_around", "pytree_backward"]
     for name in programs:
-        _assert_same(name, _concat(per_rank, name), reference[name], bitwise=name not in NOT_BITWISE)
+        _assert_same(name, _concat(per_rank, name), reference[name], bitwise=one_each and name not in NOT_BITWISE)
     for name in ("replicated", "train_by_hand", "train_with_helper"):
-        for res in per_rank:  # the same (replicated) value in every process, that of one process
-            _assert_same(name, res[name], reference[name], bitwise=True)
+        for res in per_rank:  # the same (replicated) value in every process: bitwise, and that of one process
+            _assert_same(name, res[name], per_rank[0][name], bitwise=True)
+            _assert_same(name, res[name], reference[name], bitwise=one_each)
+    _check_compiled(per_rank, reference)
     if nproc == 4:
         _check_mesh([res["mesh"] for res in per_rank])
+
+
+def _check_compiled(per_rank: list, reference: dict) -> None:
+    """pmap(jit=True) across processes: every program compiled (no fallback, see
+    progs.compiled_programs) and matches the eager one-process results; replicated
+    results are bitwise the same in every process."""
+    for name in sorted(progs.COMPILED):
+        if name in ("train_by_hand", "train_with_helper"):
+            for res in per_rank:
+                _assert_same(f"jit {name}", res["compiled"][name], per_rank[0]["compiled"][name], bitwise=True)
+                _assert_same(f"jit {name}", res["compiled"][name], reference[name], bitwise=False)
+        else:
+            got = _concat([res["compiled"] for res in per_rank], name)
+            _assert_same(f"jit {name}", got, reference[name], bitwise=False)
 
 
 def _check_mesh(per_rank: list) -> None:
@@ -128,7 +151,8 @@ def _check_mesh(per_rank: list) -> None:
         i, j = res["coords"]
         assert (i, j) == (r // 2, r % 2), res["repr"]  # row-major layout
         block = lambda t: t[i * a : (i + 1) * a, j * b : (j + 1) * b]  # noqa: E731
-        _assert_same(f"mesh rank {r}", res["result"], pytree.tree_map(block, want), bitwise=True)
+        # two instances per process along "data": its reductions sum them first (see NOT_BITWISE)
+        _assert_same(f"mesh rank {r}", res["result"], pytree.tree_map(block, want), bitwise=False)
         _assert_same(f"mesh rank {r}, pmap(mesh=)", res["explicit"], res["result"], bitwise=True)
         # d/dx of sum over all instances of psum(x^2, model) + sum_data(x): 2 * x * model size + data size
         expected = 2 * block(x) * progs.MESH_SHAPE[1] + progs.MESH_SHAPE[0] * a
@@ -149,8 +173,9 @@ def test_raise_in_one_rank_names_it_in_the_others(tmp_path):
     assert time.monotonic() - t < 60
 
 
-def test_dead_rank_is_named_and_nobody_hangs(tmp_path):
-    finished, results = _run("die", 2, tmp_path, timeout=30)
+@pytest.mark.parametrize("scenario", ["die", "die_jit"])
+def test_dead_rank_is_named_and_nobody_hangs(scenario, tmp_path):
+    finished, results = _run(scenario, 2, tmp_path, timeout=30)
     logs = _logs(finished)
     assert finished[1].returncode == 17, logs
     r0 = results[0]

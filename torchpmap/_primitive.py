@@ -45,6 +45,12 @@ class Primitive:
     name = "collective"
     linear = True
 
+    @property
+    def reduces(self) -> bool:
+        """True for an associative reduction over all members (psum, pmax, pmin without
+        groups): ``compute`` of the slices' own results gives the result of the whole axis."""
+        return False
+
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
         """All instances' values ``X`` -> (result, member dim of the result or None)."""
         raise NotImplementedError
@@ -229,11 +235,20 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
 
     When the axis is split over devices, every slice's values are gathered first, all
     tensors in one exchange, and the same math runs on the whole axis, so results are
-    bitwise those of one device.
+    bitwise those of one device. An exchange that sets ``reduces_locally`` (across
+    processes, where bandwidth counts) gathers only each slice's own reduction for
+    :attr:`Primitive.reduces` prims: a slice's instances are summed first, then the
+    slices' sums, in the same order in every process (the replicas stay bitwise equal;
+    against one process the float sums differ in rounding unless a slice holds one
+    instance).
     """
     exchange = prims[0].frame.exchange
     if exchange is None:
         return [p.compute(X) for p, X in zip(prims, Xs)]
+    if getattr(exchange, "reduces_locally", False) and all(p.reduces for p in prims):
+        Xs = [p.compute(X)[0].unsqueeze(0) if X.shape[0] > 1 else X for p, X in zip(prims, Xs)]
+        everyone = exchange.all_gather_many(Xs, _describe(prims), partial=True)
+        return [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
     everyone = exchange.all_gather_many(Xs, _describe(prims))
     return [_own_part(p, *p.compute(E.flatten(0, 1))) for p, E in zip(prims, everyone)]
 

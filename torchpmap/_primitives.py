@@ -45,6 +45,10 @@ class Psum(Primitive):
     groups: Groups = None
     name = "psum"
 
+    @property
+    def reduces(self) -> bool:
+        return self.groups is None
+
     def compute(self, X):
         X = X.to(_sum_dtype(X))
         if self.groups is not None:
@@ -97,6 +101,10 @@ class Pextremum(Primitive):
     op: str = "amax"
     groups: Groups = None
     linear = False
+
+    @property
+    def reduces(self) -> bool:
+        return self.groups is None
 
     @property
     def name(self):  # type: ignore[override]

@@ -63,8 +63,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     ``body`` may not run at all: a compiled program of an earlier call with the same
     ``signature`` computes the outputs.
     """
-    if call.devices is not None and distributed.active():  # several processes: one slice each
-        _warn_not_compiled(call, "spans several processes")
+    if call.devices is not None and distributed.active():  # several processes: one slice each (compiled or not)
         return distributed.run(call)
 
     if config.disable_vectorization:

@@ -28,6 +28,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torchpmap._engines import MappedCall, vectorized
 from torchpmap._sharded import ShardedTensor, as_local
 
+#: Runs a mapped call: the vectorized engine, or one slice of a split axis.
+Engine = Callable[[MappedCall], list[torch.Tensor]]
+
 _MAX_PROGRAMS = 32  # compiled programs kept per mapped function (oldest dropped first)
 
 
@@ -54,20 +57,38 @@ class ProgramCache:
     def compiled_count(self) -> int:
         return sum(p is not None for p in self._programs.values())
 
-    def run(self, call: MappedCall, signature: Hashable) -> list[torch.Tensor]:
+    def run(
+        self,
+        call: MappedCall,
+        signature: Hashable,
+        engine: Engine = vectorized.run,
+        traced_engine: Optional[Engine] = None,
+        not_retried: tuple[type[BaseException], ...] = (),
+    ) -> list[torch.Tensor]:
+        """Runs ``call`` through the program for ``signature``, tracing it on first sight.
+
+        ``engine`` runs a call eagerly (a signature that could not be compiled);
+        ``traced_engine`` (default: ``engine``) is what the trace records, where the
+        two differ in how the slices talk (an exchange across processes must be an op).
+        An error of a type in ``not_retried``, raised while the first call runs, is no
+        limit of tracing but a fault of the run (the other processes have moved on): it
+        propagates instead of an eager retry.
+        """
         if signature in self._programs:
             program = self._programs[signature]
             if program is None:
-                return vectorized.run(call)
+                return engine(call)
             call.body_record.update(program.body_record)  # body will not run
             return program(call)
         if len(self._programs) >= _MAX_PROGRAMS:
             del self._programs[next(iter(self._programs))]
         try:
-            program = _trace(call, self.options)
+            program = _trace(call, self.options, traced_engine or engine)
             outputs = program(call)  # the first call compiles; body ran while tracing
+        except not_retried:
+            raise
         except Exception as failure:  # noqa: BLE001 - retried eagerly below; the eager error wins
-            outputs = vectorized.run(call)
+            outputs = engine(call)
             self._programs[signature] = None
             warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=4)
             return outputs
@@ -105,7 +126,7 @@ def _graph_inputs(call: MappedCall, tensor_slots: Sequence[int]) -> list[torch.T
     return [as_local(t, device) for t in call.mapped] + [as_local(call.broadcast[k], device) for k in tensor_slots]
 
 
-def _trace(call: MappedCall, options: Mapping[str, Any]) -> _Program:
+def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Program:
     tensor_slots = [k for k, v in enumerate(call.broadcast) if isinstance(v, (torch.Tensor, ShardedTensor))]
     n_mapped = len(call.mapped)
 
@@ -113,7 +134,7 @@ def _trace(call: MappedCall, options: Mapping[str, Any]) -> _Program:
         broadcast = list(call.broadcast)
         for k, t in zip(tensor_slots, tensors[n_mapped:]):
             broadcast[k] = t
-        return vectorized.run(dataclasses.replace(call, mapped=tensors[:n_mapped], broadcast=broadcast))
+        return engine(dataclasses.replace(call, mapped=tensors[:n_mapped], broadcast=broadcast))
 
     graph = make_fx(program, tracing_mode="fake", _allow_non_fake_inputs=True)(*_graph_inputs(call, tensor_slots))
     graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from torchpmap import _process_group as pg
-from torchpmap._engines import MappedCall, vectorized
+from torchpmap._engines import MappedCall, process_ops, vectorized
 
 active = pg.active
 
@@ -46,48 +46,79 @@ active = pg.active
 class ProcessExchange:
     """One process' door to the other processes' slices of a split axis.
 
+    Every process of a call must pass the same local size. The first transfer of the
+    call checks it: one that moves partial results (whose size does not depend on the
+    local size) carries each process' local size along; before any other, the sizes are
+    compared in a transfer of their own. A call without transfers compares them at its
+    end (:meth:`settle`).
+
     Attributes:
         group: the process group of the axis (None: all processes).
         index: this process' position in the group (its coordinate along the axis).
         size: the number of processes in the group.
         label: how error messages name the group.
+        unchecked: (local size, axis name) until the processes have compared local sizes.
     """
 
     group: Any
     index: int
     size: int
     label: str
-    pending_check: Optional[Callable[[], None]] = dataclasses.field(default=None, repr=False)
+    unchecked: Optional[tuple[int, Hashable]] = dataclasses.field(default=None, repr=False)
 
     #: The slices are separate processes, each with its own autograd and functorch state
     #: (unlike device threads, which share the process' forward-mode AD state).
     spans_threads = False
+    #: A reduction sends each process' own partial result, not all its instances' values
+    #: (see torchpmap._primitive.run_owning): traffic independent of the local size.
+    reduces_locally = True
 
     def settle(self) -> None:
-        """Completes the call's size check (started early so that it overlaps the local
-        work before the first collective); raises :class:`SizeMismatch`."""
-        check, self.pending_check = self.pending_check, None
-        if check is not None:
-            check()
+        """Compares the processes' local sizes, unless a transfer did; raises :class:`SizeMismatch`."""
+        if self.unchecked is not None:
+            mine = torch.tensor([self.unchecked[0]], device=pg.state().local_device.torch_device)
+            self._compare_sizes(self._gather_bytes([mine], "the size check")[0])
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every process' value stacked along a new dim 0 (in group
-        order), all tensors in one transfer.
+        order), all tensors in one transfer. ``partial``: the values are this process'
+        partial results, shaped independently of its local size.
 
         Differentiable: the gradient of ``ts[k]`` is the sum of every process' cotangent
         for this process' entry of stack ``k`` (all tensors again in one transfer).
         """
-        return list(_GatherProcesses.apply(self, what, *ts))
+        return list(_GatherProcesses.apply(self, what, partial, *ts))
 
-    def gather_plain(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    def gather_plain(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """``all_gather_many`` without autograd: one all-gather of every tensor's bytes."""
-        self.settle()  # never send values shaped by a local size that the others do not share
+        if self.unchecked is None or not partial:
+            self.settle()  # never send values shaped by a local size that the others do not share
+            return self._gather_bytes(ts, what)
+        size = torch.tensor([self.unchecked[0]], device=ts[0].device)  # the check rides along
+        *gathered, sizes = self._gather_bytes([*ts, size], what)
+        self._compare_sizes(sizes)
+        return gathered
+
+    def _gather_bytes(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         layout = _Layout.of(ts)
         send = layout.pack(ts, rows=1).view(-1)
         received = send.new_empty(self.size * send.numel())  # one flat buffer: gloo's fastest all-gather
         work = _all_gather_flat(received, send, group=self.group, async_op=True)
         pg.wait(work, f"{what} across {self.label}")
         return layout.unpack(received.view(self.size, layout.row))
+
+    def _compare_sizes(self, sizes: torch.Tensor) -> None:
+        (n_local, name), self.unchecked = self.unchecked, None
+        found = sizes.view(-1).tolist()
+        if len(set(found)) == 1:
+            return
+        ranks = range(self.size) if self.group is None else dist.get_process_group_ranks(self.group)
+        who = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, found))
+        raise SizeMismatch(
+            f"pmap over axis {name!r} across {self.label}: every process must pass the same number of local "
+            f"instances (the size of its local portion of the mapped axis), but they differ: {who} (this is rank "
+            f"{pg.state().rank}). Split the global batch evenly over the processes."
+        )
 
     def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
@@ -110,9 +141,9 @@ class _Layout:
     """Where the bytes of several tensors sit in one row of a ``uint8`` buffer, so that
     tensors of any dtypes and shapes travel in one collective.
 
-    Each tensor starts at a multiple of the largest element size among them, so that a
-    segment can be viewed back as its dtype in place (a lone tensor needs no padding, and
-    packing it copies nothing).
+    Each tensor starts at a multiple of its element size and a row spans a multiple of the
+    largest, so that a segment can be viewed back as its dtype in place (a lone tensor
+    needs no padding, and packing it copies nothing).
     """
 
     shapes: tuple[torch.Size, ...]
@@ -126,7 +157,7 @@ class _Layout:
         align = max(t.element_size() for t in ts)
         offsets, nbytes, end = [], [], 0
         for t in ts:
-            start = -(-end // align) * align
+            start = -(-end // t.element_size()) * t.element_size()
             offsets.append(start)
             nbytes.append(t.numel() * t.element_size())
             end = start + nbytes[-1]
@@ -168,13 +199,13 @@ class _GatherProcesses(torch.autograd.Function):
     generate_vmap_rule = False
 
     @staticmethod
-    def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(exchange.gather_plain(ts, what))
+    def forward(exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(exchange.gather_plain(ts, what, partial))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.exchange, ctx.what = inputs[0], inputs[1]
-        ctx.differentiable = [_differentiable(t) for t in inputs[2:]]
+        ctx.differentiable = [_differentiable(t) for t in inputs[3:]]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -184,16 +215,16 @@ class _GatherProcesses(torch.autograd.Function):
             summed = ctx.exchange.scatter_sum([grads[k] for k in sent], ctx.what)
             for k, g in zip(sent, summed):
                 out[k] = g
-        return None, None, *out
+        return None, None, None, *out
 
     @staticmethod
-    def vmap(info, in_dims, exchange: ProcessExchange, what: str, *ts: torch.Tensor):
+    def vmap(info, in_dims, exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor):
         # An enclosing map batches some ts (a pmap over one mesh axis nested in a pmap over
         # another): gather the whole batch at once; the processes of this group hold the
         # same instances of the enclosing axis, so entry b matches entry b.
-        t_dims = in_dims[2:]
+        t_dims = in_dims[3:]
         moved = [t if d is None else t.movedim(d, 0) for t, d in zip(ts, t_dims)]
-        return _GatherProcesses.apply(exchange, what, *moved), tuple(None if d is None else 1 for d in t_dims)
+        return _GatherProcesses.apply(exchange, what, partial, *moved), tuple(None if d is None else 1 for d in t_dims)
 
 
 # --------------------------------------------------------------------------- which processes form the axis
@@ -241,46 +272,27 @@ class SizeMismatch(ValueError):
     """The processes passed different numbers of local instances (every process raises it)."""
 
 
-def _start_size_check(exchange: ProcessExchange, n_local: int, name: Hashable, device: torch.device) -> None:
-    """Gathers every process' local size, without waiting: the check completes at the
-    call's first collective (or at its end), so its latency overlaps the local work."""
-    mine = torch.tensor([n_local], device=device)
-    sizes = [torch.empty_like(mine) for _ in range(exchange.size)]
-    work = dist.all_gather(sizes, mine, group=exchange.group, async_op=True)
-
-    def check() -> None:
-        pg.wait(work, f"the size check of pmap {name!r} across {exchange.label}")
-        found = [int(s.item()) for s in sizes]
-        if len(set(found)) == 1:
-            return
-        ranks = range(exchange.size) if exchange.group is None else dist.get_process_group_ranks(exchange.group)
-        who = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, found))
-        raise SizeMismatch(
-            f"pmap over axis {name!r} across {exchange.label}: every process must pass the same number of local "
-            f"instances (the size of its local portion of the mapped axis), but they differ: {who} (this is rank "
-            f"{pg.state().rank}). Split the global batch evenly over the processes."
-        )
-
-    exchange.pending_check = check
-
-
 def run(call: MappedCall) -> list[torch.Tensor]:
     st = pg.state()
     st.check_usable()
     exchange, key = _plan(call)
     if exchange is None:  # nested inside a distributed pmap, over a name that is no mesh axis
         return vectorized.run(call)
-    device = st.local_device.torch_device
-    n_local = call.size
-    _start_size_check(exchange, n_local, call.axis_name, device)
+    if process_ops.is_tracing():
+        raise NotImplementedError(
+            f"pmap(jit=True): the distributed pmap over axis {call.axis_name!r} is nested in another one that is "
+            "being compiled; nested pmaps across processes run eagerly"
+        )
+    exchange.unchecked = (call.size, call.axis_name)
     part = dataclasses.replace(call, devices=st.local_devices)
     stack = _enclosing()
     stack.append(key)
     st.calls += 1
     try:
-        outputs = vectorized.run(
-            part, offset=exchange.index * n_local, axis_size=exchange.size * n_local, exchange=exchange
-        )
+        if call.programs is not None and torch._C._functorch.maybe_current_level() is None:
+            outputs = _run_compiled(part, exchange)
+        else:
+            outputs = _run_slice(part, exchange, exchange)
         exchange.settle()  # a call without collectives still checks the sizes
         return outputs
     except SizeMismatch:
@@ -296,3 +308,27 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         raise
     finally:
         stack.pop()
+
+
+def _run_slice(part: MappedCall, exchange: ProcessExchange, through: Any) -> list[torch.Tensor]:
+    """This process' slice of the axis, vectorized; its collectives go ``through`` the exchange."""
+    n_local = part.size
+    return vectorized.run(part, offset=exchange.index * n_local, axis_size=exchange.size * n_local, exchange=through)
+
+
+def _run_compiled(part: MappedCall, exchange: ProcessExchange) -> list[torch.Tensor]:
+    """``jit=True``: this process' slice as a compiled program whose exchanges are ops
+    (see :mod:`torchpmap._engines.process_ops`); the program bakes in the slice's place."""
+    stand_in = process_ops.traced(exchange)
+
+    def trace(call: MappedCall) -> list[torch.Tensor]:
+        with process_ops.tracing():
+            return _run_slice(call, exchange, stand_in)
+
+    return part.programs.run(
+        part,
+        (part.signature, stand_in.key),
+        engine=lambda call: _run_slice(call, exchange, exchange),
+        traced_engine=trace,
+        not_retried=(SizeMismatch, pg.PeerFailed, TimeoutError),
+    )

@@ -164,9 +164,10 @@ class ThreadExchange:
     group: Hashable
     seq: int = 0
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, on this slice's
-        device. All tensors travel in one meeting (one wait per collective, not per tensor)."""
+        device. All tensors travel in one meeting (one wait per collective, not per tensor).
+        (``partial`` plays no part here: the slices never disagree on their sizes.)"""
         self.seq += 1
         devices = self.devices
         key, combine = (self.group, self.seq), lambda per_slice: _gather_each(devices, per_slice)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 SUBJECT = "torchpmap"
+JIT = "torchpmap.jit"
 
 #: Every column, in table order. The first is the subject, the others are baselines.
 COLUMNS: dict[str, str] = {

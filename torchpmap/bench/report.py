@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any, Callable, Optional
 
-from torchpmap.bench.core import COLUMNS
+from torchpmap.bench.core import COLUMNS, SUBJECT
 
 Doc = dict[str, Any]
 Row = dict[str, Any]
@@ -15,7 +15,10 @@ ValueOf = Callable[[Row, str], Optional[Bar]]
 
 #: Always shown; the other columns only when some row measured them.
 CORE_COLUMNS = list(COLUMNS)[:4]
-RATIO_NOTE = "ratio tp/X = torchpmap time / X time (median over paired repetitions); > 1: torchpmap is slower"
+RATIO_NOTE = (
+    "ratio tp/X = torchpmap time / X time (median over paired repetitions; jit/X the same for torchpmap.jit); "
+    "> 1: torchpmap is slower"
+)
 
 
 # --------------------------------------------------------------------------- text
@@ -72,23 +75,34 @@ def _check_cell(check: dict[str, Any]) -> str:
     return f"FAIL({worst:.1e})"
 
 
-def _row_cells(row: Row, columns: list[str], notes: _Notes) -> list[str]:
+def _jit_baselines(rows: list[Row]) -> list[str]:
+    """The baselines that some row compares torchpmap.jit with."""
+    compared = {name for row in rows for name in row.get("jit_ratios", {})}
+    return [name for name in COLUMNS if name in compared and not name.startswith(SUBJECT)]
+
+
+def _ratio_cells(ratios: dict[str, Any], names: list[str]) -> list[str]:
+    return [f"{ratios[name]['median']:.2f}x" if name in ratios else "-" for name in names]
+
+
+def _row_cells(row: Row, columns: list[str], jit_baselines: list[str], notes: _Notes) -> list[str]:
     label = [row["case"], row["unit"] or "-"]
     if "na" in row or "error" in row:
         what = "n/a" if "na" in row else "ERROR"
         return label + [f"{what}: {row.get('na') or row.get('error')}"]
     times = [_time_cell(row["columns"][name], notes) for name in columns]
-    ratios = [f"{row['ratios'][name]['median']:.2f}x" if name in row["ratios"] else "-" for name in columns[1:]]
+    ratios = _ratio_cells(row["ratios"], columns[1:]) + _ratio_cells(row.get("jit_ratios", {}), jit_baselines)
     return label + times + ratios + [_check_cell(row["check"])]
 
 
 def format_table(doc: Doc) -> str:
     """The table of medians (± half the IQR, in % of the median), ratios and checks."""
     rows: list[Row] = doc["rows"]
-    columns = shown_columns(rows)
-    header = ["case", "per"] + columns + [f"tp/{name}" for name in columns[1:]] + ["check"]
+    columns, jit_baselines = shown_columns(rows), _jit_baselines(rows)
+    header = ["case", "per"] + columns + [f"tp/{name}" for name in columns[1:]]
+    header += [f"jit/{name}" for name in jit_baselines] + ["check"]
     notes = _Notes()
-    body = [_row_cells(row, columns, notes) for row in rows]
+    body = [_row_cells(row, columns, jit_baselines, notes) for row in rows]
     widths = [max([len(header[i])] + [len(r[i]) for r in body if len(r) == len(header)]) for i in range(len(header))]
     lines = [_title(doc), "", _join(header, widths), _join(["-" * w for w in widths], widths)]
     lines += [_join(r, widths) if len(r) == len(header) else _join(r, widths[:2]) for r in body]

@@ -11,7 +11,7 @@ import traceback
 from typing import Any, Callable, Optional
 
 from torchpmap.bench import timing
-from torchpmap.bench.core import COLUMNS, NA, SUBJECT, Case, Config, Impl, Workload, all_close, max_abs_diff
+from torchpmap.bench.core import COLUMNS, JIT, NA, SUBJECT, Case, Config, Impl, Workload, all_close, max_abs_diff
 
 Row = dict[str, Any]
 Log = Callable[[str], None]
@@ -64,6 +64,7 @@ def run_case(case: Case, plan: timing.Plan) -> Row:
         "per": case.per,
         "columns": _cells_json(cells, errors, measured, case.per),
         "ratios": _ratios_json(measured),
+        "jit_ratios": _ratios_json(measured, JIT, baselines_only=True),
         "check": _check_json(case, results, expected),
     }
 
@@ -104,13 +105,15 @@ def _cells_json(cells: dict[str, NA], errors: dict[str, str], measured: timing.M
     return out
 
 
-def _ratios_json(measured: timing.Measurement) -> dict[str, Any]:
-    if SUBJECT not in measured.samples:
+def _ratios_json(measured: timing.Measurement, subject: str = SUBJECT, baselines_only: bool = False) -> dict[str, Any]:
+    """Paired ratios ``subject / X`` for every other measured column X (with
+    ``baselines_only``, the columns that are not torchpmap itself)."""
+    if subject not in measured.samples:
         return {}
     ratios = {}
     for name in COLUMNS:
-        if name != SUBJECT and name in measured.samples:
-            stats = measured.ratio(SUBJECT, name)
+        if name != subject and name in measured.samples and not (baselines_only and name.startswith(SUBJECT)):
+            stats = measured.ratio(subject, name)
             ratios[name] = {"median": stats.median, "q1": stats.q1, "q3": stats.q3}
     return ratios
 
@@ -134,5 +137,6 @@ def _unavailable_row(workload: Workload, reason: str, error: bool = False) -> Ro
         key: reason,
         "columns": {name: {key: reason} for name in COLUMNS},
         "ratios": {},
+        "jit_ratios": {},
         "check": {"ok": None, "note": reason},
     }

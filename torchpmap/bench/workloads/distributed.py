@@ -5,10 +5,10 @@ columns are timed interleaved inside the processes, in lockstep (one call per sa
 a fixed number of repetitions, so that every collective has its partner), and rank 0
 reports.
 
-Needs ``torchpmap.distributed``, which does not exist yet. The torchpmap column assumes
-the JAX-like entry point it is expected to have: ``torchpmap.distributed.initialize()``
-once ``torch.distributed`` is initialized, after which a pmap's axis spans all processes
-and each process passes its own instances.
+The torchpmap columns call ``torchpmap.distributed.initialize()`` once
+``torch.distributed`` is initialized, after which a pmap's axis spans all processes and
+each process passes its own instances; ``torchpmap.jit`` is the same step with
+``jit=True`` (each process runs its slice as a compiled program).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torchpmap.bench.core import NA, Case, Cell, Config, ExternalResult, Impl, W
 from torchpmap.bench.workloads import _mlp
 
 PROCESSES = 2
-COLUMNS = ("torchpmap", "torch.ddp")
+COLUMNS = ("torchpmap", "torchpmap.jit", "torch.ddp")
 _CPU = Config(quick=True, device=torch.device("cpu"))
 
 
@@ -99,13 +99,13 @@ def _local_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
-def _torchpmap_column(rank: int) -> Cell:
+def _torchpmap_column(rank: int, jit: bool = False) -> Cell:
     distributed = importlib.import_module("torchpmap.distributed")
     initialize = getattr(distributed, "initialize", None)
     if initialize is None:
         return NA("torchpmap.distributed has no initialize()")
     initialize()
-    return fw.torch_impl(_CPU, _mlp.torchpmap_step(), _mlp.init_params(_CPU.device), *_local_data(rank))
+    return fw.torch_impl(_CPU, _mlp.torchpmap_step(jit=jit), _mlp.init_params(_CPU.device), *_local_data(rank))
 
 
 def _ddp_column(rank: int) -> Cell:
@@ -144,7 +144,11 @@ def _params_of(model: torch.nn.Sequential) -> dict[str, Any]:
     return out
 
 
-_BUILDERS: dict[str, Callable[[int], Cell]] = {"torchpmap": _torchpmap_column, "torch.ddp": _ddp_column}
+_BUILDERS: dict[str, Callable[[int], Cell]] = {
+    "torchpmap": _torchpmap_column,
+    "torchpmap.jit": lambda rank: _torchpmap_column(rank, jit=True),
+    "torch.ddp": _ddp_column,
+}
 
 WORKLOAD = Workload(
     "distributed",

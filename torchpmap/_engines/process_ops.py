@@ -1,0 +1,112 @@
+"""The process exchange as PyTorch custom ops, so that a compiled program can hold it.
+
+``pmap(jit=True)`` across processes is traced like any other compiled call (see
+:mod:`torchpmap._engines.compiled`), but its collectives must still reach the other
+processes when the program runs. During the trace each exchange is recorded as one
+opaque call of ``torchpmap::gather_processes``; when the compiled program runs, that
+op calls :meth:`ProcessExchange.gather_plain`, the very transfer of the eager engine:
+its waits watch for failed peers, and a compiled process meets an eager one (after a
+fallback) in the same collective. The op's gradient, for a ``.backward()`` outside
+the map, is ``torchpmap::scatter_sum_processes``, the transpose the eager engine uses.
+
+The ops take the exchange as a small integer (ops only take tensors and plain values):
+a key for the process group, this process' place in it and its size, under which
+:func:`traced` files the exchange of the call now running.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+_keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
+_live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
+_state = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class TracedExchange:
+    """What a traced program's collectives see in place of a :class:`ProcessExchange`."""
+
+    key: int
+    size: int
+
+    spans_threads = False
+    reduces_locally = True
+
+    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+        return list(torch.ops.torchpmap.gather_processes(list(ts), self.key, self.size, what, partial))
+
+
+def traced(exchange: Any) -> TracedExchange:
+    """The traceable stand-in for ``exchange``; the ops of a program compiled with it use
+    ``exchange`` (this call's, with its pending size check) from now on."""
+    ident = (exchange.group, exchange.index, exchange.size, exchange.label)
+    key = _keys.setdefault(ident, len(_keys))
+    _live[key] = exchange
+    return TracedExchange(key, exchange.size)
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """Marks this thread as tracing a program across processes (see :func:`is_tracing`)."""
+    previous = getattr(_state, "tracing", False)
+    _state.tracing = True
+    try:
+        yield
+    finally:
+        _state.tracing = previous
+
+
+def is_tracing() -> bool:
+    """True while a distributed program is traced in this thread: a distributed pmap
+    nested in it cannot run its own (eager) exchange on the tracer's fake tensors."""
+    return getattr(_state, "tracing", False)
+
+
+@torch.library.custom_op("torchpmap::gather_processes", mutates_args=())
+def _gather(ts: list[torch.Tensor], key: int, size: int, what: str, partial: bool) -> list[torch.Tensor]:
+    return _live[key].gather_plain(ts, what, partial)
+
+
+@_gather.register_fake
+def _(ts: list[torch.Tensor], key: int, size: int, what: str, partial: bool) -> list[torch.Tensor]:
+    return [t.new_empty((size, *t.shape)) for t in ts]
+
+
+@torch.library.custom_op("torchpmap::scatter_sum_processes", mutates_args=())
+def _scatter_sum(grads: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
+    return _live[key].scatter_sum(grads, what)
+
+
+@_scatter_sum.register_fake
+def _(grads: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
+    return [g.new_empty(g.shape[1:]) for g in grads]
+
+
+def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
+    ts, ctx.key, size, ctx.what, _ = inputs
+    ctx.blanks = [((size, *t.shape), t.dtype, t.device) for t in ts]  # the shape of each cotangent
+    ctx.differentiable = [t.is_floating_point() or t.is_complex() for t in ts]
+
+
+def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+    # as the eager engine's backward: the float cotangents only, zeros where one got none,
+    # so that every process packs the same layout
+    sent = [k for k, ok in enumerate(ctx.differentiable) if ok]
+    out: list[Optional[torch.Tensor]] = [None] * len(grads)
+    if sent:
+        given = [grads[k] if grads[k] is not None else _zeros(*ctx.blanks[k]) for k in sent]
+        for k, g in zip(sent, torch.ops.torchpmap.scatter_sum_processes(given, ctx.key, ctx.what)):
+            out[k] = g
+    return out, None, None, None, None
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+_gather.register_autograd(_gather_backward, setup_context=_setup_gather)
