@@ -8,6 +8,7 @@ optimizer, so the replicas stay identical without ever being broadcast.
 
     torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py        # 2 CPU processes
     torchrun --nproc-per-node=4 examples/multiprocess_data_parallel.py --steps 100
+    torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py --jit  # compiled steps
     python examples/multiprocess_data_parallel.py                            # 1 process works too
 
 Several machines: run the same command on each node (see docs/multiprocess.md)::
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=64, help="the global batch, over all processes")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--jit", action="store_true", help="compile each process' step (pmap(jit=True))")
     args = parser.parse_args()
 
     tpd.initialize(timeout=datetime.timedelta(minutes=2))  # a no-op when run as a single process
@@ -68,7 +70,7 @@ def main() -> None:
         grads, loss = grad_and_value(loss_fn)(params, x, y)
         return tp.pmean((grads, loss), "batch")  # averaged over every process' instances, in one exchange
 
-    p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+    p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None, jit=args.jit)
 
     x_all, y_all = make_data(args.batch_size * args.steps, 16, seed=1)
     device = tp.local_devices()[0].torch_device

@@ -486,3 +486,13 @@ def test_torch_compile_never_returns_wrong_numbers(where):
         assert all(s.lower() in str(e).lower() for s in COMPILE_FRAGMENTS), str(e)
     else:
         torch.testing.assert_close(torch.as_tensor(out), expected)
+
+
+def test_saved_tensor_hooks_around_a_pmap_are_refused_clearly():
+    x = torch.randn(4, 3, requires_grad=True)
+    with raises(RuntimeError, "saved tensor hooks", "save_on_cpu", "outside that context"):
+        with torch.autograd.graph.save_on_cpu():
+            tp.pmap(lambda v: (v * v).sum())(x)
+    # and the hooks are on again afterwards
+    with torch.autograd.graph.save_on_cpu():
+        (x * x).sum().backward()

@@ -32,7 +32,7 @@ class Device:
     id: int
     process_index: int = 0
 
-    @property
+    @functools.cached_property  # read on every call: made once (a frozen dataclass still has a __dict__)
     def torch_device(self) -> torch.device:
         return torch.device(self.platform, self.id) if self.platform == "cuda" else torch.device("cpu")
 
@@ -138,6 +138,28 @@ def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
             "pmap: a pmap nested inside a multi-device pmap runs on the device of its enclosing instance, so it "
             "cannot take devices=. To spread nested axes over devices, use a Mesh with one named axis per pmap."
         )
+    # A pmap resolves the same devices= at every call: remember the answer for this set
+    # of known devices (compared by identity: a re-initialization makes new ones).
+    requested = tuple(requested)
+    known = (_multi_process(), _local_devices())
+    for seen_requested, seen_known, chosen in _resolved:
+        if seen_known[0] is known[0] and seen_known[1] is known[1] and _same(seen_requested, requested):
+            return chosen
+    chosen = _resolve_requested(requested)
+    if len(_resolved) < 16:
+        _resolved.append((requested, known, chosen))
+    return chosen
+
+
+_resolved: list[tuple[tuple, tuple, tuple[Device, ...]]] = []
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Element-wise identity or equality, False for elements that cannot be compared."""
+    return len(a) == len(b) and all(x is y or (type(x) is type(y) and isinstance(x, (str, int, Device, torch.device)) and x == y) for x, y in zip(a, b))
+
+
+def _resolve_requested(requested: Sequence[Any]) -> tuple[Device, ...]:
     requested = list(requested)
     if not requested:
         raise ValueError("pmap: 'devices' must be a non-empty list of devices, or None for all of them")

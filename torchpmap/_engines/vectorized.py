@@ -1,8 +1,8 @@
 """The vectorized engine: all instances of a mapped axis in one ``torch.func.vmap``.
 
-The axis token (``arange(size)``) is passed as an extra vmap input so that collectives
-can find this axis' vmap level (see :mod:`torchpmap._primitive`). ``chunk_size`` is never
-used: a chunked vmap would show each collective only its chunk.
+The axis token (``arange(size)``) of a named axis is passed as an extra vmap input so
+that collectives can find this axis' vmap level (see :mod:`torchpmap._primitive`).
+``chunk_size`` is never used: a chunked vmap would show each collective only its chunk.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 from torch._C import _functorch
-from torch._functorch.vmap import doesnt_support_saved_tensors_hooks, lazy_load_decompositions
+from torch._functorch.vmap import lazy_load_decompositions
 
 from torchpmap import _axis_env, _devices
 from torchpmap._engines import MappedCall
@@ -18,6 +18,8 @@ from torchpmap._sharded import as_local
 
 
 def place(value: Any, device: torch.device | None) -> Any:
+    if type(value) is torch.Tensor and (device is None or value.device == device):
+        return value  # the common case: already there (comparing is cheaper than a no-op .to)
     value = as_local(value, device)
     if device is None or not isinstance(value, torch.Tensor):
         return value
@@ -34,26 +36,30 @@ def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exch
     device = call.devices[0].torch_device if call.devices else None
     mapped = [place(t, device) for t in call.mapped]
     broadcast = [place(v, device) for v in call.broadcast]
-    token = _token(call.size, device if device is not None else (mapped[0].device if mapped else None))
+    here = device if device is not None else (mapped[0].device if mapped else None)
+    # the axis token is an extra vmap input (see _primitive); an unnamed axis needs none
+    token = None if call.axis_name is None else _token(call.size, here)
 
-    def one_instance(token: torch.Tensor, *slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if call.axis_name is None:
+    def one_instance(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if token is None:
             outputs = tuple(call.body(slices, broadcast))
         else:
-            frame = _axis_env.AxisFrame(call.axis_name, axis_size or call.size, token, call.size, offset, exchange)
+            token_slice, slices = slices[0], slices[1:]
+            frame = _axis_env.AxisFrame(call.axis_name, axis_size or call.size, token_slice, call.size, offset, exchange)
             with _axis_env.bound(frame):
                 outputs = tuple(call.body(slices, broadcast))
         if call.must_be_unmapped is not None:  # vmap's out_axes=None
-            _check_unmapped(outputs, call.must_be_unmapped(), token)
+            _check_unmapped(outputs, call.must_be_unmapped())
         return outputs
 
     # A pmap nested in this map runs vectorized here: its inputs are batched at this
     # thread's vmap level and cannot travel to other device threads.
     previous = _devices.current_default()
     if previous is None:
-        _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(token.device))
+        _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu")))
+    inputs, in_dims = (mapped, call.in_dims) if token is None else ((token, *mapped), (0, *call.in_dims))
     try:
-        return _vmap_flat(one_instance, call.size, (token, *mapped), (0, *call.in_dims), call.randomness)
+        return _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
     finally:
         _devices.set_current_default(previous)
 
@@ -74,30 +80,43 @@ def _token(size: int, device: torch.device | None) -> torch.Tensor:
 
 
 _decompositions_loaded = False
+_NO_SAVED_TENSOR_HOOKS = (
+    "torchpmap: saved tensor hooks (such as torch.autograd.graph.save_on_cpu) cannot be used while a pmap/vmap "
+    "runs, as with torch.func.vmap; call the pmap outside that context"
+)
 
 
-@doesnt_support_saved_tensors_hooks
 def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[int], randomness: str) -> list:
     """``torch.func.vmap(fn, in_dims, out_dims=0, randomness)(*inputs)`` on flat lists.
 
     The same functorch calls torch.func.vmap makes, without its pytree handling: the front
-    end has already flattened the arguments and checked the axes, and this is the hot path.
+    end has already flattened the arguments and checked the axes, and this is the hot path
+    (hence the saved-tensor-hooks switch inlined, where torch.func uses a context manager).
     """
     global _decompositions_loaded
     if not _decompositions_loaded:
         lazy_load_decompositions()
         _decompositions_loaded = True
-    level = _functorch._vmap_increment_nesting(size, randomness)
+    hooks = torch._C._autograd
+    previous_message = hooks._saved_tensors_hooks_get_disabled_error_message()
     try:
-        batched = [_functorch._add_batch_dim(t, d, level) for t, d in zip(inputs, in_dims)]
-        return [_functorch._remove_batch_dim(out, level, size, 0) for out in fn(*batched)]
+        hooks._saved_tensors_hooks_disable(_NO_SAVED_TENSOR_HOOKS)  # raises (after disabling) if hooks are set
+        level = _functorch._vmap_increment_nesting(size, randomness)
+        try:
+            batched = [_functorch._add_batch_dim(t, d, level) for t, d in zip(inputs, in_dims)]
+            return [_functorch._remove_batch_dim(out, level, size, 0) for out in fn(*batched)]
+        finally:
+            _functorch._vmap_decrement_nesting()
     finally:
-        _functorch._vmap_decrement_nesting()
+        if previous_message is None:
+            hooks._saved_tensors_hooks_enable()
+        else:
+            hooks._saved_tensors_hooks_disable(previous_message)
 
 
-def _check_unmapped(outputs: Sequence[torch.Tensor], required: dict[int, str], token: torch.Tensor) -> None:
+def _check_unmapped(outputs: Sequence[torch.Tensor], required: dict[int, str]) -> None:
     """Raises if an output that must be the same on every instance is batched at this level."""
-    level = torch._C._functorch.maybe_get_level(token)  # this vmap's level: the token is batched here only
+    level = torch._C._functorch.maybe_current_level()  # this vmap's: one_instance runs directly inside it
     for k, path in required.items():
         if torch._C._functorch.maybe_get_level(outputs[k]) == level:
             raise ValueError(

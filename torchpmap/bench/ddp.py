@@ -45,6 +45,7 @@ def run_ddp_comparison(
     instances_per_process: int = 1,
     lr: float = 0.1,
     timeout: float = 600.0,
+    jit: bool = False,
 ) -> dict[str, Any]:
     """Times a data-parallel training step under torchpmap and under DDP, in ``nproc`` processes.
 
@@ -58,6 +59,7 @@ def run_ddp_comparison(
             split among them and run vectorized); DDP has one replica per process.
         lr: SGD learning rate (both columns).
         timeout: seconds after which the processes are killed.
+        jit: compile the torchpmap step (``pmap(..., jit=True)``, inductor).
 
     Returns:
         A dict: ``nproc``, ``steps``, ``warmup``, ``backend``, ``device``, ``model``,
@@ -82,7 +84,7 @@ def run_ddp_comparison(
             "-m", "torchpmap.bench.ddp", "--worker", report, "--steps", str(steps), "--warmup", str(warmup),
             "--batch-per-process", str(batch_per_process), "--instances-per-process", str(instances_per_process),
             "--lr", str(lr), "--timeout", str(timeout),
-        ]
+        ] + (["--jit"] if jit else [])
         finished = launch(argv, nproc, timeout=timeout)
         if any(f.returncode != 0 for f in finished) or not os.path.exists(report):
             logs = "\n".join(f"--- rank {f.rank} (exit code {f.returncode})\n{f.output[-4000:]}" for f in finished)
@@ -109,7 +111,9 @@ def _iqr(samples: list[float]) -> float:
     return q3 - q1
 
 
-def _worker(report: str, steps: int, warmup: int, batch_per_process: int, instances: int, lr: float, timeout: float) -> None:
+def _worker(
+    report: str, steps: int, warmup: int, batch_per_process: int, instances: int, lr: float, timeout: float, jit: bool
+) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.func import functional_call, grad_and_value
@@ -136,7 +140,7 @@ def _worker(report: str, steps: int, warmup: int, batch_per_process: int, instan
         grads, loss = grad_and_value(loss_fn)(params, x, y)
         return tp.pmean((grads, loss), "batch")  # one exchange, as DDP's one bucketed all-reduce
 
-    p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+    p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None, jit=jit)
 
     def torchpmap_step(x, y):
         params = {k: p.detach() for k, p in tp_model.named_parameters()}
@@ -197,6 +201,7 @@ def _worker(report: str, steps: int, warmup: int, batch_per_process: int, instan
             "parameters": sum(p.numel() for p in tp_model.parameters()),
             "global_batch": nproc * batch_per_process,
             "instances_per_process": instances,
+            "jit": jit,
             "torchpmap_ms": statistics.median(tp_s) * 1e3,
             "ddp_ms": statistics.median(ddp_s) * 1e3,
             "torchpmap_iqr_ms": _iqr(tp_s) * 1e3,
@@ -222,14 +227,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--instances-per-process", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--jit", action="store_true", help="compile the torchpmap step (pmap(jit=True))")
     parser.add_argument("--worker", metavar="REPORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.worker, args.steps, args.warmup, args.batch_per_process, args.instances_per_process, args.lr, args.timeout)
+        _worker(
+            args.worker, args.steps, args.warmup, args.batch_per_process, args.instances_per_process, args.lr,
+            args.timeout, args.jit,
+        )
         return
     result = run_ddp_comparison(
         args.nproc, args.steps, warmup=args.warmup, batch_per_process=args.batch_per_process,
-        instances_per_process=args.instances_per_process, lr=args.lr, timeout=args.timeout,
+        instances_per_process=args.instances_per_process, lr=args.lr, timeout=args.timeout, jit=args.jit,
     )
     short = {k: v for k, v in result.items() if not k.endswith("_all")}
     json.dump(short, sys.stdout, indent=2)
