@@ -103,6 +103,7 @@ class ExternalResult:
     results: dict[str, Any]
     unavailable: dict[str, NA]
     expected: Any
+    calls_per_sample: int = 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,7 @@ def run_case(case: Case, plan: timing.Plan) -> Row:
         cells: dict[str, Any] = dict(ext.unavailable)
         results, expected = ext.results, ext.expected
         errors: dict[str, str] = {}
-        measured = timing.Measurement(ext.samples, dict.fromkeys(ext.samples, 1))
+        measured = timing.Measurement(ext.samples, dict.fromkeys(ext.samples, ext.calls_per_sample))
     else:
         cells = {name: cell for name, cell in case.columns.items() if isinstance(cell, NA)}
         impls = {name: cell for name, cell in case.columns.items() if isinstance(cell, Impl)}

@@ -1,9 +1,9 @@
 """(e) Multi-process data parallelism: the MLP step of (b) in 2 processes, torchpmap vs DDP.
 
 Each of the 2 CPU processes (gloo) holds 4 of the 8 instances (4 x 64 samples). The
-columns are timed interleaved inside the processes, in lockstep (one call per sample,
-a fixed number of repetitions, so that every collective has its partner), and rank 0
-reports.
+columns are timed interleaved inside the processes, in lockstep (a fixed number of
+steps per sample and of repetitions, so that every collective has its partner), and
+rank 0 reports.
 
 The torchpmap columns call ``torchpmap.distributed.initialize()`` once
 ``torch.distributed`` is initialized, after which a pmap's axis spans all processes and
@@ -56,6 +56,11 @@ def build(cfg: Config) -> list[Case]:
     ]
 
 
+#: Steps per sample, the same in every process (lockstep): a sample of several steps
+#: averages out the jitter of one step's exchange (a step is a few ms on CPU).
+STEPS_PER_SAMPLE = 8
+
+
 def _plan(cfg: Config) -> timing.Plan:
     return timing.Plan(reps=7, warmup=2) if cfg.quick else timing.Plan(reps=41, warmup=5)
 
@@ -67,10 +72,10 @@ def run_processes(plan: timing.Plan, columns: Sequence[str]) -> ExternalResult:
         args = (f"file://{os.path.join(tmp, 'store')}", plan, tuple(columns), report)
         torch.multiprocessing.spawn(_worker, args=args, nprocs=PROCESSES, join=True)
         with open(report, "rb") as f:
-            samples, results, unavailable = pickle.load(f)
+            samples, calls, results, unavailable = pickle.load(f)
     params = _mlp.init_params(_CPU.device)
     expected = to_numpy(_mlp.plain_step(params, *_mlp.flatten_batch(*_mlp.make_data(_CPU.device))))
-    return ExternalResult(samples, results, {k: NA(v) for k, v in unavailable.items()}, expected)
+    return ExternalResult(samples, results, {k: NA(v) for k, v in unavailable.items()}, expected, calls)
 
 
 def _worker(rank: int, init_method: str, plan: timing.Plan, columns: tuple[str, ...], report: str) -> None:
@@ -80,11 +85,12 @@ def _worker(rank: int, init_method: str, plan: timing.Plan, columns: tuple[str, 
         cells = {name: _BUILDERS[name](rank) for name in columns}
         impls = {name: c for name, c in cells.items() if isinstance(c, Impl)}
         results = {name: impl.result(impl.call()) for name, impl in impls.items()}
-        measured = timing.measure({name: impl.call for name, impl in impls.items()}, plan, calls_per_sample=1)
+        calls = 1 if plan.reps < 10 else STEPS_PER_SAMPLE  # quick mode: one step per sample
+        measured = timing.measure({name: impl.call for name, impl in impls.items()}, plan, calls_per_sample=calls)
         if rank == 0:
             unavailable = {name: c.reason for name, c in cells.items() if isinstance(c, NA)}
             with open(report, "wb") as f:
-                pickle.dump((measured.samples, results, unavailable), f)
+                pickle.dump((measured.samples, calls, results, unavailable), f)
     finally:
         # torchpmap's side first (its fault watch uses this group's store), then the group.
         importlib.import_module("torchpmap.distributed").shutdown()
