@@ -101,7 +101,7 @@ def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
     return items
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Flat:
     """The flattened positional and keyword arguments of one call."""
 
@@ -146,8 +146,12 @@ class MappedFunction:
         mapped = set(flat.mapped_slots)
         broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
         out_holder: dict[str, Any] = {}  # filled by body; restored by a compiled program that skips it
+        # the common case: positional tensors, all mapped; an instance's arguments are its slices
+        direct = flat.spec is None and not statics and not broadcast_slots
 
         def body(slices: Sequence[torch.Tensor], broadcast: Sequence[Any]) -> list[torch.Tensor]:
+            if direct:
+                return self._flatten_output(self.fun(*slices), out_holder)
             leaves = list(flat.leaves)
             for slot, value in zip(flat.mapped_slots, slices):
                 leaves[slot] = value
