@@ -69,6 +69,20 @@ def test_a_new_signature_traces_again():
     assert fun.runs == 5
 
 
+def test_autocast_is_part_of_the_signature():
+    """A trace bakes in autocast's casts: a call outside the autocast region that traced
+    must not reuse its program (it returned bfloat16 there before this was keyed)."""
+    w = torch.randn(8, 8)
+    fun = counting(lambda v: v @ w)
+    f = jit_pmap(fun)
+    x = torch.randn(4, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert f(x).dtype == torch.bfloat16
+    out = f(x)
+    assert out.dtype == torch.float32 and fun.runs == 2
+    torch.testing.assert_close(out, x @ w)
+
+
 def test_static_arguments_are_part_of_the_signature():
     fun = counting(lambda x, power: tp.psum(x**power, "i"))
     f = tp.pmap(fun, "i", static_broadcasted_argnums=1, jit=FAST, devices=ONE_DEVICE)

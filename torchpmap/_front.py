@@ -77,6 +77,14 @@ def _leaf_signature(leaf: Any) -> Hashable:
     return (type(leaf), leaf)
 
 
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple:
+    """The autocast regions in force, with their dtypes: a trace bakes in their casts."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(d))
+
+
 class _ByIdentity:
     """A key for an unhashable object: equal only to itself. It holds the object, so
     that its id cannot be reused by another object while a compiled program keys on it."""
@@ -194,6 +202,7 @@ class MappedFunction:
             tuple(statics.items()),
             tuple(_leaf_signature(leaf) for leaf in flat.leaves),
             torch.is_grad_enabled(),
+            _autocast_state(),
             _devices.current_default(),
         )
 
