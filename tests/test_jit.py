@@ -83,6 +83,18 @@ def test_autocast_is_part_of_the_signature():
     torch.testing.assert_close(out, x @ w)
 
 
+def test_the_default_dtype_is_part_of_the_signature():
+    f = jit_pmap(lambda v: v.sum() + torch.tensor(0.5))  # a tensor created inside, of the default dtype
+    x = torch.ones(4, 3, dtype=torch.float16)
+    assert f(x).dtype == torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert f(x).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def test_static_arguments_are_part_of_the_signature():
     fun = counting(lambda x, power: tp.psum(x**power, "i"))
     f = tp.pmap(fun, "i", static_broadcasted_argnums=1, jit=FAST, devices=ONE_DEVICE)

@@ -65,7 +65,8 @@ def pmap(
         jit: compile the mapped program with ``torch.compile`` (True, or a dict of
             ``torch.compile`` keyword arguments such as ``{"mode": "max-autotune"}``).
             The vectorized program is traced once per input signature (shapes, dtypes,
-            devices, ``requires_grad``, non-tensor arguments, grad mode, autocast),
+            devices, ``requires_grad``, non-tensor arguments, grad mode, autocast,
+            default dtype),
             collectives included, and the trace is compiled; later calls with the same
             signature run the compiled code without running ``fun`` in Python. As with
             ``jax.jit``, Python side effects happen only while tracing; a branch on a

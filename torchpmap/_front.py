@@ -203,6 +203,7 @@ class MappedFunction:
             tuple(_leaf_signature(leaf) for leaf in flat.leaves),
             torch.is_grad_enabled(),
             _autocast_state(),
+            torch.get_default_dtype(),  # of the tensors the function creates
             _devices.current_default(),
         )
 
