@@ -66,13 +66,13 @@ def pmap(
             ``torch.compile`` keyword arguments such as ``{"mode": "max-autotune"}``).
             The vectorized program is traced once per input signature (shapes, dtypes,
             devices, ``requires_grad``, non-tensor arguments, grad mode, autocast,
-            default dtype),
-            collectives included, and the trace is compiled; later calls with the same
-            signature run the compiled code without running ``fun`` in Python. As with
-            ``jax.jit``, Python side effects happen only while tracing; a branch on a
-            tensor's value cannot be traced, and that signature runs eagerly with a
-            ``torchpmap.JitFallbackWarning``. Tensors that ``fun`` closes over are read at
-            every call, so in-place updates (an optimizer step) are seen. One device
+            default dtype), collectives included, and the trace is compiled; later
+            calls with the same signature run the compiled code without running ``fun``
+            in Python. As with ``jax.jit``, Python side effects happen only while
+            tracing; a branch on a tensor's value cannot be traced, and that signature
+            runs eagerly with a ``torchpmap.JitFallbackWarning``. Tensors that ``fun``
+            closes over are read at every call, so in-place updates (an optimizer step)
+            are seen. One device
             compiles, and so does each process of a multi-process run; on several
             devices in one process the call runs eagerly, with a warning. Inside
             another transform (an enclosing pmap, ``torch.func.grad``) the call is part
