@@ -489,10 +489,12 @@ def test_torch_compile_never_returns_wrong_numbers(where):
 
 
 def test_saved_tensor_hooks_around_a_pmap_are_refused_clearly():
+    """On one device, as torch.func.vmap refuses them (device threads never see the
+    caller's thread-local hooks)."""
     x = torch.randn(4, 3, requires_grad=True)
     with raises(RuntimeError, "saved tensor hooks", "save_on_cpu", "outside that context"):
         with torch.autograd.graph.save_on_cpu():
-            tp.pmap(lambda v: (v * v).sum())(x)
+            tp.pmap(lambda v: (v * v).sum(), devices=tp.devices()[:1])(x)
     # and the hooks are on again afterwards
     with torch.autograd.graph.save_on_cpu():
         (x * x).sum().backward()
