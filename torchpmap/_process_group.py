@@ -387,9 +387,13 @@ def wait(work: Any, what: str) -> None:
             try:
                 work.wait(datetime.timedelta(seconds=slice_s))
                 return
-            except RuntimeError as e:
-                if work.is_completed():  # a real error of the collective, not our slice's timeout
-                    raise _fail(st, _diagnose(st, what, cause=e, waited=time.monotonic() - started)) from e
+            except RuntimeError:
+                if work.is_completed():  # finished as our slice ran out, or failed: ask it once more
+                    try:
+                        work.wait(datetime.timedelta(seconds=slice_s))  # returns at once, or raises its own error
+                        return
+                    except RuntimeError as e:
+                        raise _fail(st, _diagnose(st, what, cause=e, waited=time.monotonic() - started)) from e
             try:
                 failed = _failure_count(st) > 0
             except _StoreUnreachable as e:
