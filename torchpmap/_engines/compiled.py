@@ -63,15 +63,15 @@ class ProgramCache:
         signature: Hashable,
         engine: Engine = vectorized.run,
         traced_engine: Optional[Engine] = None,
-        not_retried: tuple[type[BaseException], ...] = (),
+        may_retry: Callable[[Exception], bool] = lambda failure: True,
     ) -> list[torch.Tensor]:
         """Runs ``call`` through the program for ``signature``, tracing it on first sight.
 
         ``engine`` runs a call eagerly (a signature that could not be compiled);
         ``traced_engine`` (default: ``engine``) is what the trace records, where the
         two differ in how the slices talk (an exchange across processes must be an op).
-        An error of a type in ``not_retried``, raised while the first call runs, is no
-        limit of tracing but a fault of the run (the other processes have moved on): it
+        A failure for which ``may_retry`` is False is no limit of tracing but a fault of
+        the run (a collective failed, so the other processes have moved on): it
         propagates instead of an eager retry.
         """
         if signature in self._programs:
@@ -85,9 +85,9 @@ class ProgramCache:
         try:
             program = _trace(call, self.options, traced_engine or engine)
             outputs = program(call)  # the first call compiles; body ran while tracing
-        except not_retried:
-            raise
         except Exception as failure:  # noqa: BLE001 - retried eagerly below; the eager error wins
+            if not may_retry(failure):
+                raise
             outputs = engine(call)
             self._programs[signature] = None
             warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=4)

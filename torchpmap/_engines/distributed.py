@@ -330,5 +330,11 @@ def _run_compiled(part: MappedCall, exchange: ProcessExchange) -> list[torch.Ten
         (part.signature, stand_in.key),
         engine=lambda call: _run_slice(call, exchange, exchange),
         traced_engine=trace,
-        not_retried=(SizeMismatch, pg.PeerFailed, TimeoutError),
+        may_retry=_is_no_fault_of_the_run,
     )
+
+
+def _is_no_fault_of_the_run(failure: Exception) -> bool:
+    """False for a failure that an eager retry must not repeat: a size mismatch, or any
+    failed collective (the process state is then poisoned: the others have moved on)."""
+    return not isinstance(failure, (SizeMismatch, pg.PeerFailed, TimeoutError)) and pg.state().poisoned is None
