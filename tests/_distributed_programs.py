@@ -353,13 +353,23 @@ def scenario_mesh_part(rank: int) -> dict:
     return {"coords": (i, j), "result": result, "explicit": explicit, "block_grad": xg.grad, "repr": repr(m)}
 
 
-def scenario_raise(rank: int, nproc: int) -> dict:
+def scenario_raise(rank: int, nproc: int, jit: bool = False) -> dict:
     def f(v):
         if int(os.environ["RANK"]) == 1:
             raise ValueError("boom on purpose in rank 1")
         return tp.psum(v, "i")
 
-    return _expect_failure(lambda: tp.pmap(f, axis_name="i")(torch.ones(2)))
+    return _expect_failure(lambda: tp.pmap(f, axis_name="i", jit=JIT if jit else False)(torch.ones(2)))
+
+
+def scenario_raise_jit(rank: int, nproc: int) -> dict:
+    """The same on a first compiled call: rank 1 raises while tracing (and again in the
+    eager retry); rank 0 waits in its compiled program's exchange op."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.JitFallbackWarning)  # rank 1's trace fails, as it should
+        return scenario_raise(rank, nproc, jit=True)
 
 
 def scenario_die(rank: int, nproc: int) -> dict:
@@ -421,7 +431,7 @@ def main() -> None:
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)  # complete when it appears
     sys.stdout.flush()
-    if scenario in ("raise", "die", "die_jit", "absent"):
+    if scenario in ("raise", "raise_jit", "die", "die_jit", "absent"):
         # The group is out of step: skip waiting for its collectives at exit, but let rank 0
         # (the store's host) stay as long as torchpmap's own exit hook would.
         if rank == 0:

@@ -159,9 +159,10 @@ def _check_mesh(per_rank: list) -> None:
         torch.testing.assert_close(res["block_grad"], expected)
 
 
-def test_raise_in_one_rank_names_it_in_the_others(tmp_path):
+@pytest.mark.parametrize("scenario", ["raise", "raise_jit"])
+def test_raise_in_one_rank_names_it_in_the_others(scenario, tmp_path):
     t = time.monotonic()
-    finished, results = _run("raise", 2, tmp_path, timeout=30)
+    finished, results = _run(scenario, 2, tmp_path, timeout=30)
     logs = _logs(finished)
     r0, r1 = results[0], results[1]
     assert r1["error"] == "ValueError" and "boom on purpose" in r1["message"], logs
