@@ -66,9 +66,6 @@ class ProcessExchange:
     label: str
     unchecked: Optional[tuple[int, Hashable]] = dataclasses.field(default=None, repr=False)
 
-    #: The slices are separate processes, each with its own autograd and functorch state
-    #: (unlike device threads, which share the process' forward-mode AD state).
-    spans_threads = False
     #: A reduction sends each process' own partial result, not all its instances' values
     #: (see torchpmap._primitive.run_owning): traffic independent of the local size.
     reduces_locally = True

@@ -34,8 +34,7 @@ class TracedExchange:
     key: int
     size: int
 
-    spans_threads = False
-    reduces_locally = True
+    reduces_locally = True  # as the ProcessExchange it stands in for
 
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         return list(torch.ops.torchpmap.gather_processes(list(ts), self.key, self.size, what, partial))
