@@ -316,6 +316,8 @@ def scenario_collectives(rank: int, nproc: int) -> dict:
     unequal = torch.ones(rank + 1)
     out["size_errors"] = {
         "psum": _error_of(lambda: tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(unequal)),
+        # a psum of bools sends int64 sums, also from a process with one instance
+        "psum_bool": _error_of(lambda: tp.pmap(lambda v: tp.psum(v > 0, "i"), axis_name="i")(torch.ones(rank + 1, 3))),
         "all_gather": _error_of(lambda: tp.pmap(lambda v: tp.all_gather(v, "i"), axis_name="i")(unequal)),
         "none": _error_of(lambda: tp.pmap(lambda v: v * 2, axis_name="i")(unequal)),
         "jit": _error_of(lambda: tp.pmap(lambda v: tp.pmean(v, "i"), axis_name="i", jit=JIT)(unequal)),

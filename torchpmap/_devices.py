@@ -156,7 +156,10 @@ _resolved: list[tuple[tuple, tuple, tuple[Device, ...]]] = []
 
 def _same(a: tuple, b: tuple) -> bool:
     """Element-wise identity or equality, False for elements that cannot be compared."""
-    return len(a) == len(b) and all(x is y or (type(x) is type(y) and isinstance(x, (str, int, Device, torch.device)) and x == y) for x, y in zip(a, b))
+    comparable = (str, int, Device, torch.device)
+    return len(a) == len(b) and all(
+        x is y or (type(x) is type(y) and isinstance(x, comparable) and x == y) for x, y in zip(a, b)
+    )
 
 
 def _resolve_requested(requested: Sequence[Any]) -> tuple[Device, ...]:

@@ -246,7 +246,9 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     if exchange is None:
         return [p.compute(X) for p, X in zip(prims, Xs)]
     if getattr(exchange, "reduces_locally", False) and all(p.reduces for p in prims):
-        Xs = [p.compute(X)[0].unsqueeze(0) if X.shape[0] > 1 else X for p, X in zip(prims, Xs)]
+        # even a slice of one instance sends compute's result: its dtype (psum of bools
+        # sends int64) must not depend on the local size, and the bits are those of one process
+        Xs = [p.compute(X)[0].unsqueeze(0) for p, X in zip(prims, Xs)]
         everyone = exchange.all_gather_many(Xs, _describe(prims), partial=True)
         return [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
     everyone = exchange.all_gather_many(Xs, _describe(prims))
