@@ -14,7 +14,7 @@ the compiled graph by reference at every call, so in-place updates such as an op
 step are seen). A branch on a tensor's value cannot be traced: that
 signature then runs eagerly, with a :class:`JitFallbackWarning`. The caller keys the
 cache so that anything else that changes the program (shapes, dtypes, devices,
-``requires_grad``, non-tensor values) traces anew.
+``requires_grad``, non-tensor values, grad mode, autocast, the default dtype) traces anew.
 """
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ class ProcessExchange:
         return layout.unpack(received.view(self.size, layout.row))
 
     def _compare_sizes(self, sizes: torch.Tensor) -> None:
-        (n_local, name), self.unchecked = self.unchecked, None
+        (_, name), self.unchecked = self.unchecked, None  # checked now, whatever the outcome
         found = sizes.view(-1).tolist()
         if len(set(found)) == 1:
             return
@@ -181,8 +181,25 @@ class _Layout:
         ]
 
 
-def _differentiable(t: torch.Tensor) -> bool:
+def differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
+
+
+def transpose_gather(
+    grads: Sequence[Optional[torch.Tensor]],
+    floats: Sequence[bool],
+    scatter_sum: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+) -> list[Optional[torch.Tensor]]:
+    """The gradients of a gather's inputs, given its outputs' cotangents ``grads`` (zeros
+    where an output got none): the cotangents of the inputs marked in ``floats`` only, whose
+    dtypes (the same in every process) decide the layout, summed across processes by
+    ``scatter_sum`` in one transfer; None for the others."""
+    sent = [k for k, ok in enumerate(floats) if ok]
+    out: list[Optional[torch.Tensor]] = [None] * len(grads)
+    if sent:
+        for k, g in zip(sent, scatter_sum([grads[k] for k in sent])):
+            out[k] = g
+    return out
 
 
 class _GatherProcesses(torch.autograd.Function):
@@ -202,17 +219,12 @@ class _GatherProcesses(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.exchange, ctx.what = inputs[0], inputs[1]
-        ctx.differentiable = [_differentiable(t) for t in inputs[3:]]
+        ctx.differentiable = [differentiable(t) for t in inputs[3:]]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        sent = [k for k, ok in enumerate(ctx.differentiable) if ok]
-        out: list[Optional[torch.Tensor]] = [None] * len(grads)
-        if sent:
-            summed = ctx.exchange.scatter_sum([grads[k] for k in sent], ctx.what)
-            for k, g in zip(sent, summed):
-                out[k] = g
-        return None, None, None, *out
+        scatter = lambda gs: ctx.exchange.scatter_sum(gs, ctx.what)  # noqa: E731
+        return None, None, None, *transpose_gather(grads, ctx.differentiable, scatter)
 
     @staticmethod
     def vmap(info, in_dims, exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor):

@@ -86,26 +86,28 @@ def _(grads: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
     return [g.new_empty(g.shape[1:]) for g in grads]
 
 
+# The eager engine's own transpose (distributed.transpose_gather) with the traceable op
+# as its transfer. Imported when first used: the distributed engine imports this module.
+
+
 def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
+    from torchpmap._engines.distributed import differentiable
+
     ts, ctx.key, size, ctx.what, _ = inputs
     ctx.blanks = [((size, *t.shape), t.dtype, t.device) for t in ts]  # the shape of each cotangent
-    ctx.differentiable = [t.is_floating_point() or t.is_complex() for t in ts]
+    ctx.differentiable = [differentiable(t) for t in ts]
 
 
 def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
-    # as the eager engine's backward: the float cotangents only, zeros where one got none,
-    # so that every process packs the same layout
-    sent = [k for k, ok in enumerate(ctx.differentiable) if ok]
-    out: list[Optional[torch.Tensor]] = [None] * len(grads)
-    if sent:
-        given = [grads[k] if grads[k] is not None else _zeros(*ctx.blanks[k]) for k in sent]
-        for k, g in zip(sent, torch.ops.torchpmap.scatter_sum_processes(given, ctx.key, ctx.what)):
-            out[k] = g
-    return out, None, None, None, None
+    from torchpmap._engines.distributed import transpose_gather
 
-
-def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
+    # a float output that got no gradient sends zeros: every process packs the same layout
+    given = [
+        torch.zeros(shape, dtype=dtype, device=device) if g is None and ok else g
+        for g, ok, (shape, dtype, device) in zip(grads, ctx.differentiable, ctx.blanks)
+    ]
+    scatter = lambda gs: torch.ops.torchpmap.scatter_sum_processes(gs, ctx.key, ctx.what)  # noqa: E731
+    return transpose_gather(given, ctx.differentiable, scatter), None, None, None, None
 
 
 _gather.register_autograd(_gather_backward, setup_context=_setup_gather)
