@@ -392,7 +392,6 @@ def test_pmax_pmin_under_grad_inside_the_pmap(name):
 def test_pmax_pmin_under_jvp_inside_the_pmap(name):
     op = getattr(tp, name)
     with raises(NotImplementedError, name, "not differentiable"):
-        # one device: across devices, forward-mode AD through any collective is refused first
         collective(lambda x: torch.func.jvp(lambda a: op(a, "i"), (x,), (torch.ones(()),))[1], devices=ONE_DEVICE)
 
 

@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Iterator
 
+from torchpmap import _context
+
 
 @dataclasses.dataclass
 class Config:
@@ -53,9 +55,11 @@ def disable_vectorization() -> Iterator[None]:
         >>> out
         tensor([0., 2.])
     """
-    previous = config.disable_vectorization
-    config.disable_vectorization = True
-    try:
+    with _context.setting(_context.debug_mode, True):  # this context only: other threads run as they did
         yield
-    finally:
-        config.disable_vectorization = previous
+
+
+def vectorization_disabled() -> bool:
+    """Debug mode in this context: inside ``disable_vectorization()``, or set in ``config``."""
+    inside = _context.debug_mode.get()
+    return config.disable_vectorization if inside is None else inside

@@ -12,7 +12,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from torchpmap import _devices
+from torchpmap import _context, _devices
 
 
 class Mesh:
@@ -40,6 +40,7 @@ class Mesh:
         resolved = _devices.resolve(list(grid.flat)) if grid.size else ()
         self.devices = np.array(resolved, dtype=object).reshape(grid.shape)
         self.axis_names = axis_names
+        self._tokens: list = []  # one per open ``with`` of this mesh (re-entrant)
 
     @property
     def shape(self) -> dict[Hashable, int]:
@@ -54,17 +55,17 @@ class Mesh:
         return self.devices[tuple(coords.get(a, 0) for a in self.axis_names)]
 
     def __enter__(self) -> "Mesh":
-        _active.append(self)
+        # per context (and so per thread): another thread's pmaps never see this mesh
+        self._tokens.append(_context.active_meshes.set(_context.active_meshes.get() + (self,)))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _active.remove(self)
+        _context.active_meshes.reset(self._tokens.pop())
 
     def __repr__(self) -> str:
         return f"Mesh(shape={self.shape}, devices={self.devices.tolist()})"
 
 
-_active: list[Mesh] = []
 _thread = threading.local()
 
 
@@ -73,4 +74,5 @@ def current() -> Mesh | None:
     state = getattr(_thread, "state", None)
     if state is not None:
         return state.mesh
-    return _active[-1] if _active else None
+    active = _context.active_meshes.get()
+    return active[-1] if active else None

@@ -25,7 +25,7 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters, temporarily_pop_interpreter_stack
+from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
 from torchpmap._axis_env import AxisFrame
 
@@ -82,8 +82,6 @@ def bind_many(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> Sequenc
     if not xs:
         return ()
     frame = prims[0].frame
-    if frame.exchange is not None:
-        _refuse_forward_mode(prims[0])
     level = torch._C._functorch.maybe_current_level()
     if not frame.vectorized and level is None:
         return _run_unvectorized(prims, xs)  # plain torch ops: outer autograd sees them directly
@@ -120,15 +118,6 @@ def _single_or_tuple(values: Sequence[Any]) -> Any:
     """What ``_Bind`` returns for its outputs: one alone (a lone tensor, the common case,
     skips functorch's handling of tuple outputs, which costs dispatch time), else the tuple."""
     return values[0] if len(values) == 1 else tuple(values)
-
-
-def _refuse_forward_mode(prim: Primitive) -> None:
-    """PyTorch keeps forward-mode AD levels per process, not per thread, so jvp/jacfwd in
-    concurrent device threads interfere; refuse instead of risking wrong tangents."""
-    if any(i.key() == torch._C._functorch.TransformType.Jvp for i in retrieve_all_functorch_interpreters()):
-        from torchpmap._engines.multi_device import FORWARD_MODE_ACROSS_DEVICES
-
-        raise NotImplementedError(f"{FORWARD_MODE_ACROSS_DEVICES} (It reached {prim.name} over axis {prim.frame.name!r}.)")
 
 
 def _run_unvectorized(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

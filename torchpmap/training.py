@@ -45,14 +45,13 @@ True
 over its leading (instance) axis; ``out_axes=None`` returns the averaged gradients and
 loss once instead of once per instance (they are the same on every instance).
 
-With an ``nn.Module``, the loss calls ``torch.func.functional_call(model, params, (x,))``.
-That function swaps the given tensors into the module while it runs, so instances that
-run at the same time on several devices (one thread per device) must not share a module:
-give each thread its own copy, as :func:`data_parallel_step` does.
+With an ``nn.Module``, the loss calls ``torch.func.functional_call(model, params, (x,))``,
+one module for every instance, on any number of devices (device threads take turns
+between collectives, so no thread sees the module while another has swapped its tensors
+in).
 """
 from __future__ import annotations
 
-import copy
 import queue
 import threading
 from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
@@ -368,30 +367,6 @@ def _split_buffers(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return floating, other
 
 
-def _stateless_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A structural copy of ``model`` whose parameters and buffers are storage-free meta
-    tensors: something for ``functional_call`` to swap the real tensors into."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
-
-
-class _PerThreadModule(threading.local):
-    """One stateless copy of a module per thread that runs instances (one per device)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.module = _stateless_copy(model)
-
-    def following(self, model: torch.nn.Module) -> torch.nn.Module:
-        """This thread's copy, in the same train/eval mode as ``model``, module by module."""
-        for original, twin in zip(model.modules(), self.module.modules()):
-            twin.training = original.training
-        return self.module
-
-
 def data_parallel_step(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -440,12 +415,10 @@ def data_parallel_step(
       under ``torch.manual_seed`` but are not the masks a single-process run would draw.
     * ``model.train()`` / ``model.eval()`` are respected: in eval mode dropout is off
       and batch norm uses (and does not update) its running statistics.
-    * **Threads**: with several devices, pmap runs each device's instances in its own
-      thread. ``functional_call`` swaps tensors into the module it calls, so each thread
-      calls its own copy of ``model``, made when it first runs the step, with
-      storage-free (meta) parameters and buffers: the values always come from ``model``
-      and so does the train/eval mode, but other changes made after that (a new hook,
-      a new dropout probability) are not seen: make a new step function after them.
+    * **Devices**: with several devices, each device's instances run in a thread of
+      their own, and the threads take turns between collectives, so ``model`` itself is
+      used by all of them (``functional_call`` swaps the tensors in and out within one
+      turn): every change to it (hooks, train/eval mode, dropout probability) is seen.
 
     Args:
         model: the module; its parameters and buffers are read at every step, so the
@@ -475,9 +448,6 @@ def data_parallel_step(
     """
 
     Tensors = dict[str, torch.Tensor]
-    # functional_call swaps tensors into the module it is given while it runs: instances
-    # running at the same time in different device threads must not share that module.
-    per_thread = _PerThreadModule(model)
 
     def instance_step(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, inputs: Any, targets: Any
@@ -486,8 +456,7 @@ def data_parallel_step(
             # This instance's own copy of the buffers, created inside the transform so
             # that modules may update it in place (batch norm does).
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
-            module = per_thread.following(model)
-            output = functional_call(module, {**params, **frozen, **state}, (inputs,))
+            output = functional_call(model, {**params, **frozen, **state}, (inputs,))
             return loss_fn(output, targets), state
 
         grads, (loss, state) = grad_and_value(loss_of, has_aux=True)(params)

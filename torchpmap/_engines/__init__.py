@@ -66,7 +66,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     if call.devices is not None and distributed.active():  # several processes: one slice each (compiled or not)
         return distributed.run(call)
 
-    if config.disable_vectorization:
+    if vectorization_disabled():
         return threaded.run_one_at_a_time(call)
     if call.mesh is not None:
         _warn_not_compiled(call, "maps an axis of a device mesh")
@@ -90,6 +90,6 @@ def _warn_not_compiled(call: MappedCall, why: str) -> None:
 
 
 # The engines import MappedCall from here, so they come after it (imported once, not per call).
-from torchpmap._config import config  # noqa: E402
+from torchpmap._config import vectorization_disabled  # noqa: E402
 from torchpmap._engines import distributed, multi_device, threaded, vectorized  # noqa: E402
 from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402

@@ -8,13 +8,15 @@ computed, as :class:`~torchpmap._sharded.ShardedTensor`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import threading
 from concurrent.futures import Future
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchpmap import _devices
+from torchpmap import _context, _devices
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
@@ -22,25 +24,6 @@ from torchpmap._engines.thread_mode import call_seed, device_thread_mode
 from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
 from torchpmap._sharded import ShardedTensor
-
-
-FORWARD_MODE_ACROSS_DEVICES = (
-    "torchpmap: forward-mode AD (torch.func.jvp / jacfwd) inside a pmap that spans several devices is not "
-    "supported: PyTorch keeps forward-mode AD state per process, so the device threads interfere. Use reverse "
-    "mode (grad, vjp, jacrev), or run this pmap on one device (devices=[torchpmap.devices()[0]])."
-)
-
-
-def refuse_enclosing_transforms() -> None:
-    """torch.func state is per thread: a transform around a multi-device pmap cannot follow it."""
-    if torch._C._functorch.maybe_current_level() is not None:
-        raise RuntimeError(
-            "torchpmap: a torch.func transform (grad, vmap, jvp, ...) encloses a pmap that runs on several "
-            "devices. torch.func keeps its state per thread, so it cannot follow the device threads (a grad "
-            "would silently come out as zeros). Move the transform inside the pmapped function "
-            "(pmap(grad(f))), differentiate with .backward() or torch.autograd.grad instead, or run on one "
-            "device with devices=[torchpmap.devices()[0]]."
-        )
 
 
 def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.Tensor:
@@ -66,10 +49,9 @@ def slice_label(d: int, k: int, device: Device) -> str:
 
 
 def run(call: MappedCall) -> list[ShardedTensor]:
-    refuse_enclosing_transforms()
     devices = list(call.devices)
     k = call.size // len(devices)
-    rendezvous, group = Rendezvous(config.collective_timeout), object()
+    rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
     torch_devices = tuple(d.torch_device for d in devices)
     seed = call_seed(call.randomness)
 
@@ -78,9 +60,41 @@ def run(call: MappedCall) -> list[ShardedTensor]:
             exchange = ThreadExchange(rendezvous, d, torch_devices, group)
             return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
 
-    futures = [pool.submit(lambda d=d: one_device(d)) for d in range(len(devices))]
-    per_device = collect(futures, devices, k)
+    per_device = run_threads([lambda d=d: one_device(d) for d in range(len(devices))], rendezvous, devices, k)
+    if torch._C._functorch.maybe_current_level() is not None:
+        # a torch.func transform encloses the call: it carries tensors only (gathered on the first device)
+        return [torch.cat([o.to(torch_devices[0]) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+def run_threads(
+    bodies: Sequence[Callable[[], list[torch.Tensor]]],
+    rendezvous: Rendezvous,
+    devices: Sequence[Device],
+    k: int,
+    nested: bool = False,
+) -> list[list[torch.Tensor]]:
+    """Runs each body in a device thread that sees its caller's state (see
+    :mod:`torchpmap._context`), taking turns on ``rendezvous``' baton; waits for all.
+    ``nested``: the caller is itself a thread holding that baton, which it passes on.
+
+    The threads take turns: only the baton's holder runs, and it passes the baton on when
+    it waits in a collective or ends. So a thread's Python code between two collectives
+    runs as one piece, as it does on one device: a module that ``functional_call``
+    reparametrizes is never seen half-swapped by another thread, and Python state
+    (forward-AD nesting, module attributes) never races. Device work is only enqueued in
+    that piece on an asynchronous device (CUDA), so the devices still compute at once.
+    """
+    state, context = _context.CallerState.capture(), contextvars.copy_context()
+
+    def in_turn(body: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        with rendezvous.turn(), state.entered():
+            return body()
+
+    with _context.shared_forward_ad():
+        futures = [pool.submit(lambda body=body: _context.run_in_copy(context, lambda: in_turn(body))) for body in bodies]
+        with rendezvous.passing_turn() if nested else contextlib.nullcontext():
+            return collect(futures, devices, k)
 
 
 @contextlib.contextmanager
@@ -114,8 +128,6 @@ def collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> lis
     errors = [f.exception() for f in futures]
     first = next((e for e in errors if e is not None and not isinstance(e, PeerFailed)), None)
     first = first or next((e for e in errors if e is not None), None)
-    if isinstance(first, RuntimeError) and "forward AD" in str(first):  # the race of the other threads
-        raise NotImplementedError(FORWARD_MODE_ACROSS_DEVICES) from first
     if first is not None:
         d = errors.index(first)
         if hasattr(first, "add_note"):

@@ -130,13 +130,20 @@ class Rendezvous:
 class GatherAll(torch.autograd.Function):
     """``ts[i]`` from every participant -> for each participant, ``stack(ts)`` on its device.
 
-    Backward sums the cotangents of all participants' stacks back onto each input, in one node.
+    Backward sums the cotangents of all participants' stacks back onto each input, in one
+    node. It is written in torch.func's style (``setup_context``, a generated vmap rule,
+    ``jvp``), so that transforms around a multi-device pmap go through it.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, devices: tuple[torch.device, ...], *ts: torch.Tensor):
-        ctx.sources = [t.device for t in ts]
+    def forward(devices: tuple[torch.device, ...], *ts: torch.Tensor):
         return tuple(torch.stack([t.to(dev) for t in ts]) for dev in devices)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.devices, ctx.sources = inputs[0], [t.device for t in inputs[1:]]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -145,6 +152,11 @@ class GatherAll(torch.autograd.Function):
             parts = [g[i].to(src) for g in grads if g is not None]
             grads_in.append(torch.stack(parts).sum(0) if parts else None)
         return (None, *grads_in)
+
+    @staticmethod
+    def jvp(ctx, _, *tangents: torch.Tensor):
+        # linear: the tangents travel as the values do
+        return tuple(torch.stack([t.to(dev) for t in tangents]) for dev in ctx.devices)
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,16 +1,12 @@
-"""What device threads must not share: random streams and forward-mode AD state.
+"""What device threads must not share: random streams.
 
-A thread-local TorchFunctionMode sees every torch call of a device thread:
-
-* **Random numbers.** Device threads share torch's default generators, so the numbers an
+A thread-local TorchFunctionMode sees every torch call of a device thread. Device threads share torch's default generators, so the numbers an
   instance draws would depend on thread scheduling. Each thread instead gets its own
   stream, seeded from one draw of the caller's generator (so ``torch.manual_seed`` makes
   a whole pmap reproducible); the mode swaps the thread's state into the default
   generator around each random op, under a lock. Other ops pass straight through and run
-  concurrently.
-* **Forward-mode AD.** PyTorch keeps forward-AD levels per process, so ``jvp``/``jacfwd``
-  in concurrent threads corrupt each other (errors, or tangents silently lost). The mode
-  refuses ``torch._make_dual``, the first step of every jvp, before any tangent exists.
+concurrently. (Forward-mode AD, which PyTorch keeps per process, is shared by the
+device threads of a call: see :func:`torchpmap._context.shared_forward_ad`.)
 """
 from __future__ import annotations
 
@@ -18,6 +14,8 @@ import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from torchpmap._torch_private_state import functorch_layers_cleared
 
 _RANDOM_OPS = frozenset(
     """rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson
@@ -31,10 +29,8 @@ def call_seed(randomness: str) -> int | None:
     """One draw from the caller's generator for a call that may use random numbers."""
     if randomness == "error":
         return None
-    return int(torch.randint(0, 2**62, (), generator=torch.default_generator))
-
-
-_DUAL_OPS = frozenset({"_make_dual", "make_dual"})
+    with functorch_layers_cleared():  # the draw is ours: an enclosing vmap must not batch (or refuse) it
+        return int(torch.randint(0, 2**62, (), generator=torch.default_generator))
 
 
 class _DeviceThreadMode(TorchFunctionMode):
@@ -53,12 +49,7 @@ class _DeviceThreadMode(TorchFunctionMode):
             self.states.append(own.get_state())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", None)
-        if name in _DUAL_OPS:
-            from torchpmap._engines.multi_device import FORWARD_MODE_ACROSS_DEVICES
-
-            raise NotImplementedError(FORWARD_MODE_ACROSS_DEVICES)
-        if self.seed is None or name not in _RANDOM_OPS:
+        if self.seed is None or getattr(func, "__name__", None) not in _RANDOM_OPS:
             return func(*args, **(kwargs or {}))
         with _lock:
             saved = [g.get_state() for g in self.generators]

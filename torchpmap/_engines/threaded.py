@@ -26,10 +26,9 @@ from torchpmap import _axis_env, _devices, _mesh
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
-from torchpmap._engines.multi_device import collect, device_thread, refuse_enclosing_transforms
+from torchpmap._engines.multi_device import device_thread, run_threads
 from torchpmap._engines.thread_mode import call_seed
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
-from torchpmap._engines.workers import pool
 from torchpmap._sharded import ShardedTensor, as_local
 
 # For an axis, the device of each participant given the caller's coordinates.
@@ -45,6 +44,7 @@ class _ThreadState:
     coords: dict[Hashable, int]
     along: dict[Hashable, Along]
     path: tuple
+    outer_level: int | None  # the torch.func level of the transforms around the whole call
     frames: tuple[_axis_env.AxisFrame, ...] = ()
     nested_calls: int = 0
 
@@ -61,11 +61,10 @@ def _exchange(state: _ThreadState, axis: Hashable) -> ThreadExchange:
 def _parent(axis: Hashable, what: str) -> _ThreadState | None:
     parent: _ThreadState | None = getattr(_thread, "state", None)
     if parent is None:
-        refuse_enclosing_transforms()
         return None
     if axis is not None and axis in parent.coords:
         raise ValueError(f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name")
-    if torch._C._functorch.maybe_current_level() is not None:
+    if torch._C._functorch.maybe_current_level() != parent.outer_level:
         raise NotImplementedError(
             f"{what} over axis {axis!r}: it is nested in a map whose instances run vectorized, or in a torch.func "
             "transform, so it cannot start threads of its own. Give each enclosing mesh axis one instance per "
@@ -80,30 +79,30 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
     k = call.size // count
     parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")
     if parent is None:
-        rendezvous, path, coords, frames, outer_along = Rendezvous(config.collective_timeout, baton), (object(),), {}, (), {}
+        rendezvous = Rendezvous(config.collective_timeout, baton or threading.RLock())
+        path, coords, frames, outer_along = (object(),), {}, (), {}
+        outer_level = torch._C._functorch.maybe_current_level()
     else:
         parent.nested_calls += 1
         rendezvous, path, coords = parent.rendezvous, parent.path + (parent.nested_calls,), parent.coords
-        frames, outer_along, mesh = parent.frames, parent.along, mesh or parent.mesh
+        frames, outer_along, mesh, outer_level = parent.frames, parent.along, mesh or parent.mesh, parent.outer_level
     devices = list(along(coords))
     seed = call_seed(call.randomness)
 
     def one_thread(j: int) -> list[torch.Tensor]:
-        state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path)
+        state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path, outer_level)
         rebound = tuple(dataclasses.replace(f, exchange=_exchange(state, f.name)) for f in frames)
         _thread.state = state
         try:
-            with rendezvous.turn(), _axis_env.inherited(rebound):
-                with device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
-                    if k > 1:
-                        return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
-                    return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
+            with _axis_env.inherited(rebound), device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
+                if k > 1:
+                    return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
+                return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
         finally:
             _thread.state = None
 
-    futures = [pool.submit(lambda j=j: one_thread(j)) for j in range(count)]
-    with rendezvous.passing_turn() if parent is not None else contextlib.nullcontext():
-        per_thread = collect(futures, devices, k)
+    bodies = [lambda j=j: one_thread(j) for j in range(count)]
+    per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None)
     _check_replicated(call, per_thread)
     return _assemble(devices, per_thread)
 

@@ -1,0 +1,364 @@
+"""One device is the oracle: every program here runs on one device and on 2, 4 and 8 CPU
+devices in one process, and the results must be the same, bitwise.
+
+The corpus is PyTorch's own state and patterns, the ones a device thread used to lose:
+grad and inference modes, autocast, torch function modes (``torch.device``), torch.func
+transforms around and inside the pmap, a module shared by every instance through
+``functional_call``, batch norm and training steps. (The JAX differential corpus runs on
+several devices too: ``make test`` runs ``tests/`` with ``TORCHPMAP_NUM_CPU_DEVICES=4``.)
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
+
+import torchpmap as tp
+from torchpmap import _devices
+
+Program = Callable[[list], Any]  # devices -> a pytree of results
+
+
+@pytest.fixture
+def eight_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "8")
+    _devices._local_devices.cache_clear()
+    yield tp.devices()
+    monkeypatch.undo()
+    _devices._local_devices.cache_clear()
+
+
+def _data(*shape: int, seed: int = 0, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+X = _data(8, 3)
+M = _data(8, 4, 4, seed=1, dtype=torch.float32)
+
+
+def _a_piece(out: Any) -> torch.Tensor:
+    """What a device computed: the first shard of a result on several devices."""
+    return out.shards[0].tensor if isinstance(out, tp.ShardedTensor) else out
+
+
+def _psum_program(v: torch.Tensor) -> torch.Tensor:
+    return tp.psum(torch.sin(v), "i") * v
+
+
+# --------------------------------------------------------------------------- caller state
+
+
+def autocast_bf16(devices):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tp.pmap(lambda a: tp.psum(a @ a, "i"), "i", devices=devices)(M)
+    return out, out.dtype
+
+
+def autocast_cache_off(devices):
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        return tp.pmap(lambda a: a @ a.T, devices=devices)(M)
+
+
+def autocast_disabled_inside(devices):
+    def f(a):
+        with torch.autocast("cpu", enabled=False):
+            return a @ a
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return tp.pmap(f, devices=devices)(M)
+
+
+def no_grad(devices):
+    w = X.clone().requires_grad_()
+    with torch.no_grad():
+        out = tp.pmap(lambda a: tp.psum(a * a, "i"), "i", devices=devices)(w)
+    return out, out.requires_grad, _a_piece(out).requires_grad
+
+
+def enable_grad_inside_no_grad(devices):
+    w = X.clone().requires_grad_()
+    with torch.no_grad():
+        with torch.enable_grad():
+            out = tp.pmap(lambda a: tp.psum(a * a, "i"), "i", devices=devices)(w)
+    (g,) = torch.autograd.grad(out.sum() if isinstance(out, torch.Tensor) else out.gather().sum(), w)
+    return g
+
+
+def inference_mode(devices):
+    with torch.inference_mode():
+        out = tp.pmap(lambda a: tp.pmean(a, "i") + a, "i", devices=devices)(X)
+    return out, _a_piece(out).is_inference()
+
+
+def device_context_mode(devices):
+    # ``with torch.device(...)`` is a torch function mode: factories inside see it
+    with torch.device("cpu"):
+        out = tp.pmap(lambda a: a + torch.ones(3, dtype=torch.float64).cumsum(0), devices=devices)(X)
+    return out
+
+
+def default_dtype(devices):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = tp.pmap(lambda a: a.float() + torch.arange(3.0), devices=devices)(X)
+    finally:
+        torch.set_default_dtype(previous)
+    return out, out.dtype
+
+
+def deterministic_mode(devices):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return tp.pmap(lambda a: tp.psum(a.cumsum(0), "i"), "i", devices=devices)(X)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+# --------------------------------------------------------------------------- torch.func transforms
+
+
+def grad_around(devices):
+    f = tp.pmap(_psum_program, "i", devices=devices)
+    return grad(lambda a: f(a).sum())(X)
+
+
+def vjp_around(devices):
+    f = tp.pmap(_psum_program, "i", devices=devices)
+    out, pullback = vjp(f, X)
+    return out, pullback(torch.ones_like(X))
+
+
+def jacrev_around(devices):
+    return jacrev(tp.pmap(_psum_program, "i", devices=devices))(X)
+
+
+def jvp_around(devices):
+    return jvp(tp.pmap(_psum_program, "i", devices=devices), (X,), (torch.ones_like(X),))
+
+
+def jacfwd_around(devices):
+    return jacfwd(tp.pmap(lambda a: tp.all_gather(a * a, "i"), "i", devices=devices))(X[:, 0])
+
+
+def vmap_around(devices):
+    return vmap(tp.pmap(_psum_program, "i", devices=devices))(_data(2, 8, 3, seed=2))
+
+
+def grad_of_grad_around(devices):
+    f = tp.pmap(lambda a: tp.psum(a**3, "i"), "i", devices=devices)
+    return grad(lambda a: grad(lambda b: f(b).sum())(a).sum())(X)
+
+
+def jvp_inside(devices):
+    return tp.pmap(lambda a: jvp(_psum_program, (a,), (torch.ones_like(a),)), "i", devices=devices)(X)
+
+
+def jacfwd_inside(devices):
+    return tp.pmap(lambda a: jacfwd(lambda b: tp.pmean(torch.sin(b), "i") * b)(a), "i", devices=devices)(X)
+
+
+def hessian_inside(devices):
+    return tp.pmap(lambda a: torch.func.hessian(lambda b: (tp.psum(b, "i") * b).sum())(a), "i", devices=devices)(X)
+
+
+def backward_through_torch_ops(devices):
+    w = X.clone().requires_grad_()
+    out = tp.pmap(_psum_program, "i", devices=devices)(w)
+    (torch.cos(out) * out + out.sum()).sum().backward()
+    return w.grad
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _mlp(seed: int = 0, dtype=torch.float64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).to(dtype)
+
+
+def shared_module_data_parallel(devices):
+    model = _mlp()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    xs, ys = _data(8, 5, 3, seed=4), _data(8, 5, 2, seed=5)
+
+    def loss(p, x, y):
+        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    step = tp.pmap(lambda p, x, y: tp.pmean(grad(loss)(p, x, y), "b"), "b", in_axes=(None, 0, 0), out_axes=None, devices=devices)
+    return [step(params, xs, ys) for _ in range(3)]
+
+
+def shared_module_tensor_parallel(devices):
+    """Collectives inside the forward of a module that every instance reparametrizes."""
+
+    class Sharded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.float64))
+
+        def forward(self, x):
+            return tp.psum(x @ self.w, "m")  # a row-parallel layer: partial sums meet
+
+    model = Sharded()
+    ws = _data(8, 3, 2, seed=6)
+    x = _data(4, 3, seed=7)
+    f = tp.pmap(lambda w: functional_call(model, {"w": w}, (x,)) * tp.axis_index("m"), "m", devices=devices)
+    return f(ws)
+
+
+def batch_norm_training_step(devices):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = tp.training.data_parallel_step(model, torch.nn.functional.mse_loss, opt, devices=devices)
+    xs, ys = _data(8, 4, 3, seed=8), _data(8, 4, 1, seed=9)
+    losses = [step((xs, ys)) for _ in range(4)]
+    return losses, model.state_dict()
+
+
+def dropout_eval_mode(devices):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)).double().eval()
+    params = dict(model.named_parameters())
+    return tp.pmap(lambda x: functional_call(model, params, (x,)), devices=devices)(_data(8, 4, 3, seed=10))
+
+
+PROGRAMS: dict[str, Program] = {
+    f.__name__: f
+    for f in [
+        autocast_bf16, autocast_cache_off, autocast_disabled_inside, no_grad, enable_grad_inside_no_grad,
+        inference_mode, device_context_mode, default_dtype, deterministic_mode,
+        grad_around, vjp_around, jacrev_around, jvp_around, jacfwd_around, vmap_around,
+        grad_of_grad_around, jvp_inside, jacfwd_inside, hessian_inside,
+        backward_through_torch_ops,
+        shared_module_data_parallel, batch_norm_training_step, dropout_eval_mode,
+    ]
+}
+
+
+#: Programs whose results are gradients through a collective across devices: the forward
+#: values of collectives are bitwise those of one device, but a collective's transpose sums
+#: the cotangents per device and then across devices, so these agree to rounding only
+#: (float64 here: within 1e-12), as the docs say.
+ROUNDING = {
+    "grad_around", "vjp_around", "backward_through_torch_ops", "enable_grad_inside_no_grad",
+    "batch_norm_training_step", "grad_of_grad_around", "jacrev_around", "shared_module_data_parallel",
+}
+
+
+def _plain(tree: Any) -> Any:
+    """Results as plain CPU tensors (a ShardedTensor gathered), non-tensors unchanged."""
+    def leaf(v):
+        if isinstance(v, tp.ShardedTensor):
+            v = v.gather("cpu")
+        return v.detach().cpu() if isinstance(v, torch.Tensor) else v
+
+    return torch.utils._pytree.tree_map(leaf, tree, is_leaf=lambda v: isinstance(v, tp.ShardedTensor))
+
+
+def assert_same(one: Any, many: Any, where: str, exact: bool = True) -> None:
+    one_leaves, one_spec = torch.utils._pytree.tree_flatten(_plain(one))
+    many_leaves, many_spec = torch.utils._pytree.tree_flatten(_plain(many))
+    assert one_spec == many_spec, where
+    for k, (a, b) in enumerate(zip(one_leaves, many_leaves)):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape, (where, k, a.dtype, b.dtype, a.shape, b.shape)
+            if exact or not a.is_floating_point():
+                assert torch.equal(a, b), (where, k, (a - b).abs().max() if a.is_floating_point() else None)
+            else:
+                torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=lambda m: f"{where}, result {k}: {m}")
+        else:
+            assert a == b, (where, k, a, b)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_same_answers_on_one_and_on_n_devices(eight_devices, name, n):
+    program = PROGRAMS[name]
+    one = program(eight_devices[:1])
+    assert_same(one, program(eight_devices[:n]), f"{name} on {n} devices", exact=name not in ROUNDING)
+
+
+# --------------------------------------------------------------------------- torchpmap's own state
+
+
+def test_a_mesh_entered_in_one_thread_is_not_seen_by_another(eight_devices):
+    mesh = tp.Mesh([eight_devices[:2]], ("x", "y"))
+    entered, done = threading.Event(), threading.Event()
+
+    def hold():
+        with mesh:
+            entered.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        entered.wait(10)
+        out = tp.pmap(lambda v: tp.axis_index("i") + 0 * v, "i")(torch.zeros(4))
+        assert [str(d) for d in out.devices()] == [str(d) for d in eight_devices[:4]]  # not the mesh's 2
+        tp.pmap(lambda v: v, devices=eight_devices[2:4])(torch.zeros(2))  # no spurious mesh error
+    finally:
+        done.set()
+        holder.join()
+
+
+def test_mesh_contexts_nest_and_restore_on_error(eight_devices):
+    outer, inner = tp.Mesh([eight_devices[:2]], ("a", "b")), tp.Mesh([eight_devices[:4]], ("c", "d"))
+    with outer:
+        with pytest.raises(KeyError):
+            with inner:
+                assert tp._mesh.current() is inner
+                raise KeyError("boom")
+        assert tp._mesh.current() is outer
+        with outer:  # re-entrant
+            assert tp._mesh.current() is outer
+        assert tp._mesh.current() is outer
+    assert tp._mesh.current() is None
+
+
+def test_debug_mode_is_per_thread_and_overlapping_contexts_restore(eight_devices):
+    inside, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def debug_thread():
+        with tp.disable_vectorization():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=debug_thread)
+    t.start()
+    try:
+        inside.wait(10)
+        # this thread still vectorizes: .item() on a batched value is refused
+        with pytest.raises(RuntimeError):
+            tp.pmap(lambda v: v * v.item(), devices=eight_devices[:1])(torch.ones(2))
+        with tp.disable_vectorization():
+            seen["inside"] = tp.pmap(lambda v: v * v.item(), devices=eight_devices[:1])(torch.full((2,), 3.0))
+    finally:
+        release.set()
+        t.join()
+    assert torch.equal(seen["inside"], torch.full((2,), 9.0))
+    assert not tp._config.vectorization_disabled()
+
+
+def test_a_collective_inside_no_grad_inside_the_function(eight_devices):
+    def f(v):
+        with torch.no_grad():
+            s = tp.psum(v, "i")
+        return v * s
+
+    w = X.clone().requires_grad_()
+    grads = []
+    for devices in (eight_devices[:1], eight_devices[:4]):
+        w.grad = None
+        out = tp.pmap(f, "i", devices=devices)(w)
+        out.sum().backward()
+        grads.append(w.grad.clone())
+    assert torch.equal(grads[0], grads[1])  # no gradient flows through the collective: bitwise

@@ -1,0 +1,149 @@
+"""Per-call state in one place: what every device thread of a call must see as its caller does.
+
+A pmap over several devices runs one thread per device, and PyTorch keeps much of what
+changes a program's results per thread. Two kinds of state follow the caller:
+
+* **torch's thread-local state**, captured in the calling thread by
+  :meth:`CallerState.capture` and entered in every device thread by
+  :meth:`CallerState.entered`: grad mode, inference mode, forward-grad mode, autocast
+  (every device type, its dtype and cache flag), the torch function modes (among them
+  ``with torch.device(...)`` and ``torch.set_default_device``) and the torch.func
+  transforms around the call (their interpreter stack), so that ``grad``, ``vjp``,
+  ``vmap``, ``jvp`` and ``jacfwd`` enclose a pmap on several devices as they enclose one
+  on one device. The default dtype, deterministic-algorithms mode and anomaly mode are
+  process-wide in PyTorch, so device threads see them without help.
+* **torchpmap's own state**: the active meshes and debug mode live in
+  :mod:`contextvars`, so that a ``with mesh:`` or ``disable_vectorization()`` in one
+  thread never leaks into another, nested contexts restore what they found (on error
+  too), and device threads run in a copy of their caller's context
+  (:func:`run_in_copy`).
+
+Forward-mode AD needs one more piece: PyTorch keeps a single forward-AD level per
+process, and ``torch.func.jvp`` opens and closes it only at its outermost nesting.
+:func:`shared_forward_ad` opens it once around the device threads, so that no device
+thread's ``jvp`` closes it while another still uses it.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
+
+import torch
+
+from torchpmap import _torch_private_state as private
+
+if TYPE_CHECKING:
+    from torchpmap._mesh import Mesh
+
+T = TypeVar("T")
+
+# ----------------------------------------------------------------------- torchpmap's own state
+
+#: The meshes entered with ``with mesh:`` in this context, innermost last.
+active_meshes: contextvars.ContextVar[tuple["Mesh", ...]] = contextvars.ContextVar("torchpmap_meshes", default=())
+#: ``disable_vectorization()`` in this context: True inside, None where no such block is open.
+debug_mode: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("torchpmap_debug", default=None)
+
+
+@contextlib.contextmanager
+def setting(var: contextvars.ContextVar[T], value: T) -> Iterator[None]:
+    """Sets ``var`` for the block and restores what it was, on error too (re-entrant)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def run_in_copy(context: contextvars.Context, fn: Callable[[], T]) -> T:
+    """Runs ``fn`` in a copy of ``context`` (a device thread in its caller's context)."""
+    return context.copy().run(fn)
+
+
+# ----------------------------------------------------------------------- torch's thread-local state
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Autocast:
+    device_type: str
+    dtype: torch.dtype
+    cache_enabled: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CallerState:
+    """The calling thread's torch state that a device thread must share.
+
+    Attributes:
+        grad_enabled: ``torch.is_grad_enabled()``.
+        inference_mode: ``torch.is_inference_mode_enabled()``.
+        forward_grad_enabled: forward-mode AD switched on (inside ``torch.func.jvp``).
+        autocast: one entry per device type whose autocast is on.
+        function_modes: the torch function modes in force, outermost first.
+        transforms: the torch.func transforms around the call (opaque interpreter layers).
+    """
+
+    grad_enabled: bool
+    inference_mode: bool
+    forward_grad_enabled: bool
+    autocast: tuple[Autocast, ...]
+    function_modes: tuple[Any, ...]
+    transforms: tuple[Any, ...]
+
+    @classmethod
+    def capture(cls) -> "CallerState":
+        cache = torch.is_autocast_cache_enabled()
+        autocast = tuple(
+            Autocast(t, torch.get_autocast_dtype(t), cache) for t in _autocast_device_types() if torch.is_autocast_enabled(t)
+        )
+        return cls(
+            grad_enabled=torch.is_grad_enabled(),
+            inference_mode=torch.is_inference_mode_enabled(),
+            forward_grad_enabled=private.forward_grad_enabled(),
+            autocast=autocast,
+            function_modes=tuple(private.function_mode_stack()),
+            transforms=tuple(private.functorch_layers()),
+        )
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Puts this state in force in the current (device) thread for the block."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(private.functorch_layers_restored(self.transforms))
+            if self.inference_mode:
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            stack.enter_context(private.forward_grad_set(self.forward_grad_enabled))
+            for a in self.autocast:
+                stack.enter_context(torch.autocast(a.device_type, dtype=a.dtype, cache_enabled=a.cache_enabled))
+            for mode in self.function_modes:
+                stack.enter_context(private.function_mode_pushed(mode))
+            yield
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    global _AUTOCAST_DEVICE_TYPES
+    usable = []
+    for t in _AUTOCAST_DEVICE_TYPES:
+        try:
+            torch.is_autocast_enabled(t)
+        except (RuntimeError, ValueError):  # a device type this torch build does not know
+            continue
+        usable.append(t)
+    _AUTOCAST_DEVICE_TYPES = tuple(usable)
+    return _AUTOCAST_DEVICE_TYPES
+
+
+@contextlib.contextmanager
+def shared_forward_ad() -> Iterator[None]:
+    """Opens the process' forward-AD level around the device threads of one call (see
+    the module docstring); a no-op where an enclosing ``jvp`` has opened it already."""
+    if private.jvp_nesting() > 0:
+        yield
+        return
+    with torch.autograd.forward_ad.dual_level(), private.jvp_nesting_raised():
+        yield
