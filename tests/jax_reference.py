@@ -275,7 +275,7 @@ def _pmap_on_valid_devices(fun: Callable, axis_name=None, **options) -> Callable
         try:
             return gather_sharded(mapped(*args, **kwargs))
         except ValueError as e:
-            if tp.device_count() == 1 or MULTI_DEVICE_ERRORS[1] not in str(e) or "devices" in options:
+            if tp.device_count() == 1 or MULTI_DEVICE_ERRORS[0] not in str(e) or "devices" in options:
                 raise
             return tp.pmap(fun, axis_name, devices=tp.devices()[:1], **options)(*args, **kwargs)
 

@@ -194,7 +194,7 @@ def shared_module_data_parallel(devices):
     return [step(params, xs, ys) for _ in range(3)]
 
 
-def shared_module_tensor_parallel(devices):
+def _tensor_parallel(devices, sequential: bool):
     """Collectives inside the forward of a module that every instance reparametrizes."""
 
     class Sharded(torch.nn.Module):
@@ -205,11 +205,33 @@ def shared_module_tensor_parallel(devices):
         def forward(self, x):
             return tp.psum(x @ self.w, "m")  # a row-parallel layer: partial sums meet
 
-    model = Sharded()
-    ws = _data(8, 3, 2, seed=6)
+    class Block(torch.nn.Module):  # the collective sits between the layers, in the container's forward
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(3, 3).double(), torch.nn.Linear(3, 2).double()
+
+        def forward(self, x):
+            return self.second(tp.psum(self.first(x), "m"))
+
+    model = Block() if sequential else Sharded()
+    names = [k for k, _ in model.named_parameters()]
+    params = {k: _data(8, *p.shape, seed=6 + i) for i, (k, p) in enumerate(model.named_parameters())}
+    before = dict(model.named_parameters())
     x = _data(4, 3, seed=7)
-    f = tp.pmap(lambda w: functional_call(model, {"w": w}, (x,)) * tp.axis_index("m"), "m", devices=devices)
-    return f(ws)
+    f = tp.pmap(lambda p: functional_call(model, p, (x,)) * tp.axis_index("m"), "m", devices=devices)
+    out = f(params)
+    assert all(p is before[k] for k, p in model.named_parameters()) and names == list(before)  # the module is intact
+    return out
+
+
+def test_a_module_reparametrized_across_a_collective(eight_devices):
+    """On one device it works; on several it cannot, and says so (never wrong numbers, never a
+    module left holding another thread's tensors)."""
+    for sequential in (False, True):
+        _tensor_parallel(eight_devices[:1], sequential)
+        with pytest.raises(RuntimeError, match="reparametrize one (Sharded|Block) module"):
+            _tensor_parallel(eight_devices[:4], sequential)
+        _tensor_parallel(eight_devices[:1], sequential)  # and the module is still intact after the error
 
 
 def batch_norm_training_step(devices):

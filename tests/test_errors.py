@@ -412,14 +412,6 @@ def test_pmax_pmin_under_backward(name):
         out.sum().backward()
 
 
-def test_grad_around_a_multi_device_pmap_is_refused():
-    if tp.device_count() == 1:
-        pytest.skip("needs several devices")
-    f = tp.pmap(lambda x: x * x)
-    with raises(RuntimeError, "torch.func transform", "several devices", "devices="):
-        torch.func.grad(lambda x: f(x).sum())(X4)
-
-
 # --------------------------------------------------------------------------- vmap
 
 

@@ -2,17 +2,19 @@
 
 Every running ``pmap``/``vmap`` that has an ``axis_name`` pushes an :class:`AxisFrame`.
 Collectives look their axis names up here; the innermost binding of a name wins, as in
-JAX. The stack is thread-local because each engine thread runs its own slice of the
-program with its own vmap levels.
+JAX. The stack lives in :mod:`torchpmap._context` (a context variable): each engine thread
+runs its own slice of the program with its own vmap levels, in a copy of its caller's
+context.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Hashable, Iterator
 
 import torch
+
+from torchpmap import _context
 
 AxisName = Hashable
 
@@ -45,25 +47,18 @@ class AxisFrame:
     vectorized: bool = True
 
 
-_state = threading.local()
-
-
-def _stack() -> list[AxisFrame]:
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    return stack
+def _stack() -> tuple[AxisFrame, ...]:
+    return _context.axis_frames.get()
 
 
 @contextlib.contextmanager
 def bound(frame: AxisFrame) -> Iterator[AxisFrame]:
     """Binds ``frame`` for the duration of the block."""
-    stack = _stack()
-    stack.append(frame)
+    token = _context.axis_frames.set(_context.axis_frames.get() + (frame,))
     try:
         yield frame
     finally:
-        stack.pop()
+        _context.axis_frames.reset(token)
 
 
 def lookup(name: AxisName) -> AxisFrame:
@@ -99,11 +94,9 @@ def current_frames() -> tuple[AxisFrame, ...]:
 
 @contextlib.contextmanager
 def inherited(frames: tuple[AxisFrame, ...]) -> Iterator[None]:
-    """Binds ``frames`` (from a parent thread) under whatever this thread has."""
-    stack = _stack()
-    depth = len(stack)
-    stack.extend(frames)
+    """Binds ``frames`` (a parent thread's, rebound to this thread) over what this thread has."""
+    token = _context.axis_frames.set(_context.axis_frames.get() + frames)
     try:
         yield
     finally:
-        del stack[depth:]
+        _context.axis_frames.reset(token)

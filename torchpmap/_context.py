@@ -43,6 +43,12 @@ T = TypeVar("T")
 
 #: The meshes entered with ``with mesh:`` in this context, innermost last.
 active_meshes: contextvars.ContextVar[tuple["Mesh", ...]] = contextvars.ContextVar("torchpmap_meshes", default=())
+#: The named axes bound here, innermost last (:mod:`torchpmap._axis_env` reads them).
+axis_frames: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_axis_frames", default=())
+#: The state of a threaded-engine instance thread (a mesh pmap or debug mode), else None.
+instance_thread: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_instance", default=None)
+#: In a device thread, the watch over module forwards of its call (see ``module_guard``).
+module_watch: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_module_watch", default=None)
 #: ``disable_vectorization()`` in this context: True inside, None where no such block is open.
 debug_mode: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("torchpmap_debug", default=None)
 

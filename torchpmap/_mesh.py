@@ -7,7 +7,6 @@ mesh row, over ``"data"`` among one column.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -66,12 +65,11 @@ class Mesh:
         return f"Mesh(shape={self.shape}, devices={self.devices.tolist()})"
 
 
-_thread = threading.local()
 
 
 def current() -> Mesh | None:
     """The mesh of the enclosing mesh pmap in this thread, else the innermost ``with mesh``."""
-    state = getattr(_thread, "state", None)
+    state = _context.instance_thread.get()
     if state is not None:
         return state.mesh
     active = _context.active_meshes.get()

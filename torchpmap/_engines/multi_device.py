@@ -19,7 +19,7 @@ import torch
 from torchpmap import _context, _devices
 from torchpmap._config import config
 from torchpmap._devices import Device
-from torchpmap._engines import MappedCall, vectorized
+from torchpmap._engines import MappedCall, module_guard, vectorized
 from torchpmap._engines.thread_mode import call_seed, device_thread_mode
 from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
@@ -84,17 +84,23 @@ def run_threads(
     reparametrizes is never seen half-swapped by another thread, and Python state
     (forward-AD nesting, module attributes) never races. Device work is only enqueued in
     that piece on an asynchronous device (CUDA), so the devices still compute at once.
+    A module reparametrized by several threads across a collective inside its forward
+    is refused (see :mod:`module_guard`).
     """
-    state, context = _context.CallerState.capture(), contextvars.copy_context()
+    state, context, watch = _context.CallerState.capture(), contextvars.copy_context(), module_guard.Watch()
 
     def in_turn(body: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-        with rendezvous.turn(), state.entered():
+        with rendezvous.turn(), state.entered(), module_guard.watching(watch):
             return body()
 
-    with _context.shared_forward_ad():
-        futures = [pool.submit(lambda body=body: _context.run_in_copy(context, lambda: in_turn(body))) for body in bodies]
-        with rendezvous.passing_turn() if nested else contextlib.nullcontext():
-            return collect(futures, devices, k)
+    module_guard.install()
+    try:
+        with _context.shared_forward_ad():
+            futures = [pool.submit(lambda body=body: _context.run_in_copy(context, lambda: in_turn(body))) for body in bodies]
+            with rendezvous.passing_turn() if nested else contextlib.nullcontext():
+                return collect(futures, devices, k)
+    finally:
+        module_guard.uninstall()
 
 
 @contextlib.contextmanager

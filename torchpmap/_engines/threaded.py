@@ -22,7 +22,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from torchpmap import _axis_env, _devices, _mesh
+from torchpmap import _axis_env, _context, _devices, _mesh
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
@@ -49,9 +49,6 @@ class _ThreadState:
     nested_calls: int = 0
 
 
-_thread = _mesh._thread  # the mesh module reads the state to find the current mesh
-
-
 def _exchange(state: _ThreadState, axis: Hashable) -> ThreadExchange:
     devices = tuple(d.torch_device for d in state.along[axis](state.coords))
     others = tuple(sorted(((a, i) for a, i in state.coords.items() if a != axis), key=repr))
@@ -59,7 +56,7 @@ def _exchange(state: _ThreadState, axis: Hashable) -> ThreadExchange:
 
 
 def _parent(axis: Hashable, what: str) -> _ThreadState | None:
-    parent: _ThreadState | None = getattr(_thread, "state", None)
+    parent: _ThreadState | None = _context.instance_thread.get()
     if parent is None:
         return None
     if axis is not None and axis in parent.coords:
@@ -92,14 +89,11 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
     def one_thread(j: int) -> list[torch.Tensor]:
         state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path, outer_level)
         rebound = tuple(dataclasses.replace(f, exchange=_exchange(state, f.name)) for f in frames)
-        _thread.state = state
-        try:
-            with _axis_env.inherited(rebound), device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
+        with _context.setting(_context.instance_thread, state), _axis_env.inherited(rebound):
+            with device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
                 if k > 1:
                     return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
                 return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
-        finally:
-            _thread.state = None
 
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
     per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None)
