@@ -196,3 +196,25 @@ def test_seed_predict(runs):
     _assert_numbers(_line(out, "First prediction (device 0, example 0):"), first, atol=1e-5)
     assert _line(out, "8 instances, output predictions shape:").strip() == f"(8, {32 * n // 8}, 5)"
     assert _line(out, "8 instances, matches unsharded predict:").strip() == "True"
+
+
+def _loss_lines(devices: int) -> list[str]:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "multiprocess_data_parallel.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "TORCHPMAP_NUM_CPU_DEVICES": str(devices)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "matches the single-process step: True" in proc.stdout, proc.stdout
+    return [line for line in proc.stdout.splitlines() if line.startswith("step")]
+
+
+@pytest.mark.skipif(os.environ.get("TORCHPMAP_NUM_CPU_DEVICES", "1") != "1", reason="sets its own device counts")
+def test_the_data_parallel_example_trains_the_same_on_one_and_on_four_devices():
+    """One device is the oracle: the repo's own example must not diverge on four (it did,
+    when device threads shared one module through functional_call)."""
+    one, four = _loss_lines(1), _loss_lines(4)
+    assert len(one) >= 5 and one == four, (one, four)
