@@ -408,3 +408,38 @@ def test_pmean_of_a_pytree_is_one_exchange_per_axis(cpu_devices, monkeypatch):
         nested = tp.pmap(tp.pmap(lambda t: tp.pmean(t, ("i", "j")), axis_name="j"), axis_name="i")
         nested({k: v.reshape(2, 2, *v.shape[1:]) for k, v in tree.items()})
     assert [n for _, n in meetings] == [6] * 8 and len({key for key, _ in meetings}) == 4
+
+
+def test_idle_device_workers_exit(cpu_devices, monkeypatch):
+    import threading
+    import time
+
+    cpu_devices(4)
+    monkeypatch.setattr(tp.config, "worker_idle_timeout", 0.2)
+    workers = lambda: {t for t in threading.enumerate() if t.name == "torchpmap-device"}  # noqa: E731
+    before = workers()  # idle since earlier tests, waiting out their old timeout (or handed work below)
+    f = tp.pmap(lambda v: tp.psum(v, "i"), "i")
+    callers = [threading.Thread(target=lambda: f(torch.arange(8.0))) for _ in range(4)]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join()
+    assert len(workers()) >= 4
+    deadline = time.monotonic() + 10
+    while not workers() <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers() <= before  # every worker the burst started has exited
+    assert torch.equal(torch.as_tensor(f(torch.arange(8.0))), torch.full((8,), 28.0))  # the pool grows again
+
+
+def test_device_slices_that_disagree_on_shapes_or_dtypes(cpu_devices):
+    cpu_devices(2)
+
+    def by_device(v):  # a program whose shapes or dtypes depend on the device: refused, never promoted
+        first = _devices.current_default()[0].id == 0
+        return tp.psum(v if first else v.double(), "i")
+
+    with pytest.raises(RuntimeError, match=r"disagree on the values of psum over axis 'i': slice 0 passes float32\[2, 2\], slice 1 passes float64\[2, 2\]"):
+        tp.pmap(by_device, "i")(torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"output 0 differs between devices: cpu:0 returns torch.float32 with per-instance shape \(2,\), cpu:1 returns torch.float32 with shape \(3,\)"):
+        tp.pmap(lambda v: v if _devices.current_default()[0].id == 0 else torch.cat([v, v[:1]]))(torch.ones(2, 2))

@@ -1,23 +1,98 @@
 """Run-time settings, read from the environment and changeable in code.
 
+Every environment variable torchpmap reads, in one table (each is validated when
+torchpmap is imported or, for the device count, when devices are first listed; a bad
+value raises a ``ValueError`` that names the variable and what it accepts):
+
+| variable | setting | accepts | default |
+|---|---|---|---|
+| ``TORCHPMAP_COLLECTIVE_TIMEOUT`` | ``config.collective_timeout`` | seconds, a number > 0 | 300 |
+| ``TORCHPMAP_DISABLE_VECTORIZATION`` | ``config.disable_vectorization`` | 1/0, true/false, yes/no, on/off | 0 |
+| ``TORCHPMAP_JIT_CACHE_SIZE`` | ``config.jit_cache_size`` | compiled programs kept per function, an integer >= 1 | 32 |
+| ``TORCHPMAP_WORKER_IDLE_TIMEOUT`` | ``config.worker_idle_timeout`` | seconds an idle device-thread worker waits for work before it exits, a number > 0 | 60 |
+| ``TORCHPMAP_HEARTBEAT_INTERVAL`` | (processes) | seconds between two heartbeats of a process, a number > 0 | 0.5 |
+| ``TORCHPMAP_NUM_CPU_DEVICES`` | (devices) | simulated CPU devices without a GPU, an integer >= 1 | 1 |
+
 Example:
     >>> import torchpmap
     >>> torchpmap.config.collective_timeout > 0
     True
+    >>> torchpmap.config.collective_timeout = -1
+    Traceback (most recent call last):
+    ...
+    ValueError: torchpmap.config.collective_timeout must be a number > 0 (seconds), got -1
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 from torchpmap import _context
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _positive_number(value: Any) -> float:
+    number = float(value)  # ValueError/TypeError for text or None
+    if not (number > 0 and not math.isnan(number)):
+        raise ValueError
+    return number
+
+
+def _at_least_one(value: Any) -> int:
+    if isinstance(value, bool) or int(value) != float(value) or int(value) < 1:
+        raise ValueError
+    return int(value)
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError
+
+
+#: setting -> (environment variable, parse, what it accepts, default)
+_SETTINGS: dict[str, tuple[str, Callable[[Any], Any], str, Any]] = {
+    "collective_timeout": ("TORCHPMAP_COLLECTIVE_TIMEOUT", _positive_number, "a number > 0 (seconds)", 300.0),
+    "disable_vectorization": ("TORCHPMAP_DISABLE_VECTORIZATION", _boolean, "one of 1/0, true/false, yes/no, on/off", False),
+    "jit_cache_size": ("TORCHPMAP_JIT_CACHE_SIZE", _at_least_one, "an integer >= 1", 32),
+    "worker_idle_timeout": ("TORCHPMAP_WORKER_IDLE_TIMEOUT", _positive_number, "a number > 0 (seconds)", 60.0),
+}
+
+
+def env_value(variable: str, parse: Callable[[str], Any], accepts: str, default: Any) -> Any:
+    """``parse(os.environ[variable])``, or ``default`` when it is unset; a bad value raises
+    a ValueError that names the variable and what it accepts."""
+    raw = os.environ.get(variable)
+    if raw is None:
+        return default
+    try:
+        return parse(raw)
+    except (ValueError, TypeError):
+        raise ValueError(f"environment variable {variable}={raw!r} is not valid: it must be {accepts}") from None
+
+
+def positive_number(variable: str, default: float) -> float:
+    """A number > 0 from the environment (see :func:`env_value`)."""
+    return env_value(variable, _positive_number, "a number > 0", default)
+
+
+def at_least_one(variable: str, default: int) -> int:
+    """An integer >= 1 from the environment (see :func:`env_value`)."""
+    return env_value(variable, _at_least_one, "an integer >= 1", default)
 
 
 @dataclasses.dataclass
 class Config:
-    """Settings that apply to every pmap.
+    """Settings that apply to every pmap (see the module docstring for the environment).
 
     Attributes:
         collective_timeout: seconds a collective waits for the other devices before it
@@ -25,15 +100,29 @@ class Config:
         disable_vectorization: run instances one at a time in plain Python threads so
             that ``print`` and ``pdb`` work inside a pmapped function (environment:
             ``TORCHPMAP_DISABLE_VECTORIZATION=1``).
+        jit_cache_size: compiled programs ``pmap(jit=True)`` keeps per function, the least
+            recently used dropped first (environment: ``TORCHPMAP_JIT_CACHE_SIZE``, default 32).
+        worker_idle_timeout: seconds an idle device-thread worker waits for work before it
+            exits (environment: ``TORCHPMAP_WORKER_IDLE_TIMEOUT``, default 60).
     """
 
-    collective_timeout: float = float(os.environ.get("TORCHPMAP_COLLECTIVE_TIMEOUT", "300"))
-    disable_vectorization: bool = os.environ.get("TORCHPMAP_DISABLE_VECTORIZATION", "0") == "1"
+    collective_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["collective_timeout"]))
+    disable_vectorization: bool = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["disable_vectorization"]))
+    jit_cache_size: int = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["jit_cache_size"]))
+    worker_idle_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["worker_idle_timeout"]))
 
-    def update(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _SETTINGS:
+            raise AttributeError(f"torchpmap.config has no setting {name!r}; settings: {list(_SETTINGS)}")
+        _, parse, accepts, _ = _SETTINGS[name]
+        try:
+            parsed = parse(value)
+        except (ValueError, TypeError):
+            raise ValueError(f"torchpmap.config.{name} must be {accepts}, got {value!r}") from None
+        object.__setattr__(self, name, parsed)
+
+    def update(self, name: str, value: Any) -> None:
         """Sets one setting, like ``jax.config.update``."""
-        if not hasattr(self, name):
-            raise AttributeError(f"torchpmap.config has no setting {name!r}; settings: {[f.name for f in dataclasses.fields(self)]}")
         setattr(self, name, value)
 
 

@@ -61,10 +61,24 @@ def run(call: MappedCall) -> list[ShardedTensor]:
             return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
 
     per_device = run_threads([lambda d=d: one_device(d) for d in range(len(devices))], rendezvous, devices, k)
+    check_outputs_agree(per_device, devices)
     if torch._C._functorch.maybe_current_level() is not None:
         # a torch.func transform encloses the call: it carries tensors only (gathered on the first device)
         return [torch.cat([o.to(torch_devices[0]) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+def check_outputs_agree(per_device: Sequence[Sequence[torch.Tensor]], devices: Sequence[Device]) -> None:
+    """Every device's output leaf ``k`` must have the same dtype and per-instance shape."""
+    for k, outs in enumerate(zip(*per_device)):
+        first = outs[0]
+        for d, out in enumerate(outs[1:], start=1):
+            if out.dtype != first.dtype or out.shape[1:] != first.shape[1:]:
+                raise ValueError(
+                    f"pmap: output {k} differs between devices: {devices[0]} returns {first.dtype} with per-instance "
+                    f"shape {tuple(first.shape[1:])}, {devices[d]} returns {out.dtype} with shape {tuple(out.shape[1:])}. "
+                    "Every instance must return outputs of the same shape and dtype."
+                )
 
 
 def run_threads(

@@ -182,8 +182,29 @@ class ThreadExchange:
         (``partial`` plays no part here: the slices never disagree on their sizes.)"""
         self.seq += 1
         devices = self.devices
-        key, combine = (self.group, self.seq), lambda per_slice: _gather_each(devices, per_slice)
-        return self.rendezvous.meet(key, self.index, len(devices), what, ts, combine)
+        def combine(per_slice: list[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+            _check_agreement(per_slice, what)
+            return _gather_each(devices, per_slice)
+
+        return self.rendezvous.meet((self.group, self.seq), self.index, len(devices), what, ts, combine)
+
+
+def _signature(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def _check_agreement(per_slice: list[Sequence[torch.Tensor]], what: str) -> None:
+    """Every slice must bring tensors of the same shapes and dtypes (never promoted,
+    never stacked into an error of torch's)."""
+    first = [_signature(t) for t in per_slice[0]]
+    for i, ts in enumerate(per_slice[1:], start=1):
+        mine = [_signature(t) for t in ts]
+        if mine != first:
+            raise RuntimeError(
+                f"torchpmap: the device slices disagree on the values of {what}: slice 0 passes "
+                f"{', '.join(first)}, slice {i} passes {', '.join(mine)}. Every instance of a pmap must pass "
+                "values of the same shapes and dtypes to a collective."
+            )
 
 
 def _gather_each(

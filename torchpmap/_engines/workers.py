@@ -2,7 +2,9 @@
 
 Each multi-device call needs all its device threads running at once (they meet in
 collectives), so a fixed-size pool could deadlock when several Python threads call
-pmapped functions together. This pool hands a task to an idle worker or starts a new one.
+pmapped functions together. This pool hands a task to an idle worker or starts a new one;
+a worker left idle for ``config.worker_idle_timeout`` seconds exits, so the pool shrinks
+back after a burst of calls.
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable
+
+from torchpmap._config import config
 
 
 class _Worker(threading.Thread):
@@ -19,19 +23,33 @@ class _Worker(threading.Thread):
 
     def run(self) -> None:
         while True:
-            fn, future = self.inbox.get()
+            try:
+                fn, future = self.inbox.get(timeout=config.worker_idle_timeout)
+            except queue.Empty:
+                if self.pool._retire(self):
+                    return
+                continue  # handed a task just as the wait ran out: it is in the inbox
             try:
                 future.set_result(fn())
             except BaseException as exc:  # reaches the caller through the future
                 future.set_exception(exc)
             del fn, future
-            self.pool._idle.append(self)
+            with self.pool._lock:
+                self.pool._idle.append(self)
 
 
 class WorkerPool:
     def __init__(self) -> None:
         self._idle: list[_Worker] = []
         self._lock = threading.Lock()
+
+    def _retire(self, worker: _Worker) -> bool:
+        """Takes an idle worker out of the pool (True), unless a task was just handed to it."""
+        with self._lock:
+            if worker in self._idle:
+                self._idle.remove(worker)
+                return True
+            return False
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
