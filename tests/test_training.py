@@ -514,3 +514,84 @@ def test_train_digits_quick_reaches_95_percent(tmp_path):
     assert float(match.group(1)) >= 0.95, result.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "samples/s" in result.stderr  # the tqdm bar reports throughput
+
+
+# --------------------------------------------------------------------------- the open step
+
+
+def _step_devices() -> list:
+    """One device, and every local device (4 in the multi-device run of the suite)."""
+    return [tp.devices()[:1], tp.devices()]
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4).double(), nn.Linear(2, 4).double()
+
+    def forward(self, x, mask=None, *, extra):
+        return self.a(x) * mask + self.b(extra), self.a(x).pow(2).mean()  # (output, auxiliary)
+
+
+@pytest.mark.parametrize("devices", _step_devices(), ids=["one", "all"])
+def test_gradients_only_step_accumulates_like_backward(devices):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    reference = copy.deepcopy(model)
+    step = data_parallel_step(model, F.mse_loss, None, devices=devices)
+    g = torch.Generator().manual_seed(1)
+    micro = [(torch.randn(16, 3, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64)) for _ in range(3)]
+    losses = [step(shard(b, n=4)) for b in micro]  # accumulation over micro-batches
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the user clips, as with DDP
+    for x, y in micro:
+        F.mse_loss(reference(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.stack(losses), torch.stack([F.mse_loss(reference(x), y) for x, y in micro]).detach())
+
+
+@pytest.mark.parametrize("devices", _step_devices(), ids=["one", "all"])
+def test_dict_inputs_and_a_loss_that_sees_the_batch(devices):
+    torch.manual_seed(0)
+    model = _TwoInputs()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    g = torch.Generator().manual_seed(2)
+    batch = {
+        "x": torch.randn(16, 3, generator=g, dtype=torch.float64),
+        "mask": (torch.rand(16, 1, generator=g) > 0.3).double(),
+        "extra": torch.randn(16, 2, generator=g, dtype=torch.float64),
+        "y": torch.randn(16, 4, generator=g, dtype=torch.float64),
+    }
+
+    def loss_fn(outputs, batch):  # multi-output model, auxiliary loss, the targets from the batch
+        out, aux = outputs
+        return F.mse_loss(out, batch["y"]) + 0.1 * aux
+
+    inputs = lambda b: {"x": b["x"], "mask": b["mask"], "extra": b["extra"]}  # noqa: E731
+    step = data_parallel_step(model, loss_fn, opt, model_inputs=inputs, devices=devices)
+    for _ in range(3):
+        loss = step(shard(batch, n=4))
+        ref_opt.zero_grad()
+        # the mean over 4 equal shards of the per-shard loss (the aux term is a per-shard mean too)
+        ref = torch.stack([loss_fn(reference(**inputs(b)), b) for b in [{k: v[4 * i:4 * i + 4] for k, v in batch.items()} for i in range(4)]]).mean()
+        ref.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def test_data_parallel_step_says_what_is_wrong():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        data_parallel_step(lambda x: x, F.mse_loss, None)
+    model = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got str"):
+        data_parallel_step(model, F.mse_loss, "sgd")
+    step = data_parallel_step(model, F.mse_loss, None)
+    with pytest.raises(TypeError, match=r"takes a pair \(inputs, targets\), got a tuple of 3 items.*model_inputs="):
+        step((torch.zeros(2, 1, 2), torch.zeros(2, 1, 1), torch.zeros(2)))
+    with pytest.raises(TypeError, match=r"takes a pair \(inputs, targets\), got a dict"):
+        step({"x": torch.zeros(2, 1, 2)})

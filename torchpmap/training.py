@@ -367,11 +367,31 @@ def _split_buffers(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return floating, other
 
 
+def _functional_call(model: torch.nn.Module, tensors: dict[str, torch.Tensor], inputs: Any) -> Any:
+    """``model(**inputs)`` for a dict (a tokenizer's batch), else ``model(inputs)``, with
+    ``tensors`` in place of the model's own."""
+    if isinstance(inputs, Mapping):
+        return functional_call(model, tensors, (), dict(inputs))
+    return functional_call(model, tensors, (inputs,))
+
+
+def _pair(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    what = f"a {type(batch).__name__}" + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
+    raise TypeError(
+        f"data_parallel_step: step(batch) takes a pair (inputs, targets), got {what}. For another batch "
+        "structure (a dict, several inputs, extra fields for the loss), pass model_inputs=lambda batch: ... "
+        "to data_parallel_step; loss_fn then receives (outputs, batch)."
+    )
+
+
 def data_parallel_step(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optional[torch.optim.Optimizer] = None,
     *,
+    model_inputs: Optional[Callable[[Any], Any]] = None,
     axis_name: Hashable = "batch",
     devices: Optional[Sequence[Any]] = None,
     jit: bool | Mapping[str, Any] = False,
@@ -381,17 +401,26 @@ def data_parallel_step(
     Returns ``step(batch) -> loss``. ``batch`` is a sharded pair ``(inputs, targets)``, each
     with shape ``(n, b, ...)`` as :func:`shard` or :func:`prefetch_to_device` make it: ``n``
     instances of ``b`` examples (``n`` may exceed the number of devices; the instances then
-    run vectorized). ``step``:
+    run vectorized). Inputs that are a dict (a tokenizer's batch) are passed to the model as
+    keyword arguments. ``step``:
 
     1. runs ``loss_fn(model(inputs_i), targets_i)`` and its gradient on every instance
        ``i`` inside :func:`torchpmap.pmap`, through ``torch.func.functional_call`` and
        ``torch.func.grad_and_value`` (only parameters with ``requires_grad`` get one);
     2. averages gradients and losses over ``axis_name`` with :func:`torchpmap.pmean`
        (``out_axes=None``: they come back once);
-    3. writes the averaged gradients into ``p.grad`` (replacing what was there, so no
-       ``zero_grad()`` is needed) and calls ``optimizer.step()``: the optimizer and its
-       state (momentum, Adam moments, schedulers) work unchanged;
+    3. with an optimizer, writes the averaged gradients into ``p.grad`` (replacing what
+       was there, so no ``zero_grad()`` is needed) and calls ``optimizer.step()``: the
+       optimizer and its state (momentum, Adam moments, schedulers) work unchanged.
+       Without one (``optimizer=None``), it *adds* them to ``p.grad``, as
+       ``loss.backward()`` does, and steps nothing: clip, accumulate over micro-batches,
+       scale or skip the step yourself, exactly as with DDP;
     4. returns the averaged loss, a detached scalar tensor.
+
+    Any other batch structure: pass ``model_inputs``, a function from one instance's
+    batch (any pytree, every leaf sharded as above) to the model's inputs (a dict for
+    keyword arguments); ``loss_fn`` then receives ``(outputs, batch)``, the whole batch,
+    for auxiliary losses, multi-output models or extra fields.
 
     For a mean-reduced loss and equal shards the update equals the one a single process
     takes on the whole batch (when nothing else depends on the split, see below).
@@ -424,8 +453,12 @@ def data_parallel_step(
         model: the module; its parameters and buffers are read at every step, so the
             step always uses the current values.
         loss_fn: ``loss_fn(model_output, targets) -> scalar``, e.g.
-            ``torch.nn.functional.cross_entropy``. Use a mean over the examples.
-        optimizer: a ``torch.optim`` optimizer over ``model``'s parameters.
+            ``torch.nn.functional.cross_entropy`` (``loss_fn(model_output, batch)`` with
+            ``model_inputs``). Use a mean over the examples.
+        optimizer: a ``torch.optim`` optimizer over ``model``'s parameters, or None to
+            only accumulate the averaged gradients into ``p.grad``.
+        model_inputs: ``model_inputs(batch) -> inputs`` for a batch that is not an
+            ``(inputs, targets)`` pair (see above).
         axis_name: the name of the mapped axis that the averages run over.
         devices: passed to :func:`torchpmap.pmap` (default: all local devices).
         jit: passed to :func:`torchpmap.pmap`: compile the per-instance step (forward,
@@ -447,17 +480,29 @@ def data_parallel_step(
         ([2.0, -1.0], 0.5)
     """
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"data_parallel_step: model must be a torch.nn.Module, got {type(model).__name__}. For a plain "
+            "function of parameters, write the step with torchpmap.pmap and torch.func.grad (see the "
+            "data-parallel guide)."
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"data_parallel_step: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"data_parallel_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     Tensors = dict[str, torch.Tensor]
 
     def instance_step(
-        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, inputs: Any, targets: Any
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors]:
+        inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
+
         def loss_of(params: Tensors) -> tuple[torch.Tensor, Tensors]:
             # This instance's own copy of the buffers, created inside the transform so
             # that modules may update it in place (batch norm does).
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
-            output = functional_call(model, {**params, **frozen, **state}, (inputs,))
-            return loss_fn(output, targets), state
+            output = _functional_call(model, {**params, **frozen, **state}, inputs)
+            return loss_fn(output, seen_by_loss), state
 
         grads, (loss, state) = grad_and_value(loss_of, has_aux=True)(params)
         buffer_change = {k: state[k] - floating[k] for k in floating}
@@ -471,29 +516,38 @@ def data_parallel_step(
     p_step = pmap(
         instance_step,
         axis_name=axis_name,
-        in_axes=(None, None, 0, None, 0, 0),
+        in_axes=(None, None, 0, None, 0),
         out_axes=None,
         devices=devices,
         jit=jit,
     )
 
     def step(batch: PyTree) -> torch.Tensor:
-        inputs, targets = batch
-        n = pytree.tree_leaves(inputs)[0].shape[0]
+        if model_inputs is None:
+            batch = _pair(batch)
+        leaves = pytree.tree_leaves(batch)
+        if not leaves or not isinstance(leaves[0], (torch.Tensor, ShardedTensor)):
+            raise TypeError("data_parallel_step: the batch holds no tensors; shard it first, e.g. torchpmap.training.shard(batch)")
+        n = leaves[0].shape[0]
         named = dict(model.named_parameters())
         params = {k: p.detach() for k, p in named.items() if p.requires_grad}
         frozen = {k: p.detach() for k, p in named.items() if not p.requires_grad}
         floating, other = _split_buffers(model)
         per_instance = {k: b.unsqueeze(0).expand(n, *b.shape) for k, b in floating.items()}
-        grads, loss, buffer_change, counters = p_step(params, frozen, per_instance, other, inputs, targets)
+        grads, loss, buffer_change, counters = p_step(params, frozen, per_instance, other, batch)
         with torch.no_grad():
             for k, g in grads.items():
-                named[k].grad = g.to(named[k].device)
+                g = g.to(named[k].device)
+                if optimizer is None and named[k].grad is not None:
+                    named[k].grad.add_(g)  # accumulate, as loss.backward() does
+                else:
+                    named[k].grad = g
             for k, change in buffer_change.items():
                 model.get_buffer(k).add_(change.to(floating[k].device))
             for k, value in counters.items():
                 model.get_buffer(k).copy_(value)
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
         return loss.detach()
 
     return step
