@@ -347,7 +347,10 @@ def test_mesh_contexts_nest_and_restore_on_error(eight_devices):
 
 def test_debug_mode_is_per_thread_and_overlapping_contexts_restore(eight_devices):
     inside, release = threading.Event(), threading.Event()
-    seen = {}
+
+    def where(v):  # the thread an instance runs in: the caller's when vectorized on one device
+        where.threads.add(threading.current_thread().name)
+        return v
 
     def debug_thread():
         with tp.disable_vectorization():
@@ -358,15 +361,19 @@ def test_debug_mode_is_per_thread_and_overlapping_contexts_restore(eight_devices
     t.start()
     try:
         inside.wait(10)
-        # this thread still vectorizes: .item() on a batched value is refused
-        with pytest.raises(RuntimeError):
-            tp.pmap(lambda v: v * v.item(), devices=eight_devices[:1])(torch.ones(2))
+        assert not tp._config.vectorization_disabled()  # another thread's block does not leak here
+        where.threads = set()
+        tp.pmap(where, devices=eight_devices[:1])(torch.ones(2))
+        assert where.threads == {threading.current_thread().name}
         with tp.disable_vectorization():
-            seen["inside"] = tp.pmap(lambda v: v * v.item(), devices=eight_devices[:1])(torch.full((2,), 3.0))
+            with tp.disable_vectorization():  # nested: re-entrant
+                assert tp._config.vectorization_disabled()
+            where.threads = set()
+            tp.pmap(where, devices=eight_devices[:1])(torch.ones(2))
+            assert where.threads == {"torchpmap-device"}  # one instance thread at a time
     finally:
         release.set()
         t.join()
-    assert torch.equal(seen["inside"], torch.full((2,), 9.0))
     assert not tp._config.vectorization_disabled()
 
 

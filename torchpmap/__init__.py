@@ -15,6 +15,7 @@ from torchpmap._collectives import (
     pswapaxes,
 )
 from torchpmap._config import config, disable_vectorization
+from torchpmap._engines import VectorizationFallbackWarning
 from torchpmap._engines.compiled import JitFallbackWarning
 from torchpmap._mesh import Mesh
 from torchpmap._sharded import ShardedTensor
@@ -61,6 +62,7 @@ __all__ = [
     "config",
     "disable_vectorization",
     "JitFallbackWarning",
+    "VectorizationFallbackWarning",
     "Device",
     "devices",
     "local_devices",

@@ -51,6 +51,7 @@ def _tree_apply(what: str, x: Any, fn: Callable[[list[torch.Tensor]], Leaves]) -
 
 
 def _frames(axis_name: AxisNames, what: str) -> list[AxisFrame]:
+    refuse_under_compile(what)  # first: dynamo must not trace into the axis lookup (a ContextVar)
     return _axis_env.frames(_axis_env.normalize_names(axis_name, what))
 
 

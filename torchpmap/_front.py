@@ -131,6 +131,7 @@ class MappedFunction:
         self.fun, self.opts = fun, opts
         self._layouts: dict[Any, list[tuple[Any, str]]] = {}  # argument structure -> leaf axes
         self._out_layouts: dict[Any, list[tuple[Any, str]]] = {}  # output structure -> out axes
+        self._memory = _engines.FunctionMemory()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
         functools.update_wrapper(self, fun, updated=())
 
@@ -189,6 +190,7 @@ class MappedFunction:
             programs=self._programs,
             signature=self._signature(flat, statics) if self._programs is not None else None,
             body_record=out_holder,
+            memory=self._memory,
         )
         outputs = _engines.run(call)
         return self._stack_outputs(outputs, out_holder)

@@ -55,19 +55,82 @@ class MappedCall:
     programs: Any = None
     signature: Hashable = None
     body_record: dict = dataclasses.field(default_factory=dict)
+    memory: Optional["FunctionMemory"] = None
+
+
+@dataclasses.dataclass(eq=False)
+class FunctionMemory:
+    """What the engines remember about one mapped function between its calls.
+
+    Attributes:
+        unvectorized: why ``torch.func.vmap`` could not run the function (its first
+            failure), after which its instances run one at a time; None while it can.
+    """
+
+    unvectorized: Optional[str] = None
+
+
+class VectorizationFallbackWarning(UserWarning):
+    """``torch.func.vmap`` could not run a mapped function, whose instances then ran one at
+    a time (same results, slower)."""
+
+
+#: Messages of failures that say vmap cannot run a program, where running its instances
+#: one at a time can: data-dependent Python, ``.item()``, an op without a batching rule,
+#: and kernels whose backward mishandles a batched tensor (nn.GRU/RNN/LSTM's).
+_CANNOT_VECTORIZE = (
+    "vmap: It looks like you're",  # calling .item(), or data-dependent control flow (each torch words it its own way)
+    "Batching rule not implemented for",
+    "doesn't match the broadcast shape",
+)
+
+
+def _cannot_vectorize(failure: BaseException) -> Optional[str]:
+    """The first line of ``failure`` (or of its cause) when it says vmap cannot run the program."""
+    seen: set[int] = set()
+    while failure is not None and id(failure) not in seen:
+        seen.add(id(failure))
+        text = str(failure)
+        if isinstance(failure, RuntimeError) and any(m in text for m in _CANNOT_VECTORIZE):
+            return f"{type(failure).__name__}: {(text.strip().splitlines() or [''])[0]}"
+        failure = failure.__cause__ or failure.__context__
+    return None
 
 
 def run(call: MappedCall) -> list[torch.Tensor]:
     """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0.
 
     ``body`` may not run at all: a compiled program of an earlier call with the same
-    ``signature`` computes the outputs.
+    ``signature`` computes the outputs. When vmap cannot run the function (see
+    :data:`_CANNOT_VECTORIZE`), its instances run one at a time instead, from then on,
+    with a :class:`VectorizationFallbackWarning`: in a single process, at the outermost
+    vectorized map only (an inner map's failure reaches the outer one, which falls back as
+    a whole). The function's Python code then runs again: once for the failed attempt,
+    then once per instance.
     """
     if call.devices is not None and distributed.active():  # several processes: one slice each (compiled or not)
         return distributed.run(call)
 
-    if vectorization_disabled():
+    if vectorization_disabled() or (call.memory is not None and call.memory.unvectorized is not None):
         return threaded.run_one_at_a_time(call)
+    try:
+        return _run_vectorized(call)
+    except Exception as failure:  # noqa: BLE001 - re-raised unless vmap is what failed
+        why = _cannot_vectorize(failure)
+        if why is None or call.memory is None or any(f.vectorized for f in _axis_env.current_frames()):
+            raise
+        call.memory.unvectorized = why
+        warnings.warn(
+            f"torch.func.vmap cannot run the function mapped over axis {call.axis_name!r} ({why}), so its instances "
+            "run one at a time from now on (same results, slower; with several devices they still meet at "
+            "collectives). Tensor ops instead of Python branches on values (torch.where) keep it vectorized.",
+            VectorizationFallbackWarning,
+            stacklevel=3,
+        )
+        return threaded.run_one_at_a_time(call)
+
+
+def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
     if call.mesh is not None:
         _warn_not_compiled(call, "maps an axis of a device mesh")
         return threaded.run_mesh(call, call.mesh)
@@ -90,6 +153,7 @@ def _warn_not_compiled(call: MappedCall, why: str) -> None:
 
 
 # The engines import MappedCall from here, so they come after it (imported once, not per call).
+from torchpmap import _axis_env  # noqa: E402
 from torchpmap._config import vectorization_disabled  # noqa: E402
 from torchpmap._engines import distributed, multi_device, threaded, vectorized  # noqa: E402
 from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402
