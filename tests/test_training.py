@@ -595,3 +595,65 @@ def test_data_parallel_step_says_what_is_wrong():
         step((torch.zeros(2, 1, 2), torch.zeros(2, 1, 1), torch.zeros(2)))
     with pytest.raises(TypeError, match=r"takes a pair \(inputs, targets\), got a dict"):
         step({"x": torch.zeros(2, 1, 2)})
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+def _small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.0), nn.Linear(4 * 6 * 6, 3))
+
+
+def _images(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+@pytest.mark.parametrize("devices", _step_devices(), ids=["one", "all"])
+def test_bf16_autocast_with_batch_norm_matches_plain_pytorch(devices):
+    model = _small_cnn()
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    step = data_parallel_step(model, F.cross_entropy, opt, devices=devices)
+    x, y = _images()
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = step(shard((x, y), n=4))
+            ref_opt.zero_grad()
+            ref = torch.stack([F.cross_entropy(reference(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4]) for i in range(4)]).mean()
+        ref.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref.detach(), rtol=2e-2, atol=2e-2)  # bfloat16 rounding
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_autocast_gives_the_same_step_on_one_and_on_all_devices():
+    results = []
+    for devices in _step_devices():
+        model = _small_cnn()
+        step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1), devices=devices)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = [step(shard(_images(), n=4)) for _ in range(2)]
+        results.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("devices", _step_devices(), ids=["one", "all"])
+def test_fp16_grad_scaler_scales_and_skips_a_step_on_inf(devices):
+    model = _small_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    step = data_parallel_step(model, F.cross_entropy, opt, grad_scaler=scaler, devices=devices)
+    x, y = _images()
+    with torch.autocast("cpu", dtype=torch.float16):
+        first = step(shard((x, y), n=4))
+    assert torch.isfinite(first) and scaler.get_scale() == 2.0**8
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("inf")  # one shard's gradients overflow
+    with torch.autocast("cpu", dtype=torch.float16):
+        step(shard((bad, y), n=4))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # the step was skipped
+    assert scaler.get_scale() == 2.0**7  # and the scale backed off

@@ -392,6 +392,7 @@ def data_parallel_step(
     optimizer: Optional[torch.optim.Optimizer] = None,
     *,
     model_inputs: Optional[Callable[[Any], Any]] = None,
+    grad_scaler: Optional[torch.amp.GradScaler] = None,
     axis_name: Hashable = "batch",
     devices: Optional[Sequence[Any]] = None,
     jit: bool | Mapping[str, Any] = False,
@@ -459,6 +460,11 @@ def data_parallel_step(
             only accumulate the averaged gradients into ``p.grad``.
         model_inputs: ``model_inputs(batch) -> inputs`` for a batch that is not an
             ``(inputs, targets)`` pair (see above).
+        grad_scaler: a ``torch.amp.GradScaler`` for float16 autocast: the gradients are
+            those of the scaled loss (the returned loss is not scaled); with an
+            optimizer, the step calls ``grad_scaler.step(optimizer)`` (which skips a step
+            whose gradients hold inf/NaN) and ``grad_scaler.update()``; without one, call
+            them yourself, as with DDP.
         axis_name: the name of the mapped axis that the averages run over.
         devices: passed to :func:`torchpmap.pmap` (default: all local devices).
         jit: passed to :func:`torchpmap.pmap`: compile the per-instance step (forward,
@@ -492,19 +498,23 @@ def data_parallel_step(
         raise TypeError(f"data_parallel_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     Tensors = dict[str, torch.Tensor]
 
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"data_parallel_step: grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+
     def instance_step(
-        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: Optional[torch.Tensor]
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors]:
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
 
-        def loss_of(params: Tensors) -> tuple[torch.Tensor, Tensors]:
+        def loss_of(params: Tensors) -> tuple[torch.Tensor, tuple[Tensors, torch.Tensor]]:
             # This instance's own copy of the buffers, created inside the transform so
             # that modules may update it in place (batch norm does).
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
             output = _functional_call(model, {**params, **frozen, **state}, inputs)
-            return loss_fn(output, seen_by_loss), state
+            loss = loss_fn(output, seen_by_loss)
+            return (loss if scale is None else loss * scale), (state, loss)
 
-        grads, (loss, state) = grad_and_value(loss_of, has_aux=True)(params)
+        grads, (_, (state, loss)) = grad_and_value(loss_of, has_aux=True)(params)
         buffer_change = {k: state[k] - floating[k] for k in floating}
         counters = {k: state[k] for k in other}
         # One pmean of everything: across devices or processes, one exchange instead of three.
@@ -516,7 +526,7 @@ def data_parallel_step(
     p_step = pmap(
         instance_step,
         axis_name=axis_name,
-        in_axes=(None, None, 0, None, 0),
+        in_axes=(None, None, 0, None, 0, None),
         out_axes=None,
         devices=devices,
         jit=jit,
@@ -534,7 +544,10 @@ def data_parallel_step(
         frozen = {k: p.detach() for k, p in named.items() if not p.requires_grad}
         floating, other = _split_buffers(model)
         per_instance = {k: b.unsqueeze(0).expand(n, *b.shape) for k, b in floating.items()}
-        grads, loss, buffer_change, counters = p_step(params, frozen, per_instance, other, batch)
+        scale = None
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
+        grads, loss, buffer_change, counters = p_step(params, frozen, per_instance, other, batch, scale)
         with torch.no_grad():
             for k, g in grads.items():
                 g = g.to(named[k].device)
@@ -546,7 +559,10 @@ def data_parallel_step(
                 model.get_buffer(k).add_(change.to(floating[k].device))
             for k, value in counters.items():
                 model.get_buffer(k).copy_(value)
-        if optimizer is not None:
+        if optimizer is not None and grad_scaler is not None:
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        elif optimizer is not None:
             optimizer.step()
         return loss.detach()
 

@@ -114,6 +114,9 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     if vectorization_disabled() or (call.memory is not None and call.memory.unvectorized is not None):
         return threaded.run_one_at_a_time(call)
     try:
+        if batching_fixes.needed():
+            with batching_fixes.fixed():
+                return _run_vectorized(call)
         return _run_vectorized(call)
     except Exception as failure:  # noqa: BLE001 - re-raised unless vmap is what failed
         why = _cannot_vectorize(failure)
@@ -155,5 +158,5 @@ def _warn_not_compiled(call: MappedCall, why: str) -> None:
 # The engines import MappedCall from here, so they come after it (imported once, not per call).
 from torchpmap import _axis_env  # noqa: E402
 from torchpmap._config import vectorization_disabled  # noqa: E402
-from torchpmap._engines import distributed, multi_device, threaded, vectorized  # noqa: E402
+from torchpmap._engines import batching_fixes, distributed, multi_device, threaded, vectorized  # noqa: E402
 from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402
