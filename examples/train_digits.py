@@ -13,6 +13,7 @@ The data set (1797 8x8 images) ships with scikit-learn: nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import matplotlib
@@ -62,7 +63,7 @@ def accuracy(model: nn.Module, x, y) -> float:
     return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
-def plot(losses: list[float], accuracies: list[float], instances: int, path: str) -> None:
+def plot(losses: list[float], accuracies: list[float], instances: int, devices: int, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(losses, linewidth=0.8)
     left.set(xlabel="step", ylabel="training loss (cross-entropy)", yscale="log", title="Loss")
@@ -70,7 +71,8 @@ def plot(losses: list[float], accuracies: list[float], instances: int, path: str
     right.plot(epochs, [100 * a for a in accuracies], marker="o")
     right.set(xlabel="epoch", ylabel="held-out accuracy (%)", title="Accuracy")
     right.grid(alpha=0.3)
-    fig.suptitle(f"Digits: an MLP trained with data-parallel pmap over {instances} instances")
+    over = "1 instance" if instances == 1 else f"{instances} instances"
+    fig.suptitle(f"Digits: an MLP trained with data-parallel pmap over {over} ({devices} device(s))")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -113,7 +115,8 @@ def main() -> None:
     losses, accuracies = [], []
     start = time.perf_counter()
     total = args.epochs * steps_per_epoch * args.batch_size
-    with tqdm(total=total, unit="samples", unit_scale=True, dynamic_ncols=True) as bar:
+    interactive = sys.stderr.isatty()  # a log file gets one plain line per epoch, not a progress bar
+    with tqdm(total=total, unit="samples", unit_scale=True, dynamic_ncols=True, disable=not interactive) as bar:
         for epoch in range(1, args.epochs + 1):
             model.train()
             # Shards each batch into (n, batch_size / n, ...) ahead of time, in a thread.
@@ -125,11 +128,13 @@ def main() -> None:
                 bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}")
             accuracies.append(accuracy(model, x_test, y_test))
             bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", acc=f"{accuracies[-1]:.3f}")
+            if not interactive:
+                print(f"epoch {epoch}/{args.epochs}: loss {loss:.4f}, held-out accuracy {accuracies[-1]:.4f}", flush=True)
     seconds = time.perf_counter() - start
 
     print(f"trained {args.epochs} epochs in {seconds:.1f} s ({total / seconds:,.0f} samples/s)")
     print(f"held-out accuracy: {accuracies[-1]:.4f} ({round(accuracies[-1] * len(y_test))}/{len(y_test)})")
-    plot(losses, accuracies, n, args.plot)
+    plot(losses, accuracies, n, tp.local_device_count(), args.plot)
     print(f"plot written to {args.plot}")
 
 

@@ -7,6 +7,7 @@ leaf with the mapped axis at dim 0; it never sees pytrees, in_axes or out_axes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -109,9 +110,11 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     then once per instance.
     """
     if call.devices is not None and distributed.active():  # several processes: one slice each (compiled or not)
+        _log_engine(call, "distributed (this process' slice)")
         return distributed.run(call)
 
     if vectorization_disabled() or (call.memory is not None and call.memory.unvectorized is not None):
+        _log_engine(call, "one instance at a time")
         return threaded.run_one_at_a_time(call)
     try:
         if batching_fixes.needed():
@@ -123,6 +126,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         if why is None or call.memory is None or any(f.vectorized for f in _axis_env.current_frames()):
             raise
         call.memory.unvectorized = why
+        logger.info("pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on", call.axis_name, why)
         warnings.warn(
             f"torch.func.vmap cannot run the function mapped over axis {call.axis_name!r} ({why}), so its instances "
             "run one at a time from now on (same results, slower; with several devices they still meet at "
@@ -136,13 +140,23 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
     if call.mesh is not None:
         _warn_not_compiled(call, "maps an axis of a device mesh")
+        _log_engine(call, "mesh (one thread per mesh position)")
         return threaded.run_mesh(call, call.mesh)
     if call.devices is not None and len(call.devices) > 1:
         _warn_not_compiled(call, f"runs on {len(call.devices)} devices")
+        _log_engine(call, "multi-device (one thread per device)")
         return multi_device.run(call)
     if call.programs is not None and torch._C._functorch.maybe_current_level() is None:
+        _log_engine(call, "compiled")
         return call.programs.run(call, call.signature)
-    return vectorized.run(call)  # eager, or jit=True inside a transform: part of the enclosing computation
+    _log_engine(call, "vectorized")
+    return vectorized.run(call)
+
+
+def _log_engine(call: MappedCall, engine: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):  # the hot path pays for the level check only
+        where = "where the inputs are" if call.devices is None else ", ".join(map(str, call.devices))
+        logger.debug("map over axis %r: %d instances on %s, engine: %s", call.axis_name, call.size, where, engine)  # eager, or jit=True inside a transform: part of the enclosing computation
 
 
 def _warn_not_compiled(call: MappedCall, why: str) -> None:
@@ -157,6 +171,7 @@ def _warn_not_compiled(call: MappedCall, why: str) -> None:
 
 # The engines import MappedCall from here, so they come after it (imported once, not per call).
 from torchpmap import _axis_env  # noqa: E402
+from torchpmap._log import logger  # noqa: E402
 from torchpmap._config import vectorization_disabled  # noqa: E402
 from torchpmap._engines import batching_fixes, distributed, multi_device, threaded, vectorized  # noqa: E402
 from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402
