@@ -266,3 +266,186 @@ def test_unhashable_arguments_are_baked_in_by_identity():
     candidates = [_Unhashable(3.0) for _ in range(1000)]
     reused = next((c for c in candidates if id(c) == address), candidates[0])
     torch.testing.assert_close(f(x, reused), x * 3)
+
+
+# --------------------------------------------------------------------------- where gradients stop
+# A compiled program is differentiated by AOTAutograd from its traced ops; eager autograd
+# skips some of them (detach, no_grad, a custom Function's forward). The graph must stop
+# the gradient at the same places, or the call runs eagerly: never other numbers.
+
+
+def _gradients(fun, x, params=(), jit=False):
+    """The gradients of ``sum(pmap(fun)(x))`` for ``x`` and ``params``, and the JitFallbackWarnings."""
+    mapped = jit_pmap(fun, jit=jit) if jit else eager_pmap(fun)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mapped(x)
+        sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    grads = [t.grad for t in (x, *params)]
+    for t in (x, *params):
+        t.grad = None
+    return grads, [w for w in caught if issubclass(w.category, tp.JitFallbackWarning)], mapped
+
+
+def _compiled_gradients_match_eager(fun, x, params=()):
+    expected, _, _ = _gradients(fun, x, params)
+    got, fallbacks, mapped = _gradients(fun, x, params, jit=FAST)
+    assert not fallbacks, [str(w.message) for w in fallbacks]
+    assert mapped._programs.compiled_count() == 1
+    torch.testing.assert_close(got, expected)
+    return got
+
+
+_w = torch.randn(3, requires_grad=True)
+
+
+@pytest.mark.parametrize(
+    "fun",
+    [
+        pytest.param(lambda v: torch.sin(v) * tp.pmax(v.detach(), "i"), id="pmax-of-detached"),  # issue #11
+        pytest.param(lambda v: v * v.detach() + v[:1].detach().exp(), id="batched"),
+        pytest.param(lambda v: (v * _w.detach()).sin() + v * _w, id="closed-over"),
+        pytest.param(lambda v: torch.func.grad(lambda u: (u * u.detach()).sum())(v) * v, id="inside-grad"),
+    ],
+)
+def test_detach_stops_the_gradient(fun):
+    """torch 2.14's make_fx records detach as alias unless given a decomposition table;
+    AOTAutograd then differentiated through it (6 of 48 gradients wrong in issue #11)."""
+    x = torch.randn(8, 3, requires_grad=True)
+    _compiled_gradients_match_eager(fun, x, [_w])
+
+
+def _no_grad_block(v):
+    with torch.no_grad():
+        scale = tp.pmax(v, "i") * (v * _w).sum()
+    return torch.sin(v) * scale + v * _w
+
+
+def _grad_disabled(v):
+    with torch.set_grad_enabled(False):
+        square = v * v
+    return v * square, square  # an output that does not require grad
+
+
+def _no_grad_inside_grad(v):
+    def loss(u):
+        with torch.no_grad():
+            k = u * 2
+        return (u * k).sum()
+
+    return torch.func.grad(loss)(v) * v
+
+
+@pytest.mark.parametrize("fun", [_no_grad_block, _grad_disabled, _no_grad_inside_grad])
+def test_no_grad_blocks_stop_the_gradient(fun):
+    x = torch.randn(4, 3, requires_grad=True)
+    grads = _compiled_gradients_match_eager(fun, x, [_w])
+    assert grads[0].abs().sum() > 0
+
+
+def test_a_no_grad_output_does_not_require_grad():
+    def fun(v):
+        with torch.no_grad():
+            return v * 2
+
+    x = torch.randn(4, 3, requires_grad=True)
+    out = jit_pmap(fun)(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, 2 * x.detach())
+
+
+class _StraightThrough(torch.autograd.Function):
+    """round() forward, identity-times-ten backward: not the derivative of its forward."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return torch.round(x * 3)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 10
+
+
+class _Passthrough(_StraightThrough):
+    """Returns its input itself (autograd wraps it in a view with the custom backward)."""
+
+    @staticmethod
+    def forward(x):
+        return x
+
+
+@pytest.mark.parametrize(
+    "fun",
+    [
+        pytest.param(lambda v: _StraightThrough.apply(v) * v, id="straight-through"),
+        pytest.param(lambda v: _Passthrough.apply(v), id="returns-its-input"),
+        pytest.param(lambda v: torch.func.grad(lambda u: _StraightThrough.apply(u).sin().sum())(v) * v, id="in-grad"),
+    ],
+)
+def test_a_custom_autograd_function_runs_eagerly_with_a_warning(fun):
+    x = torch.randn(4, 3, requires_grad=True)
+    expected, _, _ = _gradients(fun, x)
+    got, fallbacks, mapped = _gradients(fun, x, jit=FAST)
+    assert len(fallbacks) == 1 and "custom torch.autograd.Function" in str(fallbacks[0].message)
+    assert mapped._programs.compiled_count() == 0
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_custom_autograd_function_compiles_when_no_gradient_is_needed():
+    fun = lambda v: _StraightThrough.apply(v) * v + torch.func.grad(lambda u: _StraightThrough.apply(u).sum())(v)
+    x = torch.randn(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tp.JitFallbackWarning)
+        torch.testing.assert_close(jit_pmap(fun)(x), eager_pmap(fun)(x))
+
+
+def test_pmax_differentiated_raises_as_in_eager():
+    """pmax refuses its gradient through a custom Function: the call runs eagerly, so that
+    .backward() raises the same error instead of returning amax's gradient."""
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.warns(tp.JitFallbackWarning, match="custom torch.autograd.Function"):
+        out = jit_pmap(lambda v: torch.sin(v) * tp.pmax(v, "i"))(x)
+    with pytest.raises(NotImplementedError, match="pmax is not differentiable"):
+        out.sum().backward()
+
+
+def test_an_in_place_update_without_grad_runs_eagerly():
+    def fun(v):
+        u = v * 2
+        with torch.no_grad():
+            u.mul_(3)  # eager: the gradient of u stays 2, the graph's would be 6
+        return u.sin()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    expected, _, _ = _gradients(fun, x)
+    got, fallbacks, _ = _gradients(fun, x, jit=FAST)
+    assert len(fallbacks) == 1 and "in place with grad mode off" in str(fallbacks[0].message)
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_closed_over_tensor_that_starts_requiring_grad_traces_again():
+    """Where the graph stops gradients depends on which closed-over tensors require grad."""
+    w = torch.randn(3)
+
+    def fun(v):
+        with torch.no_grad():
+            k = (v * w).sum()
+        return v * w + k * w
+
+    fun = counting(fun)
+    f = jit_pmap(fun)
+    x = torch.randn(4, 3)
+    f(x)
+    w.requires_grad_()
+    f(x).sum().backward()
+    traces = fun.runs
+    compiled_grad, w.grad = w.grad, None
+    eager_pmap(fun)(x).sum().backward()
+    torch.testing.assert_close(compiled_grad, w.grad)
+    assert traces == 2

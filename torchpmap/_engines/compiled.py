@@ -8,6 +8,14 @@ batched aten ops that result (a ``psum`` becomes a ``sum`` over the batch dim). 
 ``torch.compile`` compiles that graph, which holds nothing it could get wrong, and
 AOTAutograd makes it differentiable for a ``.backward()`` outside the map.
 
+AOTAutograd differentiates the recorded ops with the same derivative formulas as eager
+autograd, but the trace does not show what autograd did *not* record: a ``detach()``
+(which ``make_fx`` rewrites to a plain ``alias`` unless it is given a decomposition table,
+since torch 2.14), ops under ``torch.no_grad()``, the ops inside a custom
+``torch.autograd.Function``. :class:`_GradientAudit` watches the trace and writes every
+such stop of the gradient into the graph as an ``aten.detach``; a gradient the graph
+cannot express (a custom Function's own ``backward``) makes the call run eagerly.
+
 What a trace bakes in, like ``jax.jit``: the Python control flow of the function, its
 non-tensor arguments, and the identity of the tensors it closes over (those are passed to
 the compiled graph by reference at every call, so in-place updates such as an optimizer
@@ -19,11 +27,15 @@ cache so that anything else that changes the program (shapes, dtypes, devices,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from torchpmap._engines import MappedCall, vectorized
 from torchpmap._sharded import ShardedTensor, as_local
@@ -74,12 +86,15 @@ class ProgramCache:
         the run (a collective failed, so the other processes have moved on): it
         propagates instead of an eager retry.
         """
-        if signature in self._programs:
-            program = self._programs[signature]
-            if program is None:
-                return engine(call)
+        program = self._programs.get(signature, _UNTRACED)
+        if program is None:
+            return engine(call)
+        if program is not _UNTRACED and program.constants_current():
             call.body_record.update(program.body_record)  # body will not run
             return program(call)
+        # traced anew: first sight, or a closed-over tensor's requires_grad changed (it decides where
+        # the graph stops gradients)
+        self._programs.pop(signature, None)
         if len(self._programs) >= _MAX_PROGRAMS:
             del self._programs[next(iter(self._programs))]
         try:
@@ -110,15 +125,27 @@ def _fallback_message(call: MappedCall, failure: Exception) -> str:
     )
 
 
+_UNTRACED: Any = object()  # ProgramCache: a signature not seen yet
+
+
 @dataclasses.dataclass
 class _Program:
     compiled: Callable[..., list[torch.Tensor]]
     tensor_slots: list[int]  # positions in call.broadcast that are graph inputs
     constants: list[torch.Tensor]  # tensors the function closes over, passed by reference
     body_record: dict  # what body recorded while it was traced
+    constants_requires_grad: list[bool] = dataclasses.field(default_factory=list)  # when traced
+
+    def __post_init__(self) -> None:
+        self.constants_requires_grad = [c.requires_grad for c in self.constants]
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
         return self.compiled(*_graph_inputs(call, self.tensor_slots), *self.constants)
+
+    def constants_current(self) -> bool:
+        """False when a closed-over tensor's requires_grad changed since the trace (the
+        arguments' is part of the signature): where the graph stops gradients depends on it."""
+        return not self.constants or all(c.requires_grad is rg for c, rg in zip(self.constants, self.constants_requires_grad))
 
 
 def _graph_inputs(call: MappedCall, tensor_slots: Sequence[int]) -> list[torch.Tensor]:
@@ -134,14 +161,133 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
         broadcast = list(call.broadcast)
         for k, t in zip(tensor_slots, tensors[n_mapped:]):
             broadcast[k] = t
-        return engine(dataclasses.replace(call, mapped=tensors[:n_mapped], broadcast=broadcast))
+        traced_call = dataclasses.replace(call, mapped=tensors[:n_mapped], broadcast=broadcast)
+        if not torch.is_grad_enabled():  # part of the signature: the program never runs with autograd
+            return engine(traced_call)
+        with _GradientAudit() as audit:
+            outputs = engine(traced_call)
+        return [audit.returned(t) for t in outputs]
 
-    graph = make_fx(program, tracing_mode="fake", _allow_non_fake_inputs=True)(*_graph_inputs(call, tensor_slots))
+    # An explicit decomposition table, even empty: without one, make_fx (torch >= 2.14) records
+    # detach as alias, and AOTAutograd would differentiate through it.
+    graph = make_fx(program, decomposition_table={}, tracing_mode="fake", _allow_non_fake_inputs=True)(
+        *_graph_inputs(call, tensor_slots)
+    )
     graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses
     constants = _lift_constants(graph)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **{"fullgraph": True, "dynamic": False, **options})
     return _Program(compiled, tensor_slots, constants, dict(call.body_record))
+
+
+class _UntraceableGradient(RuntimeError):
+    """The eager gradient of a call is one that its traced graph cannot express."""
+
+
+class _GradientAudit(TorchDispatchMode):
+    """While a program is traced, makes its graph stop gradients where eager autograd does.
+
+    ``make_fx`` records the ops that reach the dispatcher below autograd; AOTAutograd then
+    differentiates every recorded op with the op's own derivative formula, as eager
+    autograd does. The two differ only where eager autograd did not record an op that the
+    trace holds: with grad mode off (``torch.no_grad()``, and the forward of a custom
+    ``torch.autograd.Function``) and at a ``detach``. This mode sees each op before
+    ``make_fx`` records it, with the autograd state of its inputs:
+
+    * an input that carries a gradient in the graph but not in eager autograd (grad mode
+      is off, or the tensor does not require grad) reaches the op through an
+      ``aten.detach``, recorded in the graph;
+    * an input whose eager gradient comes from something other than the op that made it
+      (a custom Function's ``backward``, set on an output its forward made with grad mode
+      off) cannot be compiled: :class:`_UntraceableGradient`, and the call runs eagerly.
+
+    A custom op with its own autograd kernel (``torch.library``) is recorded as one node
+    that AOTAutograd differentiates with that same kernel, so it counts as recorded.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # tensor made in the trace -> whether the graph would carry a gradient for it
+        self._carries: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        # tensors made in the trace by an op that eager autograd did not record
+        self._unrecorded: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        recorded = torch.is_grad_enabled() or _has_own_autograd(func)
+        written = _written_arguments(func)
+        schema_args = getattr(getattr(func, "_schema", None), "arguments", ())
+        args = tuple(
+            self._stop(a, recorded, i < len(schema_args) and schema_args[i].name in written)
+            for i, a in enumerate(args)
+        )
+        kwargs = {k: self._stop(v, recorded, k in written) for k, v in kwargs.items()}
+        carries = func is not torch.ops.aten.detach.default and any(
+            self._carried(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        )
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._carries[t] = carries and _differentiable_dtype(t)
+                if recorded:
+                    self._unrecorded.pop(t, None)
+                else:
+                    self._unrecorded[t] = True
+        return out
+
+    def returned(self, t: Any) -> Any:
+        """An output of the traced program, as the graph must return it."""
+        return self._stop(t, recorded=True, written=False)
+
+    def _carried(self, t: torch.Tensor) -> bool:
+        carries = self._carries.get(t)
+        if carries is None:  # an argument of the program, or a tensor it closes over
+            return t.requires_grad and _differentiable_dtype(t)
+        return carries
+
+    def _stop(self, value: Any, recorded: bool, written: bool) -> Any:
+        """``value`` (a tensor, a list of them, or anything else) as an op must see it."""
+        return tree_map_only(torch.Tensor, lambda t: self._stop_one(t, recorded, written), value)
+
+    def _stop_one(self, t: torch.Tensor, recorded: bool, written: bool) -> torch.Tensor:
+        if recorded and t.requires_grad and t.grad_fn is not None and t in self._unrecorded:
+            raise _UntraceableGradient(
+                "a tensor's gradient comes from a custom torch.autograd.Function's backward, which a compiled "
+                "program cannot follow (it differentiates the ops the Function's forward traced)"
+            )
+        if not self._carried(t) or (recorded and t.requires_grad):  # the same edge in the graph and in eager
+            return t
+        if written:  # an in-place update without autograd: the graph would differentiate it
+            if t.requires_grad:
+                raise _UntraceableGradient(
+                    "a tensor that requires grad is updated in place with grad mode off, which a compiled "
+                    "program, differentiating the traced ops, cannot follow"
+                )
+            return t
+        return torch.ops.aten.detach.default(t)  # recorded by make_fx: the graph stops the gradient here
+
+
+def _differentiable_dtype(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+@functools.lru_cache(maxsize=None)
+def _has_own_autograd(func: Any) -> bool:
+    """A custom op (not aten's) with an autograd kernel: AOTAutograd differentiates its
+    graph node with that kernel, as eager autograd did."""
+    if getattr(func, "namespace", "aten") in ("aten", "prim", "prims"):
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "Autograd")
+    except RuntimeError:  # not a dispatcher op
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _written_arguments(func: Any) -> frozenset[str]:
+    """The names of the arguments an op writes to (in-place and out= ops)."""
+    arguments = getattr(getattr(func, "_schema", None), "arguments", ())
+    return frozenset(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _value_dependent_errors() -> tuple[type[BaseException], ...]:
