@@ -1,38 +1,143 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+#
+# Everything is installed into a project virtual environment, never into the system
+# interpreter: `.venv` for the default torch release, `.venv-torchX.Y.Z` for any other
+# (`make test TORCH=2.14.1`). Torch is pinned and installed first, so that the package's
+# own `torch` requirement is already met and pip does not pick a release by itself.
+# A stamp file in each environment records what was installed; it is redone only when
+# pyproject.toml changes (`make clean` forgets the stamps, `make distclean` the venvs).
+
+# The interpreter that creates the virtual environments (Python 3.10+).
 PYTHON ?= python3
-PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
-# The pinned CPU wheel first: an unpinned torch would pull several GB of CUDA packages.
-TORCH_PIN ?= torch==2.13.0
-STAMP = .setup-done
 
-.PHONY: setup demo test test-quick bench docs clean
+# The torch releases that CI tests; pyproject.toml's torch requirement spans them.
+# TORCH_MAIN: the whole suite. TORCH_COMPAT: the parts that touch torch internals.
+TORCH_MAIN = 2.13.0
+TORCH_COMPAT = 2.14.1
+# The GPU targets need a CUDA build of torch. On this project's machines pip finds the
+# CPU wheel for 2.13.0 and a CUDA build (which also runs on CPU) for 2.14.1.
+TORCH_GPU ?= $(TORCH_COMPAT)
 
-$(STAMP): pyproject.toml
-	$(PIP) "$(TORCH_PIN)"
-	$(PIP) -e ".[test,examples,docs]"
-	touch $(STAMP)
+# `make test` runs the tested matrix; `make test TORCH=X` the whole suite on torch X alone.
+ifeq ($(origin TORCH),undefined)
+TORCH := $(TORCH_MAIN)
+MATRIX := 1
+endif
 
-setup: $(STAMP)
+venv_of = $(if $(filter $(TORCH_MAIN),$(1)),.venv,.venv-torch$(1))
+VENV := $(call venv_of,$(TORCH))
+PY := $(VENV)/bin/python
+COMPAT_VENV := $(call venv_of,$(TORCH_COMPAT))
+GPU_VENV := $(call venv_of,$(TORCH_GPU))
+PIP_INSTALL = -m pip install --disable-pip-version-check -q
+# Extra pip options for the torch install only, e.g. an --index-url of CPU-only wheels on a
+# machine that lacks the local wheel (pip's default torch for Linux is a CUDA build, GBs).
+TORCH_PIP_FLAGS ?=
 
-demo: $(STAMP)
-	$(PYTHON) examples/train_digits.py
+# $(call venv_rules,VERSION): the virtual environment for torch VERSION and its stamps:
+# `.stamp-demo` (the package and its examples extra: what `make demo` needs) and
+# `.stamp-test` (the test, examples and docs extras: tests/test_docs.py builds the site).
+# `torchVERSION.pin` holds the package installs to that torch (pip fails rather than swap it).
+define venv_rules
+$(call venv_of,$(1))/bin/python:
+	$(PYTHON) -m venv $(call venv_of,$(1))
+
+$(call venv_of,$(1))/torch$(1).pin: | $(call venv_of,$(1))/bin/python
+	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) $(TORCH_PIP_FLAGS) "torch==$(1)"
+	echo "torch==$(1)" > $$@
+
+$(call venv_of,$(1))/.stamp-demo: pyproject.toml | $(call venv_of,$(1))/torch$(1).pin
+	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) -c $(call venv_of,$(1))/torch$(1).pin -e ".[examples]"
+	touch $$@
+
+$(call venv_of,$(1))/.stamp-test: pyproject.toml | $(call venv_of,$(1))/torch$(1).pin
+	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) -c $(call venv_of,$(1))/torch$(1).pin -e ".[test,examples,docs]"
+	touch $$@ $(call venv_of,$(1))/.stamp-demo
+endef
+$(foreach v,$(sort $(TORCH) $(TORCH_COMPAT) $(TORCH_GPU)),$(eval $(call venv_rules,$(v))))
+
+# pytest's exit status 5 (no test collected) fails the recipe like any other failure.
+PYTEST = -m pytest -q
+# Every JAX comparison again through pmap(jit=True), where a fallback to eager fails.
+JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
+	-W error::torchpmap.JitFallbackWarning
+
+.PHONY: setup demo test test-main test-compat test-quick bench docs test-gpu bench-gpu \
+	require-cuda clean distclean
+
+setup: $(VENV)/.stamp-test
+
+demo: $(VENV)/.stamp-demo
+	$(PY) examples/train_digits.py
+
+ifdef MATRIX
+test: test-main test-compat
+else
+test: test-main
+endif
 
 # The whole suite on one device, then the device-spanning parts again on 4 CPU devices,
-# then every JAX comparison again through pmap(jit=True), where a fallback to eager fails.
-test: $(STAMP)
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(PYTHON) -m pytest -q
-	TORCHPMAP_NUM_CPU_DEVICES=4 $(PYTHON) -m pytest -q tests
-	TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(PYTHON) -m pytest -q tests/test_jax_differential.py \
-		-W error::torchpmap.JitFallbackWarning
+# then the jit sweep.
+test-main: $(VENV)/.stamp-test
+	@echo "== $$(date +%T) torch $(TORCH): whole suite, 1 device"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST)
+	@echo "== $$(date +%T) torch $(TORCH): tests/, 4 CPU devices"
+	TORCHPMAP_NUM_CPU_DEVICES=4 $(PY) $(PYTEST) tests
+	@echo "== $$(date +%T) torch $(TORCH): jit sweep"
+	$(call JIT_SWEEP,$(PY))
 
-test-quick: $(STAMP)
-	$(PYTHON) -m pytest -q -x -m "not slow"
+# On TORCH_COMPAT: the whole suite on one device (the device-spanning tests set their own
+# device counts), then the jit sweep. `make test TORCH=2.14.1` adds the 4-device pass.
+test-compat: $(COMPAT_VENV)/.stamp-test
+	@echo "== $$(date +%T) torch $(TORCH_COMPAT): whole suite, 1 device"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(COMPAT_VENV)/bin/python $(PYTEST)
+	@echo "== $$(date +%T) torch $(TORCH_COMPAT): jit sweep"
+	$(call JIT_SWEEP,$(COMPAT_VENV)/bin/python)
 
-bench: $(STAMP)
-	$(PYTHON) -m torchpmap.bench
+test-quick: $(VENV)/.stamp-test
+	$(PY) $(PYTEST) -x -m "not slow"
 
-docs: $(STAMP)
-	$(PYTHON) -m mkdocs build --strict
+bench: $(VENV)/.stamp-test
+	$(PY) -m torchpmap.bench
+
+docs: $(VENV)/.stamp-test
+	$(PY) -m mkdocs build --strict
+
+# --- GPUs: written for a machine with CUDA devices; never run yet (see the README) ---
+GPU_PY := $(GPU_VENV)/bin/python
+
+# Refuses unless torch sees a CUDA device. Without a venv yet and without an NVIDIA device
+# node, it refuses before installing a multi-GB torch for nothing.
+require-cuda:
+	@if [ ! -x $(GPU_PY) ] && ! ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \
+		echo "refusing: no NVIDIA device here (no /dev/nvidia0). The GPU targets need a CUDA machine; on CPU use make test." >&2; \
+		exit 1; fi
+	@$(MAKE) --no-print-directory $(GPU_VENV)/.stamp-test
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0) if torch.cuda.is_available() else sys.exit( \
+		'refusing: torch.cuda.is_available() is False (torch ' + torch.__version__ + ', built for CUDA ' + \
+		str(torch.version.cuda) + '). The GPU targets need a CUDA machine; on CPU use make test.')"
+	@$(GPU_PY) -c "import torch; print('==', torch.cuda.device_count(), 'CUDA device(s):', \
+		[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], 'torch', torch.__version__)"
+
+# Device equivalence and several devices in one process, the examples, then NCCL across
+# 2 processes with torchrun. TORCHPMAP_NUM_CPU_DEVICES is unset: every CUDA device is one.
+test-gpu: require-cuda
+	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_PY) $(PYTEST) $(wildcard tests/test_device_equivalence*.py) \
+		tests/test_api.py tests/test_multi_device.py tests/test_examples.py
+	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_PY) examples/train_digits.py
+	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_PY) examples/train_digits.py --jit
+	@$(GPU_PY) -c "import sys, torch; sys.exit(0) if torch.cuda.device_count() >= 2 else sys.exit( \
+		'NCCL across processes needs 2 CUDA devices (one per process); this machine has 1')"
+	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_VENV)/bin/torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py
+	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_VENV)/bin/torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py --jit
+
+# The benchmark on the first CUDA device; results beside the CPU ones, not over them.
+bench-gpu: require-cuda
+	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_PY) -m torchpmap.bench \
+		--json bench-results/bench-gpu.json --png bench-results/bench-gpu.png
 
 clean:
-	rm -rf $(STAMP) site build *.egg-info
+	rm -rf .venv*/.stamp-* .venv*/torch*.pin .setup-done site build *.egg-info
+
+distclean: clean
+	rm -rf .venv .venv-torch*
