@@ -16,7 +16,7 @@ from torchpmap._collectives import (
 )
 from torchpmap._config import config, disable_vectorization
 from torchpmap._engines import VectorizationFallbackWarning
-from torchpmap._engines.compiled import JitFallbackWarning
+from torchpmap._engines.compiled import JitFallbackWarning, JitRecompileWarning
 from torchpmap._mesh import Mesh
 from torchpmap._sharded import ShardedTensor
 from torchpmap._devices import (
@@ -39,6 +39,8 @@ from torchpmap.training import (
 )
 
 from torchpmap import distributed
+from torchpmap import checkpoint, data
+from torchpmap.data import ShardedLoader
 
 __version__ = "0.1.0"
 
@@ -62,6 +64,7 @@ __all__ = [
     "config",
     "disable_vectorization",
     "JitFallbackWarning",
+    "JitRecompileWarning",
     "VectorizationFallbackWarning",
     "Device",
     "devices",
@@ -76,5 +79,8 @@ __all__ = [
     "unshard",
     "prefetch_to_device",
     "data_parallel_step",
+    "ShardedLoader",
     "distributed",
+    "data",
+    "checkpoint",
 ]

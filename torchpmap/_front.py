@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 
 from torchpmap import _devices, _engines, _mesh
 from torchpmap._compile_guard import refuse_under_compile
-from torchpmap._engines.compiled import ProgramCache
+from torchpmap._engines.compiled import ProgramCache, signature_of
 from torchpmap._sharded import ShardedTensor
 from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 
@@ -63,42 +63,6 @@ def check_options(opts: MapOptions) -> None:
             f"{what}: jit must be True, False or a dict of torch.compile keyword arguments "
             f"(e.g. {{'mode': 'max-autotune'}}), got {opts.jit!r}"
         )
-
-
-def _leaf_signature(leaf: Any) -> Hashable:
-    if isinstance(leaf, torch.Tensor):
-        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
-    if isinstance(leaf, ShardedTensor):
-        return ("sharded", leaf.shape, leaf.dtype, tuple(leaf.devices()))
-    try:
-        hash(leaf)
-    except TypeError:
-        return _ByIdentity(leaf)  # baked in by identity
-    return (type(leaf), leaf)
-
-
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-
-
-def _autocast_state() -> tuple:
-    """The autocast regions in force, with their dtypes: a trace bakes in their casts."""
-    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(d))
-
-
-class _ByIdentity:
-    """A key for an unhashable object: equal only to itself. It holds the object, so
-    that its id cannot be reused by another object while a compiled program keys on it."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ByIdentity) and other.obj is self.obj
 
 
 def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -188,7 +152,7 @@ class MappedFunction:
             mesh=mesh,
             must_be_unmapped=(lambda: self._replicated_outputs(out_holder)) if what == "vmap" else None,
             programs=self._programs,
-            signature=self._signature(flat, statics) if self._programs is not None else None,
+            signature=signature_of(flat.structure, statics, flat.leaves) if self._programs is not None else None,
             body_record=out_holder,
             memory=self._memory,
         )
@@ -197,17 +161,6 @@ class MappedFunction:
 
     # ------------------------------------------------------------------ arguments
 
-    def _signature(self, flat: _Flat, statics: dict[int, Any]) -> Hashable:
-        """Everything about a call that a compiled program bakes in (see _engines.compiled)."""
-        return (
-            flat.structure,
-            tuple(statics.items()),
-            tuple(_leaf_signature(leaf) for leaf in flat.leaves),
-            torch.is_grad_enabled(),
-            _autocast_state(),
-            torch.get_default_dtype(),  # of the tensors the function creates
-            _devices.current_default(),
-        )
 
     def _statics(self, args: tuple) -> dict[int, Any]:
         for i in self.opts.donate_argnums:

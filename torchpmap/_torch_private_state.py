@@ -123,3 +123,16 @@ def functorch_layers_cleared() -> Iterator[None]:
     finally:
         for layer in reversed(layers):
             push_dynamic_layer_stack(layer)
+
+
+def release_compiled(fn: Any) -> None:
+    """Drops what torch.compile keeps for ``fn`` (a bound method of a traced graph
+    module) once torchpmap evicts the program: Dynamo's cache entries on its code object
+    hold, through a clean-up hook, the graph module itself, so an evicted program was
+    never freed (about 0.1 MiB per recompilation). ``torch._dynamo.reset_code`` is
+    exported by torch._dynamo but undocumented. Public replacement: none
+    (``torch.compiler.reset()`` drops every program of the process). Checked: torch
+    2.13.0, 2.14.1."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is not None:
+        torch._dynamo.reset_code(code)

@@ -26,10 +26,11 @@ cache so that anything else that changes the program (shapes, dtypes, devices,
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import warnings
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -37,13 +38,99 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from torchpmap import _devices
+from torchpmap import _torch_private_state as private
+from torchpmap._config import config
 from torchpmap._engines import MappedCall, vectorized
+from torchpmap._log import logger
 from torchpmap._sharded import ShardedTensor, as_local
 
 #: Runs a mapped call: the vectorized engine, or one slice of a split axis.
 Engine = Callable[[MappedCall], list[torch.Tensor]]
 
-_MAX_PROGRAMS = 32  # compiled programs kept per mapped function (oldest dropped first)
+#: After this many calls, a function that traced on most of them gets a warning.
+_RECOMPILE_WINDOW = 8
+
+
+class Signature(NamedTuple):
+    """Everything about a call that a compiled program bakes in: a call whose signature
+    differs from every kept program's is traced anew."""
+
+    structure: Hashable  # the pytree structure of the arguments, in_axes applied
+    statics: tuple  # static_broadcasted_argnums' values
+    leaves: tuple  # per leaf: shape, dtype, device, requires_grad; a value for a non-tensor
+    grad_enabled: bool
+    autocast: tuple  # the autocast regions in force, with their dtypes
+    default_dtype: torch.dtype  # of the tensors the function creates
+    devices: Any  # where a nested pmap is pinned
+
+
+def signature_of(structure: Hashable, statics: dict[int, Any], leaves: Sequence[Any]) -> Signature:
+    """The :class:`Signature` of a call with these flattened arguments, in the current state."""
+    return Signature(
+        structure,
+        tuple(statics.items()),
+        tuple(_leaf_signature(leaf) for leaf in leaves),
+        torch.is_grad_enabled(),
+        _autocast_state(),
+        torch.get_default_dtype(),
+        _devices.current_default(),
+    )
+
+
+def _leaf_signature(leaf: Any) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
+    if isinstance(leaf, ShardedTensor):
+        return ("sharded", leaf.shape, leaf.dtype, tuple(leaf.devices()))
+    try:
+        hash(leaf)
+    except TypeError:
+        return _ByIdentity(leaf)  # baked in by identity
+    return (type(leaf), leaf)
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _autocast_state() -> tuple:
+    """The autocast regions in force, with their dtypes: a trace bakes in their casts."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(d))
+
+
+class _ByIdentity:
+    """A key for an unhashable object: equal only to itself. It holds the object, so
+    that its id cannot be reused by another object while a compiled program keys on it."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByIdentity) and other.obj is self.obj
+
+
+def _what_changed(old: Hashable, new: Hashable) -> str:
+    """Which fields of two signatures differ, for the recompilation warning."""
+    old, new = _innermost(old), _innermost(new)
+    if isinstance(old, Signature) and isinstance(new, Signature):
+        fields = [f for f in Signature._fields if getattr(old, f) != getattr(new, f)]
+        if fields == ["leaves"]:
+            changed = [i for i, (a, b) in enumerate(zip(old.leaves, new.leaves)) if a != b]
+            return f"the shapes, dtypes or values of argument leaves {changed[:5]}"
+        return ", ".join(fields) or "the program's place in its process group"
+    return "the arguments"
+
+
+def _innermost(signature: Hashable) -> Hashable:
+    """A distributed call keys on (signature, exchange): the Signature inside."""
+    while isinstance(signature, tuple) and not isinstance(signature, Signature) and signature:
+        signature = signature[0]
+    return signature
 
 
 class JitFallbackWarning(UserWarning):
@@ -61,7 +148,11 @@ class ProgramCache:
 
     def __init__(self, options: Mapping[str, Any]):
         self.options = dict(options)  # for torch.compile
-        self._programs: dict[Hashable, Optional[_Program]] = {}  # None: runs eagerly
+        # least recently used first; None: that signature runs eagerly
+        self._programs: collections.OrderedDict[Hashable, Optional[_Program]] = collections.OrderedDict()
+        self._calls = self._traces = 0
+        self._last: Hashable = None
+        self._warned = False
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -86,7 +177,10 @@ class ProgramCache:
         the run (a collective failed, so the other processes have moved on): it
         propagates instead of an eager retry.
         """
+        self._calls += 1
         program = self._programs.get(signature, _UNTRACED)
+        if program is not _UNTRACED:
+            self._programs.move_to_end(signature)  # recently used
         if program is None:
             return engine(call)
         if program is not _UNTRACED and program.constants_current():
@@ -95,8 +189,11 @@ class ProgramCache:
         # traced anew: first sight, or a closed-over tensor's requires_grad changed (it decides where
         # the graph stops gradients)
         self._programs.pop(signature, None)
-        if len(self._programs) >= _MAX_PROGRAMS:
-            del self._programs[next(iter(self._programs))]
+        while len(self._programs) >= config.jit_cache_size:
+            _, evicted = self._programs.popitem(last=False)  # the least recently used
+            if evicted is not None:
+                evicted.release()
+        self._note_trace(call, signature)
         try:
             program = _trace(call, self.options, traced_engine or engine)
             outputs = program(call)  # the first call compiles; body ran while tracing
@@ -109,6 +206,27 @@ class ProgramCache:
             return outputs
         self._programs[signature] = program
         return outputs
+
+    def _note_trace(self, call: MappedCall, signature: Hashable) -> None:
+        """Counts a trace; warns once when most calls trace, saying what keeps changing."""
+        self._traces += 1
+        previous, self._last = self._last, signature
+        logger.info("pmap(jit=True) over axis %r: tracing program %d (call %d)", call.axis_name, self._traces, self._calls)
+        if self._warned or self._calls < _RECOMPILE_WINDOW or self._traces * 2 <= self._calls or previous is None:
+            return
+        self._warned = True
+        warnings.warn(
+            f"pmap(jit=True) over axis {call.axis_name!r} traced and compiled on {self._traces} of its "
+            f"{self._calls} calls: {_what_changed(previous, signature)} keep changing between calls, and each "
+            f"new combination is a new program (at most torchpmap.config.jit_cache_size = {config.jit_cache_size} "
+            "are kept). Keep those fixed (pad shapes to a few sizes), or use jit=False for this function.",
+            JitRecompileWarning,
+            stacklevel=5,
+        )
+
+
+class JitRecompileWarning(UserWarning):
+    """A ``pmap(jit=True)`` function traces and compiles on most of its calls."""
 
 
 def _fallback_message(call: MappedCall, failure: Exception) -> str:
@@ -135,12 +253,17 @@ class _Program:
     constants: list[torch.Tensor]  # tensors the function closes over, passed by reference
     body_record: dict  # what body recorded while it was traced
     constants_requires_grad: list[bool] = dataclasses.field(default_factory=list)  # when traced
+    graph_forward: Any = None  # what was handed to torch.compile
 
     def __post_init__(self) -> None:
         self.constants_requires_grad = [c.requires_grad for c in self.constants]
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
         return self.compiled(*_graph_inputs(call, self.tensor_slots), *self.constants)
+
+    def release(self) -> None:
+        """Frees what torch.compile keeps for this program (it is being evicted)."""
+        private.release_compiled(self.graph_forward)
 
     def constants_current(self) -> bool:
         """False when a closed-over tensor's requires_grad changed since the trace (the
@@ -177,7 +300,7 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     constants = _lift_constants(graph)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **{"fullgraph": True, "dynamic": False, **options})
-    return _Program(compiled, tensor_slots, constants, dict(call.body_record))
+    return _Program(compiled, tensor_slots, constants, dict(call.body_record), graph_forward=graph.forward)
 
 
 class _UntraceableGradient(RuntimeError):

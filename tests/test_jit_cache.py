@@ -1,0 +1,58 @@
+"""pmap(jit=True) keeps its compiled programs in a least-recently-used cache of
+configurable size; memory stays flat once it is full; a function that recompiles on most
+calls gets a warning saying what keeps changing."""
+import gc
+import warnings
+
+import pytest
+import torch
+
+import torchpmap as tp
+
+EAGER = {"backend": "eager"}  # compiling costs little: these tests are about the cache
+
+
+def _graph_modules() -> int:
+    gc.collect()
+    return sum(isinstance(o, torch.fx.GraphModule) for o in gc.get_objects())
+
+
+def test_least_recently_used_eviction(monkeypatch):
+    monkeypatch.setattr(tp.config, "jit_cache_size", 3)
+    f = tp.pmap(lambda v: v + 1, jit=EAGER, devices=tp.devices()[:1])
+    traces = []
+    f_inner = f._programs._note_trace
+    monkeypatch.setattr(f._programs, "_note_trace", lambda call, sig: (traces.append(sig.leaves[0][0]), f_inner(call, sig)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.JitRecompileWarning)
+        for width in [1, 2, 3, 1, 4, 1, 2]:  # 1 stays recent; 2 and 3 are evicted in turn
+            f(torch.ones(2, width))
+    assert [s[-1] for s in traces] == [1, 2, 3, 4, 2]
+    assert len(f._programs) == 3
+
+
+def test_memory_stays_flat_past_the_bound(monkeypatch):
+    monkeypatch.setattr(tp.config, "jit_cache_size", 4)
+    f = tp.pmap(lambda v: v * 2 + 1, jit=EAGER, devices=tp.devices()[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.JitRecompileWarning)
+        for i in range(20):
+            f(torch.ones(2, i + 1))
+        before = _graph_modules()
+        for i in range(20, 220):  # 200 recompiles past the bound
+            f(torch.ones(2, i + 1))
+        after = _graph_modules()
+    assert len(f._programs) == 4
+    assert after <= before, (before, after)  # every evicted program was freed (each held ~0.1 MiB)
+
+
+def test_a_function_that_recompiles_on_most_calls_is_told_why():
+    f = tp.pmap(lambda v: v * 2, jit=EAGER, devices=tp.devices()[:1])
+    with pytest.warns(tp.JitRecompileWarning, match=r"traced and compiled on 8 of its 8 calls: the shapes, dtypes or values of argument leaves \[0\] keep changing"):
+        for i in range(8):
+            f(torch.ones(2, i + 1))
+    g = tp.pmap(lambda v: v * 2, jit=EAGER, devices=tp.devices()[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tp.JitRecompileWarning)  # a steady shape never warns
+        for i in range(20):
+            g(torch.ones(2, 3))
