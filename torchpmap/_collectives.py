@@ -5,9 +5,9 @@ leaves) and an ``axis_name`` that is one name or a tuple of names. A tuple addre
 product of those axes in row-major order: the first name is the most significant, so
 ``axis_index(("i", "j")) == i * axis_size("j") + j``.
 
-The math of each collective is in :mod:`torchpmap._primitives`; this module checks the
+The math of each collective is in :mod:`torchpmap._collective_math`; this module checks the
 arguments, splits tuple names into per-axis steps and maps over the pytree. The leaves of
-a pytree are bound together (:func:`~torchpmap._primitive.bind_many`): each keeps its own
+a pytree are bound together (:func:`~torchpmap._collective_binding.bind_many`): each keeps its own
 math, but across devices or processes they travel in one exchange per axis.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.utils._pytree as pytree
 from torchpmap import _axis_env
 from torchpmap._axis_env import AxisFrame
 from torchpmap._compile_guard import refuse_under_compile
-from torchpmap._primitive import bind_many
-from torchpmap._primitives import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
+from torchpmap._collective_binding import bind_many
+from torchpmap._collective_math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
 
 AxisNames = Any  # a name or a tuple of names
 

@@ -28,21 +28,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
 from torchpmap import _torch_private_state as private
 
-if TYPE_CHECKING:
-    from torchpmap._mesh import Mesh
-
 T = TypeVar("T")
 
 # ----------------------------------------------------------------------- torchpmap's own state
 
-#: The meshes entered with ``with mesh:`` in this context, innermost last.
-active_meshes: contextvars.ContextVar[tuple["Mesh", ...]] = contextvars.ContextVar("torchpmap_meshes", default=())
+#: The meshes (:class:`torchpmap.Mesh`) entered with ``with mesh:`` here, innermost last.
+active_meshes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_meshes", default=())
+#: Inside an instance running on a device: that device, as a 1-tuple (nested pmaps stay on it).
+default_devices: contextvars.ContextVar[Optional[tuple[Any, ...]]] = contextvars.ContextVar("torchpmap_devices", default=None)
 #: The named axes bound here, innermost last (:mod:`torchpmap._axis_env` reads them).
 axis_frames: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_axis_frames", default=())
 #: The state of a threaded-engine instance thread (a mesh pmap or debug mode), else None.

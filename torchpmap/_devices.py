@@ -7,49 +7,22 @@ are separate instances of concurrency, not separate memories.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import os
-import threading
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Device:
-    """One device a pmap instance can run on: its kind (``"cpu"``/``"cuda"``), its index
-    among the devices of that kind in its process, and the process that owns it.
-
-    Example:
-        >>> import torchpmap
-        >>> torchpmap.devices()[0].torch_device.type in ("cpu", "cuda")
-        True
-    """
-
-    platform: str
-    id: int
-    process_index: int = 0
-
-    @functools.cached_property  # read on every call: made once (a frozen dataclass still has a __dict__)
-    def torch_device(self) -> torch.device:
-        return torch.device(self.platform, self.id) if self.platform == "cuda" else torch.device("cpu")
-
-    def __repr__(self) -> str:
-        if self.process_index:  # a device of process 1, 2, ... in a multi-process run
-            return f"{self.platform}:{self.id} (process {self.process_index})"
-        return f"{self.platform}:{self.id}"
+from torchpmap import _context, _process_group
+from torchpmap._config import at_least_one
+from torchpmap._device_record import Device
 
 
 @functools.lru_cache(maxsize=1)
 def _local_devices() -> tuple[Device, ...]:
     if torch.cuda.is_available():
         return tuple(Device("cuda", i) for i in range(torch.cuda.device_count()))
-    raw = os.environ.get("TORCHPMAP_NUM_CPU_DEVICES", "1")
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"TORCHPMAP_NUM_CPU_DEVICES must be a positive integer, got {raw!r}")
-    return tuple(Device("cpu", i) for i in range(int(raw)))
+    return tuple(Device("cpu", i) for i in range(at_least_one("TORCHPMAP_NUM_CPU_DEVICES", 1)))
 
 
 _DIST_AVAILABLE = dist.is_available()
@@ -58,10 +31,8 @@ _DIST_AVAILABLE = dist.is_available()
 def _multi_process():
     """The multi-process state when torch.distributed runs several processes, else None
     (see :mod:`torchpmap.distributed`: then each process has one device)."""
-    if not (_DIST_AVAILABLE and dist.is_initialized()):  # the common case, without an import per call
+    if not (_DIST_AVAILABLE and dist.is_initialized()):  # the common case
         return None
-    from torchpmap import _process_group  # it imports this module
-
     return _process_group.view()
 
 
@@ -70,16 +41,13 @@ def _this_process() -> tuple[Device, ...]:
     return mp.local_devices if mp is not None else _local_devices()
 
 
-_placement = threading.local()
-
-
 def current_default() -> tuple[Device, ...] | None:
     """Inside an instance running on a device: that device (nested pmaps stay on it)."""
-    return getattr(_placement, "devices", None)
+    return _context.default_devices.get()
 
 
 def set_current_default(devices: tuple[Device, ...] | None) -> None:
-    _placement.devices = devices
+    _context.default_devices.set(devices)
 
 
 def at(device: torch.device) -> tuple[Device, ...] | None:

@@ -11,7 +11,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from torchpmap import _context, _devices
+from torchpmap import _context, _devices, _process_group
 
 
 class Mesh:
@@ -74,3 +74,44 @@ def current() -> Mesh | None:
         return state.mesh
     active = _context.active_meshes.get()
     return active[-1] if active else None
+
+
+class ProcessMesh(Mesh):
+    """A :class:`torchpmap.Mesh` whose devices are processes: one device per process,
+    laid out row-major by rank, with one ``torch.distributed`` process group per axis.
+
+    Made by :func:`mesh`. Used as a context (``with m:``) or as ``pmap(..., mesh=m)``,
+    a pmap over one of its axes exchanges only with the processes along that axis (those
+    that share this process' coordinates on the other axes).
+
+    Attributes:
+        device_mesh: the underlying ``torch.distributed.device_mesh.DeviceMesh``.
+    """
+
+    def __init__(self, device_mesh, axis_names: Sequence[Hashable]):
+        self.device_mesh = device_mesh
+        st = _process_group.state()
+        ranks = device_mesh.mesh
+        grid = np.empty(tuple(ranks.shape), dtype=object)
+        for index, r in zip(np.ndindex(*grid.shape), ranks.flatten().tolist()):
+            grid[index] = st.devices[r]
+        super().__init__(grid, axis_names)
+        self._groups = {name: device_mesh.get_group(name) for name in self.axis_names}
+        self._coords = {name: int(device_mesh.get_local_rank(name)) for name in self.axis_names}
+
+    def group(self, axis_name: Hashable):
+        """The process group of the processes along ``axis_name`` (this process' row)."""
+        return self._groups[self._axis(axis_name)]
+
+    def coordinate(self, axis_name: Hashable) -> int:
+        """This process' index along ``axis_name``."""
+        return self._coords[self._axis(axis_name)]
+
+    def _axis(self, axis_name: Hashable) -> Hashable:
+        if axis_name not in self._groups:
+            raise KeyError(f"{axis_name!r} is not an axis of this mesh; its axes are {self.axis_names}")
+        return axis_name
+
+    def __repr__(self) -> str:
+        coords = ", ".join(f"{a}={i}" for a, i in self._coords.items())
+        return f"ProcessMesh(shape={self.shape}, this process at {coords})"

@@ -30,8 +30,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchpmap._devices import Device
-from torchpmap._engines.rendezvous import PeerFailed
+from torchpmap._device_record import Device
+from torchpmap._faults import PeerFailed
 
 #: Seconds between two heartbeats of a process (environment: ``TORCHPMAP_HEARTBEAT_INTERVAL``).
 HEARTBEAT_INTERVAL = float(os.environ.get("TORCHPMAP_HEARTBEAT_INTERVAL", "0.5"))

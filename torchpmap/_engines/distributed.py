@@ -7,7 +7,7 @@ axis has ``n_local * group_size`` instances; process ``r`` of the group holds in
 ``r*n_local .. r*n_local + n_local - 1``. The local slice runs through the vectorized
 engine with ``offset``/``axis_size`` set accordingly, so ``axis_index`` is global, and a
 :class:`ProcessExchange` gathers every process' slice for a collective
-(:func:`torchpmap._primitive.run_owning` then runs the same math as a single process
+(:func:`torchpmap._collective_binding.run_owning` then runs the same math as a single process
 would on the whole axis, so forward results are bitwise those of one process).
 
 Which processes form the axis:
@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from torchpmap import _process_group as pg
+from torchpmap._mesh import ProcessMesh
 from torchpmap._engines import MappedCall, process_ops, vectorized
+from torchpmap._engines.process_transpose import differentiable, transpose_gather
 
 active = pg.active
 
@@ -67,7 +69,7 @@ class ProcessExchange:
     unchecked: Optional[tuple[int, Hashable]] = dataclasses.field(default=None, repr=False)
 
     #: A reduction sends each process' own partial result, not all its instances' values
-    #: (see torchpmap._primitive.run_owning): traffic independent of the local size.
+    #: (see torchpmap._collective_binding.run_owning): traffic independent of the local size.
     reduces_locally = True
 
     def settle(self) -> None:
@@ -181,27 +183,6 @@ class _Layout:
         ]
 
 
-def differentiable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
-def transpose_gather(
-    grads: Sequence[Optional[torch.Tensor]],
-    floats: Sequence[bool],
-    scatter_sum: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
-) -> list[Optional[torch.Tensor]]:
-    """The gradients of a gather's inputs, given its outputs' cotangents ``grads`` (zeros
-    where an output got none): the cotangents of the inputs marked in ``floats`` only, whose
-    dtypes (the same in every process) decide the layout, summed across processes by
-    ``scatter_sum`` in one transfer; None for the others."""
-    sent = [k for k, ok in enumerate(floats) if ok]
-    out: list[Optional[torch.Tensor]] = [None] * len(grads)
-    if sent:
-        for k, g in zip(sent, scatter_sum([grads[k] for k in sent])):
-            out[k] = g
-    return out
-
-
 class _GatherProcesses(torch.autograd.Function):
     """``ts`` of every process -> their stacks; backward sums the cotangents per slice.
 
@@ -251,8 +232,6 @@ def _enclosing() -> list[Any]:
 
 def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
     """The exchange for this call and its key in the running stack; None to run locally."""
-    from torchpmap.distributed import ProcessMesh
-
     st = pg.state()
     mesh, name, enclosing = getattr(call, "mesh", None), call.axis_name, _enclosing()
     if mesh is not None:

@@ -22,6 +22,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from torchpmap._engines.process_transpose import differentiable, transpose_gather
+
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
 _live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
 _state = threading.local()
@@ -86,21 +88,17 @@ def _(grads: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
     return [g.new_empty(g.shape[1:]) for g in grads]
 
 
-# The eager engine's own transpose (distributed.transpose_gather) with the traceable op
-# as its transfer. Imported when first used: the distributed engine imports this module.
+# The eager engine's own transpose (process_transpose.transpose_gather) with the traceable
+# op as its transfer.
 
 
 def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
-    from torchpmap._engines.distributed import differentiable
-
     ts, ctx.key, size, ctx.what, _ = inputs
     ctx.blanks = [((size, *t.shape), t.dtype, t.device) for t in ts]  # the shape of each cotangent
     ctx.differentiable = [differentiable(t) for t in ts]
 
 
 def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
-    from torchpmap._engines.distributed import transpose_gather
-
     # a float output that got no gradient sends zeros: every process packs the same layout
     given = [
         torch.zeros(shape, dtype=dtype, device=device) if g is None and ok else g

@@ -18,9 +18,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-
-class PeerFailed(RuntimeError):
-    """Raised in the threads that were waiting when another instance failed."""
+from torchpmap._faults import PeerFailed
 
 
 @dataclasses.dataclass

@@ -1,7 +1,7 @@
 """The vectorized engine: all instances of a mapped axis in one ``torch.func.vmap``.
 
 The axis token (``arange(size)``) of a named axis is passed as an extra vmap input so
-that collectives can find this axis' vmap level (see :mod:`torchpmap._primitive`).
+that collectives can find this axis' vmap level (see :mod:`torchpmap._collective_binding`).
 ``chunk_size`` is never used: a chunked vmap would show each collective only its chunk.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exch
     mapped = [place(t, device) for t in call.mapped]
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else (mapped[0].device if mapped else None)
-    # the axis token is an extra vmap input (see _primitive); an unnamed axis needs none
+    # the axis token is an extra vmap input (see _collective_binding); an unnamed axis needs none
     token = None if call.axis_name is None else _token(call.size, here)
 
     def one_instance(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,6 +1,6 @@
 """The math of each collective over one named axis, on all instances at once.
 
-Each class turns ``X`` (shape ``(n, *lead, *instance_shape)``, see :mod:`_primitive`) into
+Each class turns ``X`` (shape ``(n, *lead, *instance_shape)``, see :mod:`_collective_binding`) into
 the result every instance receives, and names its transpose. Tuple axis names and the
 user-facing argument checks live in :mod:`torchpmap._collectives`.
 """
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from torchpmap._primitive import Primitive
+from torchpmap._collective_binding import Primitive
 
 Groups = Optional[tuple[tuple[int, ...], ...]]
 
