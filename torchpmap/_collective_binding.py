@@ -25,8 +25,8 @@ import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
+from torchpmap import _torch_private as private
 from torchpmap._axis_env import AxisFrame
 
 
@@ -82,10 +82,10 @@ def bind_many(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> Sequenc
     if not xs:
         return ()
     frame = prims[0].frame
-    level = torch._C._functorch.maybe_current_level()
+    level = private.current_vmap_level()
     if not frame.vectorized and level is None:
         return _run_unvectorized(prims, xs)  # plain torch ops: outer autograd sees them directly
-    if level is not None and frame.vectorized and torch._C._functorch.maybe_get_level(frame.token) == level:
+    if level is not None and frame.vectorized and private.vmap_level_of(frame.token) == level:
         return _run_at_innermost_owner(prims, xs, level)
     return _apply(prims, frame.token, xs)
 
@@ -96,10 +96,10 @@ def _run_at_innermost_owner(prims: Sequence[Primitive], xs: Sequence[torch.Tenso
     without the autograd.Function machinery (about 150 us a call): unwrap this level,
     compute on all instances at once, wrap again. Transforms and autograd outside this
     level see the plain torch ops of ``compute``, exactly as through ``_Bind``."""
-    unwrapped = [torch._C._functorch._unwrap_batched(x, level) for x in xs]
-    with temporarily_pop_interpreter_stack():  # below this level, as a vmap rule runs (exchanges use autograd Functions)
+    unwrapped = [private.unwrap_batched(x, level) for x in xs]
+    with private.pop_interpreter():  # below this level, as a vmap rule runs (exchanges use autograd Functions)
         owned = _run_at_owner(prims, [value for value, _ in unwrapped], [dim for _, dim in unwrapped])
-    return tuple(out if dim is None else torch._C._functorch._add_batch_dim(out, dim, level) for out, dim in owned)
+    return tuple(out if dim is None else private.add_batch_dim(out, dim, level) for out, dim in owned)
 
 
 class _Prims(tuple):
@@ -151,7 +151,7 @@ class _Bind(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Optional[torch.Tensor]):
         prim = ctx.prims[0]
-        if not prim.frame.vectorized and torch._C._functorch.maybe_current_level() is None:
+        if not prim.frame.vectorized and private.current_vmap_level() is None:
             # plain autograd runs this node in one thread; the other devices' nodes would never meet it
             raise NotImplementedError(
                 f"torchpmap: .backward() through {prim.name} over mesh axis {prim.frame.name!r} called "

@@ -16,13 +16,13 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from torchpmap import _axis_env
 from torchpmap._axis_env import AxisFrame
 from torchpmap._compile_guard import refuse_under_compile
 from torchpmap._collective_binding import bind_many
 from torchpmap._collective_math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
+from torchpmap._torch_private import pytree
 
 AxisNames = Any  # a name or a tuple of names
 

@@ -13,12 +13,12 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
 
 from torchpmap import _devices, _engines, _mesh
 from torchpmap._compile_guard import refuse_under_compile
 from torchpmap._engines.compiled import ProgramCache, signature_of
 from torchpmap._sharded import ShardedTensor
+from torchpmap._torch_private import pytree
 from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 
 _RANDOMNESS = ("error", "different", "same")

@@ -25,11 +25,13 @@ import json
 import os
 import threading
 import time
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from torchpmap import _torch_private as private
 from torchpmap._device_record import Device
 from torchpmap._faults import PeerFailed
 
@@ -158,10 +160,16 @@ def _local_device(local_rank: int, rank: int) -> Device:
 def _adopt_existing_group() -> ProcessState:
     """State for a default process group that someone else initialized."""
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        base = _get_default_store()
-    except Exception:  # no store to watch: faults surface through the collectives' own errors and timeouts
+        base = private.default_store()
+    except private.TorchPrivateError as error:
+        # without the store, faults surface only through the collectives' own errors and timeouts: say so
+        warnings.warn(
+            f"{error} Without the process group's store, torchpmap's fault watching is off for this run: a failed "
+            "or dead rank shows up as the collective's own error or timeout, not as RankFailed naming it. "
+            "Initialize through torchpmap.distributed.initialize() to keep it on.",
+            private.TorchPrivateWarning,
+            stacklevel=3,
+        )
         base = None
     from torchpmap._config import config
 

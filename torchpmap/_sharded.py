@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
 from torchpmap._devices import Device
+from torchpmap._torch_private import pytree
 
 
 class Shard(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import torch.utils._pytree as pytree
+from torchpmap._torch_private import pytree
 
 
 def is_axis_spec_leaf(x: Any) -> bool:
@@ -28,19 +28,29 @@ def check_axis_spec(spec: Any, what: str) -> None:
 
 
 def _children(node: Any) -> tuple[list[Any], Any, list[str]]:
-    """One level of ``node``: (children, context, key strings)."""
-    node_def = pytree.SUPPORTED_NODES[pytree._get_node_type(node)]
-    if node_def.flatten_with_keys_fn is not None:
-        keyed, context = node_def.flatten_with_keys_fn(node)
-        return [c for _, c in keyed], context, [pytree.keystr((k,)) for k, _ in keyed]
-    children, context = node_def.flatten_fn(node)
-    return list(children), context, [f"[{i}]" for i in range(len(children))]
+    """One level of the pytree node ``node``: (children, (node kind, context), key strings).
+
+    A one-level flatten (every child a leaf) gives what torch's node registry holds for
+    the node, through the pytree module's public functions only.
+    """
+    children, spec = pytree.tree_flatten(node, is_leaf=lambda x: x is not node)
+    try:
+        keyed, _ = pytree.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        keys = [pytree.keystr(path) for path, _ in keyed]
+    except ValueError:  # a node type registered without flatten_with_keys_fn
+        keys = [f"[{i}]" for i in range(len(children))]
+    return children, (spec.type, spec.context), keys
+
+
+def _kind(node: Any) -> Any:
+    """The registered kind of a pytree node (``namedtuple`` for every namedtuple class)."""
+    return pytree.tree_flatten(node, is_leaf=lambda x: x is not node)[1].type
 
 
 def _describe(x: Any) -> str:
     if pytree.tree_is_leaf(x):
         return f"a leaf of type {type(x).__name__}"
-    kind = pytree._get_node_type(x)
+    kind = _kind(x)
     if isinstance(x, dict):
         return f"a {kind.__name__} with keys {list(x.keys())}"
     return f"a {getattr(kind, '__name__', kind)} of {len(_children(x)[0])} entries"
@@ -56,7 +66,7 @@ def broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> Itera
         for sub, _ in pytree.tree_leaves_with_path(tree):
             yield prefix, path + pytree.keystr(sub)
         return
-    same_kind = not pytree.tree_is_leaf(tree) and pytree._get_node_type(tree) == pytree._get_node_type(prefix)
+    same_kind = not pytree.tree_is_leaf(tree)
     if same_kind:
         p_children, p_context, _ = _children(prefix)
         t_children, t_context, keys = _children(tree)

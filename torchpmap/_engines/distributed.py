@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from torchpmap import _process_group as pg
+from torchpmap import _torch_private as private
 from torchpmap._mesh import ProcessMesh
 from torchpmap._engines import MappedCall, process_ops, vectorized
 from torchpmap._engines.process_transpose import differentiable, transpose_gather
@@ -277,7 +278,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     stack.append(key)
     st.calls += 1
     try:
-        if call.programs is not None and torch._C._functorch.maybe_current_level() is None:
+        if call.programs is not None and private.current_vmap_level() is None:
             outputs = _run_compiled(part, exchange)
         else:
             outputs = _run_slice(part, exchange, exchange)

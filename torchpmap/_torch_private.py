@@ -1,0 +1,952 @@
+"""The one door to private torch: every private PyTorch API torchpmap uses, and nothing else.
+
+Each entry is a small function or constant. Its docstring says what torchpmap needs it
+for, which public API would replace it (or that none exists yet, and what would be
+needed), and on which torch versions it was checked (:data:`CHECKED`). :data:`ENTRIES`
+maps every entry to a probe that verifies, on the running torch, that the private API
+still exists and behaves as torchpmap expects; :func:`check` runs the probes and raises
+:class:`TorchPrivateError` naming each entry that failed (``tests/test_torch_private.py``
+runs it once per entry). ``docs/torch-internals.md`` lists the entries for readers.
+
+Rules for this module:
+
+* Nothing else in torchpmap reaches into ``torch._C``, ``torch._functorch``,
+  ``torch._subclasses``, ``torch.utils._pytree``, private keyword arguments or private
+  names of ops: it goes through an entry here.
+* Importing this module imports no private torch module that ``import torch`` has not
+  already loaded. Entries on the hot path are bound once, at import (an attribute lookup
+  in a module torch has loaded); the others look their API up when first called.
+* Nothing degrades silently. A private API that is missing makes its entry raise
+  :class:`TorchPrivateError` (naming the entry) when torchpmap needs it, not at
+  ``import torchpmap`` (except :data:`pytree`, which the front end needs there). Where
+  torchpmap can go on without it, it warns with :class:`TorchPrivateWarning` (naming the
+  entry) and says what it turned off.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import threading
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+#: The torch versions on which every entry below was checked (``check()`` passes).
+CHECKED = ("2.13.0", "2.14.1")
+
+_DOCS = "docs/torch-internals.md"
+
+
+class TorchPrivateError(RuntimeError):
+    """A private torch API behind entry ``entry`` of this module is missing or has changed."""
+
+    def __init__(self, entry: str, problem: str):
+        self.entry = entry
+        super().__init__(
+            f"torchpmap: the private torch API behind torchpmap._torch_private.{entry} {problem} (torch "
+            f"{torch.__version__}; torchpmap was checked on torch {', '.join(CHECKED)}). This torch release "
+            f"changed an internal that torchpmap relies on; see {_DOCS} (entry {entry!r}) and please report it."
+        )
+
+
+class TorchPrivateWarning(RuntimeWarning):
+    """torchpmap turned a feature off because a private torch API is missing or changed."""
+
+
+def _bind(entry: str, getter: Callable[[], Any]) -> Any:
+    """``getter()`` (an attribute of a module torch has already loaded), or, when the
+    attribute is missing, a stand-in that raises :class:`TorchPrivateError` for ``entry``
+    when called: a missing internal breaks the feature that needs it, not the import."""
+    try:
+        return getter()
+    except (AttributeError, ImportError) as error:
+        problem = f"is missing ({type(error).__name__}: {error})"
+
+        def missing(*args: Any, **kwargs: Any) -> Any:
+            raise TorchPrivateError(entry, problem)
+
+        return missing
+
+
+def _module(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+# ======================================================================= torch.func's vmap levels
+# torchpmap's vectorized engine is torch.func.vmap without its pytree handling, inlined:
+# the front end has flattened and checked the arguments already. Measured on the dispatch
+# row (``pmap(lambda v: v + 1)`` over 8): ``torch.func.vmap`` itself costs about 95 us more
+# per call than these five calls, on both 2.13.0 and 2.14.1 (its wrapper, not the batching).
+
+current_vmap_level = _bind("current_vmap_level", lambda: torch._C._functorch.maybe_current_level)
+"""``current_vmap_level() -> int | None``: the level of the innermost torch.func transform
+(vmap, grad, jvp, ...) active in this thread, None outside every transform.
+
+For: finding whether a collective runs directly under the vmap level of its axis
+(:mod:`torchpmap._collective_binding`), refusing transforms that cannot follow a call into device
+threads, and choosing between a compiled program and the eager engine.
+Public replacement: none; torch.func has no "which transform am I in" query (what we'd
+need: ``torch.func.current_level()`` or an interpreter-stack view).
+Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.maybe_current_level``)."""
+
+vmap_level_of = _bind("vmap_level_of", lambda: torch._C._functorch.maybe_get_level)
+"""``vmap_level_of(tensor) -> int``: the torch.func level a tensor is wrapped at (-1 for a
+plain tensor).
+
+For: telling whether an axis token, or an output, is batched at this map's own level
+(``out_axes=None`` and the collectives' fast path).
+Public replacement: none (a public ``torch.func`` query of a tensor's batching level).
+Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.maybe_get_level``)."""
+
+unwrap_batched = _bind("unwrap_batched", lambda: torch._C._functorch._unwrap_batched)
+"""``unwrap_batched(tensor, level) -> (value, batch dim or None)``: the physical tensor
+behind a tensor batched at ``level``.
+
+For: a collective directly under its axis' level sees every instance's value at once
+without going through an ``autograd.Function`` (:func:`torchpmap._collective_binding.bind_many`).
+Public replacement: the ``vmap`` staticmethod of ``torch.autograd.Function`` receives the
+same (value, in_dim) pairs; torchpmap uses it (``_Bind``) wherever a transform sits
+between the collective and its axis, but it costs about 150 us per collective.
+Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._unwrap_batched``)."""
+
+add_batch_dim = _bind("add_batch_dim", lambda: torch._C._functorch._add_batch_dim)
+"""``add_batch_dim(tensor, dim, level) -> tensor``: wraps ``tensor`` as batched along
+``dim`` at ``level`` (what torch.func.vmap does to each input).
+
+For: the inlined vmap of the vectorized engine, and re-wrapping a collective's results.
+Public replacement: ``torch.func.vmap`` (about 95 us more per call, see above) or an
+``autograd.Function.vmap`` rule (about 150 us per collective).
+Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._add_batch_dim``)."""
+
+remove_batch_dim = _bind("remove_batch_dim", lambda: torch._C._functorch._remove_batch_dim)
+"""``remove_batch_dim(tensor, level, size, out_dim) -> tensor``: the physical result of a
+tensor batched at ``level`` with the batch moved to ``out_dim`` (a tensor unbatched at
+that level is expanded to ``size``).
+
+For: the outputs of the inlined vmap. Public replacement: ``torch.func.vmap``.
+Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._remove_batch_dim``)."""
+
+vmap_increment_nesting = _bind("vmap_increment_nesting", lambda: torch._C._functorch._vmap_increment_nesting)
+"""``vmap_increment_nesting(size, randomness) -> level``: opens a vmap level of ``size``
+(randomness "error", "same" or "different"); must be closed by
+:data:`vmap_decrement_nesting`.
+
+For: the inlined vmap. Public replacement: ``torch.func.vmap``.
+Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._vmap_increment_nesting``)."""
+
+vmap_decrement_nesting = _bind("vmap_decrement_nesting", lambda: torch._C._functorch._vmap_decrement_nesting)
+"""``vmap_decrement_nesting()``: closes the innermost vmap level.
+
+For: the inlined vmap. Public replacement: ``torch.func.vmap``.
+Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._vmap_decrement_nesting``)."""
+
+pop_interpreter = _bind(
+    "pop_interpreter", lambda: _module("torch._functorch.pyfunctorch").temporarily_pop_interpreter_stack
+)
+"""``with pop_interpreter(): ...`` runs the block one torch.func level down, as a
+batching rule runs.
+
+For: computing a collective on the unwrapped values of its level (exchanges across
+devices use ``autograd.Function``, which must not see that level).
+Public replacement: the same state an ``autograd.Function.vmap`` rule runs in (``_Bind``,
+about 150 us per collective); no public context manager.
+Checked: torch 2.13.0, 2.14.1 (``torch._functorch.pyfunctorch.temporarily_pop_interpreter_stack``,
+a module ``import torch`` loads)."""
+
+_decompositions_loaded = False
+
+
+def ensure_vmap_decompositions() -> None:
+    """Installs the batching decompositions torch.func.vmap installs on its first call.
+
+    For: the inlined vmap, so that ops such as ``mse_loss_backward`` batch as under
+    ``torch.func.vmap`` (without them they fall back to a slow loop, with a warning).
+    Public replacement: none direct. Calling ``torch.func.vmap`` once does it, but would
+    show an extra op to the caller's torch function/dispatch modes and tracers; so that is
+    only the fallback, with a :class:`TorchPrivateWarning`, when the private loader moves.
+    Checked: torch 2.13.0, 2.14.1 (``torch._functorch.vmap.lazy_load_decompositions``).
+    """
+    global _decompositions_loaded
+    if _decompositions_loaded:
+        return
+    try:
+        loader = _module("torch._functorch.vmap").lazy_load_decompositions
+    except (AttributeError, ImportError) as error:
+        warnings.warn(
+            f"{TorchPrivateError('ensure_vmap_decompositions', f'is missing ({error})')} torchpmap loads them "
+            "by calling torch.func.vmap once instead.",
+            TorchPrivateWarning,
+            stacklevel=2,
+        )
+        torch.func.vmap(torch.neg)(torch.zeros(1))
+    else:
+        loader()
+    _decompositions_loaded = True
+
+
+# ======================================================================= saved tensor hooks
+# A vmap must refuse saved-tensor hooks (as torch.func.vmap does). The public context
+# manager ``torch.autograd.graph.disable_saved_tensors_hooks(message)`` makes exactly these
+# three calls, but as a generator-based context manager it costs 1.17 us more per pmap call
+# (measured: 0.21 us for the three calls, 1.38 us for the context manager, on both 2.13.0
+# and 2.14.1), over the budget of 0.5 us on the dispatch row: kept private.
+
+saved_tensors_hooks_disabled_message = _bind(
+    "saved_tensors_hooks_disabled_message",
+    lambda: torch._C._autograd._saved_tensors_hooks_get_disabled_error_message,
+)
+"""``saved_tensors_hooks_disabled_message() -> str | None``: the error message of the
+current "saved tensor hooks disabled" state, None when they are enabled.
+
+For: restoring the caller's state after a pmap. Public replacement:
+``torch.autograd.graph.disable_saved_tensors_hooks`` (1.17 us more per call, see above).
+Checked: torch 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_get_disabled_error_message``)."""
+
+disable_saved_tensors_hooks = _bind(
+    "disable_saved_tensors_hooks", lambda: torch._C._autograd._saved_tensors_hooks_disable
+)
+"""``disable_saved_tensors_hooks(message)``: from now on, setting saved tensor hooks
+raises ``RuntimeError(message)``; raises it at once (after disabling) if hooks are set.
+
+For: refusing ``save_on_cpu`` and friends inside a pmap, as torch.func.vmap does.
+Public replacement: ``torch.autograd.graph.disable_saved_tensors_hooks`` (1.17 us more).
+Checked: torch 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_disable``)."""
+
+enable_saved_tensors_hooks = _bind("enable_saved_tensors_hooks", lambda: torch._C._autograd._saved_tensors_hooks_enable)
+"""``enable_saved_tensors_hooks()``: allows saved tensor hooks again.
+
+For: restoring the caller's state. Public replacement: the context manager above.
+Checked: torch 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_enable``)."""
+
+
+# ======================================================================= pytrees
+
+def _pytree_module() -> Any:
+    try:  # needed at import: the front end builds its leaf spec then
+        return _module("torch.utils._pytree")
+    except ImportError as error:
+        raise TorchPrivateError("pytree", f"is missing ({error})") from error
+
+
+pytree = _pytree_module()
+"""torch's pytree module, ``torch.utils._pytree``: torchpmap uses only its non-underscore
+functions (``tree_flatten``, ``tree_unflatten``, ``tree_map``, ``tree_map_with_path``,
+``tree_leaves``, ``tree_leaves_with_path``, ``tree_flatten_with_path``, ``tree_is_leaf``,
+``keystr``, ``TreeSpec`` with ``.type`` and ``.context``, ``KeyPath``).
+
+For: arguments, outputs and collectives over pytrees, with the same registered node
+types as torch.func (so a user's ``register_pytree_node`` works in a pmap).
+Public replacement: none on torch 2.13/2.14 (no ``torch.utils.pytree``); a public pytree
+module with these functions would replace it one for one. ``_get_node_type`` and
+``SUPPORTED_NODES``, used before, are no longer needed (a one-level ``tree_flatten``
+with ``is_leaf`` gives a node's type, context and children).
+Checked: torch 2.13.0, 2.14.1 (loaded by ``import torch``)."""
+
+
+# ======================================================================= jit=True: tracing
+
+
+def make_fx_real_inputs(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``make_fx(fn, tracing_mode="fake", **options)`` that accepts real tensors the
+    function closes over (they become constants of the graph, which torchpmap then lifts
+    into inputs). ``options`` are make_fx's public keywords (e.g. ``decomposition_table``).
+
+    For: ``pmap(jit=True)``, which traces the vectorized program before ``torch.compile``.
+    Public replacement: none. The private keyword ``_allow_non_fake_inputs`` is the only
+    way; what we'd need: a public make_fx option, or a public way to fake-ify the tensors a
+    function closes over.
+    Checked: torch 2.13.0, 2.14.1 (``torch.fx.experimental.proxy_tensor.make_fx(...,
+    _allow_non_fake_inputs=True)``).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if "_allow_non_fake_inputs" not in inspect.signature(make_fx).parameters:
+        raise TorchPrivateError("make_fx_real_inputs", "has lost make_fx's keyword _allow_non_fake_inputs")
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, **options)
+
+
+_value_dependent: Optional[tuple[type[BaseException], ...]] = None
+
+
+def value_dependent_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions a fake-tensor trace raises when the program depends on tensor values
+    (``torch.equal``, ``bool(t)``, data-dependent shapes).
+
+    For: the fallback warning of ``pmap(jit=True)``, which then tells the user to compute
+    such a branch with ``torch.where``. Missing classes only make that message generic,
+    so a missing one warns (:class:`TorchPrivateWarning`) instead of raising.
+    Public replacement: ``GuardOnDataDependentSymNode`` is in
+    ``torch.fx.experimental.symbolic_shapes``; the two others only in the private
+    ``torch._subclasses.fake_tensor`` (what we'd need: a public base class for "depends on
+    data" trace errors).
+    Checked: torch 2.13.0, 2.14.1.
+    """
+    global _value_dependent
+    if _value_dependent is None:
+        found, missing = [], []
+        for module, name in (
+            ("torch._subclasses.fake_tensor", "DataDependentOutputException"),
+            ("torch._subclasses.fake_tensor", "DynamicOutputShapeException"),
+            ("torch.fx.experimental.symbolic_shapes", "GuardOnDataDependentSymNode"),
+        ):
+            try:
+                found.append(getattr(_module(module), name))
+            except (AttributeError, ImportError):
+                missing.append(f"{module}.{name}")
+        if missing:
+            warnings.warn(
+                str(TorchPrivateError("value_dependent_errors", f"is missing {', '.join(missing)}"))
+                + " pmap(jit=True) fallbacks caused by value-dependent code get a generic message.",
+                TorchPrivateWarning,
+                stacklevel=2,
+            )
+        _value_dependent = tuple(found)
+    return _value_dependent
+
+
+# ======================================================================= torch.distributed
+
+
+def default_store() -> Any:
+    """The ``torch.distributed.Store`` of the default process group.
+
+    For: adopting a process group someone else initialized: torchpmap's fault watching
+    (heartbeats, failure reports naming the rank) lives in that store, under its own prefix.
+    Raises :class:`TorchPrivateError` when the API is gone or fails; the caller
+    (:mod:`torchpmap._process_group`) then warns with :class:`TorchPrivateWarning` that
+    fault watching is off, never silently.
+    Public replacement: none (``init_process_group(store=...)`` takes a store but there is
+    no public getter; what we'd need: ``torch.distributed.get_default_store()``).
+    Checked: torch 2.13.0, 2.14.1 (``torch.distributed.distributed_c10d._get_default_store``).
+    """
+    try:
+        getter = _module("torch.distributed.distributed_c10d")._get_default_store
+    except (AttributeError, ImportError) as error:
+        raise TorchPrivateError("default_store", f"is missing ({error})") from error
+    try:
+        return getter()
+    except Exception as error:
+        raise TorchPrivateError("default_store", f"failed: {type(error).__name__}: {error}") from error
+
+
+# ======================================================================= torch's state, carried into device threads
+# A pmap over several devices runs one thread per device; each must see its caller's
+# torch state (see :mod:`torchpmap._context`). PyTorch keeps that state per thread and
+# offers no public way to read it out of one thread and into another.
+
+
+def forward_grad_enabled() -> bool:
+    """Whether forward-mode AD is on in this thread (``torch.func.jvp`` turns it on).
+
+    For: carrying the caller's forward-grad mode into device threads.
+    Public replacement: none (what we'd need: a public getter in ``torch.autograd.forward_ad``).
+    Checked: torch 2.13.0, 2.14.1 (``torch._C._is_fwd_grad_enabled``).
+    """
+    return torch._C._is_fwd_grad_enabled()
+
+
+def forward_grad_set(enabled: bool) -> contextlib.AbstractContextManager:
+    """Sets forward-mode AD on or off in this thread for a block.
+
+    For: entering the caller's forward-grad mode in a device thread.
+    Public replacement: none. Checked: torch 2.13.0, 2.14.1
+    (``torch.autograd.forward_ad._set_fwd_grad_enabled``).
+    """
+    return torch.autograd.forward_ad._set_fwd_grad_enabled(enabled)
+
+
+def function_mode_stack() -> list[Any]:
+    """The torch function modes in force in this thread, outermost first.
+
+    For: device threads see the caller's ``with torch.device(...)``,
+    ``torch.set_default_device`` and other function modes.
+    Public replacement: none (``torch.overrides`` has only the private
+    ``_get_current_function_mode_stack``). Checked: torch 2.13.0, 2.14.1.
+    """
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def function_mode_pushed(mode: Any) -> Iterator[None]:
+    """Pushes an already-entered torch function mode of another thread onto this thread's
+    stack for a block (entering it again would re-run its ``__enter__``).
+
+    For: the same. Public replacement: none (``torch.overrides._push_mode``/``_pop_mode``).
+    Checked: torch 2.13.0, 2.14.1.
+    """
+    from torch.overrides import _pop_mode, _push_mode
+
+    _push_mode(mode)
+    try:
+        yield
+    finally:
+        _pop_mode()
+
+
+def _layer_stack() -> tuple[Callable[[], Any], Callable[[], Any], Callable[[Any], None]]:
+    f = torch._C._functorch
+    return f.peek_interpreter_stack, f.pop_dynamic_layer_stack, f.push_dynamic_layer_stack
+
+
+def functorch_layers() -> list[Any]:
+    """The torch.func interpreter stack of this thread, innermost first, left in place.
+
+    For: torch.func transforms around a multi-device pmap enclose its device threads too.
+    Public replacement: none (torch's own loop is the private
+    ``torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack``).
+    Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.peek_interpreter_stack``,
+    ``pop_dynamic_layer_stack``, ``push_dynamic_layer_stack``).
+    """
+    peek, pop, push = _layer_stack()
+    layers = []
+    while peek() is not None:
+        layers.append(pop())
+    for layer in reversed(layers):
+        push(layer)
+    return layers
+
+
+@contextlib.contextmanager
+def functorch_layers_restored(layers: Sequence[Any]) -> Iterator[None]:
+    """Pushes ``layers`` (from :func:`functorch_layers` of another thread) onto this
+    thread's interpreter stack for a block: the caller's transforms enclose the block.
+
+    For: the same. Public replacement: none. Checked: torch 2.13.0, 2.14.1 (the same calls).
+    """
+    _, pop, push = _layer_stack()
+    pushed = 0
+    try:
+        for layer in reversed(layers):
+            push(layer)
+            pushed += 1
+        yield
+    finally:
+        for _ in range(pushed):
+            pop()
+
+
+@contextlib.contextmanager
+def functorch_layers_cleared() -> Iterator[None]:
+    """No torch.func transform in force for a block (put back after).
+
+    For: torchpmap's own random draw (one per call) must not be batched, or refused, by an
+    enclosing vmap. Public replacement: none (torch has the private
+    ``temporarily_clear_interpreter_stack``). Checked: torch 2.13.0, 2.14.1 (the same calls).
+    """
+    peek, pop, push = _layer_stack()
+    layers = []
+    while peek() is not None:
+        layers.append(pop())
+    try:
+        yield
+    finally:
+        for layer in reversed(layers):
+            push(layer)
+
+
+def jvp_nesting() -> int:
+    """How many ``torch.func.jvp`` calls are open in this process (torch.func opens the
+    process' forward-AD level only at nesting 1).
+
+    For: device threads share one forward-AD level per call.
+    Public replacement: none (what we'd need: per-thread forward-AD levels, or a public
+    way to hold one open). Checked: torch 2.13.0, 2.14.1
+    (``torch._functorch.eager_transforms.JVP_NESTING``).
+    """
+    from torch._functorch import eager_transforms
+
+    return eager_transforms.JVP_NESTING
+
+
+@contextlib.contextmanager
+def jvp_nesting_raised() -> Iterator[None]:
+    """Counts one more open jvp for a block, so that a jvp inside it neither opens nor
+    closes the process' forward-AD level (the caller holds it open).
+
+    For: the same. Public replacement: none. Checked: torch 2.13.0, 2.14.1 (the same global).
+    """
+    from torch._functorch import eager_transforms
+
+    eager_transforms.JVP_NESTING += 1
+    try:
+        yield
+    finally:
+        eager_transforms.JVP_NESTING -= 1
+
+
+def release_compiled(fn: Any) -> None:
+    """Drops what torch.compile keeps for ``fn`` (a function, or a bound method of a traced
+    graph module).
+
+    For: the jit cache frees an evicted program. Dynamo's cache entries on its code object
+    hold, through a clean-up hook, the graph module itself (about 0.1 MiB per
+    recompilation otherwise).
+    Public replacement: none (``torch.compiler.reset()`` drops every program of the
+    process; ``torch._dynamo.reset_code`` is exported but undocumented).
+    Checked: torch 2.13.0, 2.14.1 (``torch._dynamo.reset_code``).
+    """
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return
+    try:
+        reset_code = _module("torch._dynamo").reset_code
+    except (AttributeError, ImportError) as error:
+        raise TorchPrivateError("release_compiled", f"is missing ({error})") from error
+    reset_code(code)
+
+
+# ======================================================================= jit=True: auditing the trace
+
+
+def _dispatch_mode_class() -> type:
+    try:
+        return _module("torch.utils._python_dispatch").TorchDispatchMode
+    except (AttributeError, ImportError) as error:
+        problem = f"is missing ({type(error).__name__}: {error})"
+
+        class Missing:  # subclassing still works at import; using the mode raises
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                raise TorchPrivateError("TorchDispatchMode", problem)
+
+        return Missing
+
+
+TorchDispatchMode = _dispatch_mode_class()
+"""The base class of a torch dispatch mode (``__torch_dispatch__``), which sees every aten
+op below autograd. If torch moves it, subclasses still define, and creating one raises
+:class:`TorchPrivateError`.
+
+For: ``pmap(jit=True)`` watches its trace to write the stops of the gradient (``detach``,
+``no_grad``) into the graph.
+Public replacement: none; ``torch.overrides.TorchFunctionMode`` is public but sees torch
+functions above autograd (what we'd need: a public ``TorchDispatchMode``).
+Checked: torch 2.13.0, 2.14.1 (``torch.utils._python_dispatch.TorchDispatchMode``, loaded by
+``import torch``)."""
+
+
+has_kernel_for_dispatch_key = _bind(
+    "has_kernel_for_dispatch_key", lambda: torch._C._dispatch_has_kernel_for_dispatch_key
+)
+"""``has_kernel_for_dispatch_key(op_name, key) -> bool``: whether the operator
+``op_name`` (e.g. ``"aten::add.Tensor"``) has a kernel registered for dispatch key
+``key`` (e.g. ``"Autograd"``).
+
+For: a custom op with its own autograd kernel counts as recorded by autograd when
+``pmap(jit=True)`` audits a trace; checking that vmap's decompositions are installed.
+Public replacement: none (what we'd need: a public ``torch.library`` query).
+Checked: torch 2.13.0, 2.14.1 (``torch._C._dispatch_has_kernel_for_dispatch_key``)."""
+
+
+def op_schema(op: Any) -> Any:
+    """The schema (``torch._C.FunctionSchema``: ``.arguments``, each with ``.name`` and
+    ``.alias_info.is_write``) of an ``OpOverload``, None for anything else.
+
+    For: which arguments an op writes in place, when ``pmap(jit=True)`` audits a trace.
+    Public replacement: none (``OpOverload._schema``; what we'd need: a public schema
+    attribute). Checked: torch 2.13.0, 2.14.1.
+    """
+    return getattr(op, "_schema", None)
+
+
+# ======================================================================= probes
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(what)
+
+
+def _with_vmap_level(size: int, body: Callable[[int], None]) -> None:
+    level = vmap_increment_nesting(size, "error")
+    try:
+        body(level)
+    finally:
+        vmap_decrement_nesting()
+
+
+def _probe_current_vmap_level() -> None:
+    _expect(current_vmap_level() is None, "no level outside every transform")
+
+    def body(level: int) -> None:
+        _expect(current_vmap_level() == level, "the level just opened is current")
+
+    _with_vmap_level(2, body)
+    seen = []
+    torch.func.grad(lambda x: (seen.append(current_vmap_level()), x.sum())[1])(torch.ones(2))
+    _expect(isinstance(seen[0], int), "grad opens a level too")
+
+
+def _probe_vmap_level_of() -> None:
+    x = torch.ones(2, 3)
+    _expect(vmap_level_of(x) == -1, "a plain tensor is at level -1")
+
+    def body(level: int) -> None:
+        _expect(vmap_level_of(add_batch_dim(x, 0, level)) == level, "a batched tensor reports its level")
+
+    _with_vmap_level(2, body)
+
+
+def _probe_batching() -> None:
+    x = torch.arange(6.0).reshape(2, 3)
+
+    def body(level: int) -> None:
+        b = add_batch_dim(x, 1, level)  # batched along dim 1: instances are columns
+        _expect(tuple(b.shape) == (2,), "a batched tensor shows the instance shape")
+        value, dim = unwrap_batched(b * 10, level)
+        _expect(torch.equal(value.movedim(dim, 0), (x * 10).movedim(1, 0)), "unwrap returns (value, dim)")
+        _expect(unwrap_batched(x, level)[1] is None, "a tensor not batched at the level: dim None")
+        out = remove_batch_dim(b + 1, level, 3, 0)
+        _expect(torch.equal(out, (x + 1).T), "remove_batch_dim moves the batch to out_dim")
+        out = remove_batch_dim(torch.ones(2), level, 3, 0)
+        _expect(tuple(out.shape) == (3, 2), "an unbatched result is expanded to size")
+
+    _with_vmap_level(3, body)
+    _expect(current_vmap_level() is None, "decrement closes the level")
+
+
+def _probe_pop_interpreter() -> None:
+    seen = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with pop_interpreter():
+            seen.append(current_vmap_level())
+        return x
+
+    torch.func.vmap(f)(torch.ones(2))
+    _expect(seen == [None], "inside one vmap, popping its interpreter leaves no level")
+
+
+def _probe_ensure_vmap_decompositions() -> None:
+    ensure_vmap_decompositions()
+    _expect(_decompositions_loaded, "marked loaded")
+    _expect(
+        has_kernel_for_dispatch_key("aten::mse_loss_backward", "FuncTorchBatched"),
+        "mse_loss_backward has a batching decomposition",
+    )
+
+
+def _probe_saved_tensors_hooks() -> None:
+    previous = saved_tensors_hooks_disabled_message()
+    try:
+        enable_saved_tensors_hooks()
+        _expect(saved_tensors_hooks_disabled_message() is None, "None when enabled")
+        disable_saved_tensors_hooks("probe: no hooks")
+        _expect(saved_tensors_hooks_disabled_message() == "probe: no hooks", "the message is kept")
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                pass
+        except RuntimeError as error:
+            _expect("probe: no hooks" in str(error), "setting hooks raises the message")
+        else:
+            raise AssertionError("setting hooks while disabled did not raise")
+    finally:
+        if previous is None:
+            enable_saved_tensors_hooks()
+        else:
+            disable_saved_tensors_hooks(previous)
+
+
+def _probe_pytree() -> None:
+    import collections
+
+    for name in (
+        "tree_flatten tree_unflatten tree_map tree_map_with_path tree_leaves tree_leaves_with_path "
+        "tree_flatten_with_path tree_map_only tree_is_leaf keystr TreeSpec KeyPath"
+    ).split():
+        _expect(hasattr(pytree, name), f"pytree.{name} exists")
+    tree = ({"b": 1, "a": [2, 3]}, (4,))
+    leaves, spec = pytree.tree_flatten(tree)
+    _expect(leaves == [1, 2, 3, 4] and pytree.tree_unflatten(leaves, spec) == tree, "flatten round trip")
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_leaves_with_path(tree)]
+    _expect(paths == ["[0]['b']", "[0]['a'][0]", "[0]['a'][1]", "[1][0]"], f"key strings (got {paths})")
+    _expect(pytree.tree_is_leaf(torch.ones(1)) and not pytree.tree_is_leaf([1]), "tree_is_leaf")
+    point = collections.namedtuple("point", "x y")
+    children, spec = pytree.tree_flatten(point([1], 2), is_leaf=lambda c: not isinstance(c, point))
+    _expect(children == [[1], 2], "a one-level flatten stops at is_leaf")
+    _expect(spec.context is point and spec.num_children == 2, "TreeSpec has .context and .num_children")
+    _, other = pytree.tree_flatten(point(0, 0))
+    _expect(spec.type == other.type, "TreeSpec.type is the node kind")
+    _expect(pytree.tree_flatten(0)[1].is_leaf(), "TreeSpec.is_leaf")
+    _expect(
+        pytree.tree_map_with_path(lambda p, v: pytree.keystr(p), {"k": 1}) == {"k": "['k']"}, "tree_map_with_path"
+    )
+
+
+def _probe_make_fx_real_inputs() -> None:
+    constant = torch.tensor([1.0, 2.0])
+    graph = make_fx_real_inputs(lambda x: x + constant, decomposition_table={})(torch.zeros(2))
+    _expect(torch.equal(graph(torch.ones(2)), torch.tensor([2.0, 3.0])), "a traced closure computes")
+    _expect(any(n.op == "get_attr" for n in graph.graph.nodes), "the closed-over tensor is a graph constant")
+
+
+def _probe_value_dependent_errors() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TorchPrivateWarning)
+        global _value_dependent
+        _value_dependent = None
+        errors = value_dependent_errors()
+    _expect(len(errors) == 3 and all(issubclass(e, Exception) for e in errors), "three exception classes")
+    for fn in (lambda x: torch.equal(x, x), lambda x: x if bool(x.sum() > 0) else -x):
+        try:
+            make_fx_real_inputs(fn)(torch.ones(2))
+        except errors:
+            continue
+        except Exception as error:  # noqa: BLE001
+            raise AssertionError(f"a value-dependent trace raised {type(error).__name__}, not one of them") from error
+        raise AssertionError("a value-dependent trace did not raise")
+
+
+def _probe_default_store() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
+        _expect(isinstance(default_store(), dist.Store), "a Store")
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = default_store()
+        _expect(isinstance(store, dist.Store), "a Store")
+        store.set("torchpmap-probe", "1")
+        _expect(store.get("torchpmap-probe") == b"1", "the store works")
+    finally:
+        dist.destroy_process_group()
+
+
+def _in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` in a new thread (fresh thread-local torch state); its result or its error."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            out.append((False, error))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _probe_forward_grad() -> None:
+    _expect(_in_thread(forward_grad_enabled) is True, "on by default in a new thread")
+
+    def toggled() -> tuple[bool, bool]:
+        with forward_grad_set(False):
+            inside = forward_grad_enabled()
+        return inside, forward_grad_enabled()
+
+    _expect(_in_thread(toggled) == (False, True), "set for a block, then restored")
+
+
+def _probe_function_modes() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", None))
+            return func(*args, **(kwargs or {}))
+
+    before = len(function_mode_stack())
+    with Record() as mode:
+        stack = function_mode_stack()
+        _expect(len(stack) == before + 1 and stack[-1] is mode, "the entered mode is innermost")
+
+        def elsewhere() -> tuple[int, int]:
+            empty = len(function_mode_stack())
+            with function_mode_pushed(mode):
+                torch.ones(1).neg()
+                pushed = len(function_mode_stack())
+            return empty, pushed - empty
+
+        _expect(_in_thread(elsewhere) == (0, 1), "another thread starts empty; pushing adds the mode")
+    _expect("neg" in seen, "the pushed mode sees the other thread's ops")
+
+
+def _probe_functorch_layers() -> None:
+    seen: dict[str, Any] = {}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        level = current_vmap_level()
+        layers = functorch_layers()
+        seen["count"] = len(layers)
+        seen["kept"] = current_vmap_level() == level
+        with functorch_layers_cleared():
+            seen["cleared"] = current_vmap_level()
+        seen["back"] = current_vmap_level() == level
+
+        def elsewhere() -> tuple[Any, Any]:
+            with functorch_layers_restored(layers):
+                inside = current_vmap_level()
+            return inside, current_vmap_level()
+
+        seen["restored"] = _in_thread(elsewhere) == (level, None)
+        return x
+
+    torch.func.vmap(f)(torch.ones(2))
+    _expect(seen == {"count": 1, "kept": True, "cleared": None, "back": True, "restored": True}, f"got {seen}")
+
+
+def _probe_jvp_nesting() -> None:
+    seen = []
+    _expect(jvp_nesting() == 0, "no jvp open")
+    torch.func.jvp(lambda x: (seen.append(jvp_nesting()), x * 2)[1], (torch.ones(2),), (torch.ones(2),))
+    _expect(seen == [1], f"one inside torch.func.jvp (got {seen})")
+    with jvp_nesting_raised():
+        _expect(jvp_nesting() == 1, "raised by one")
+    _expect(jvp_nesting() == 0, "lowered after")
+
+
+def _probe_release_compiled() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    compiled = torch.compile(f, backend="eager")
+    _expect(torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)), "compiled")
+    release_compiled(f)
+    release_compiled(compiled.__call__)  # a callable without its own code object is fine too
+    _expect(torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)), "recompiles after a release")
+
+
+def _probe_dispatch_mode() -> None:
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2) + 1
+    _expect(torch.ops.aten.add.Tensor in seen, "a dispatch mode sees aten.add.Tensor")
+
+
+_probe_library: Any = None
+
+
+def _probe_has_kernel() -> None:
+    global _probe_library
+    if _probe_library is None:  # an op with a CPU kernel and no autograd kernel, defined once
+        _probe_library = torch.library.Library("torchpmap_probe", "FRAGMENT")
+        _probe_library.define("plain(Tensor x) -> Tensor")
+        _probe_library.impl("plain", lambda x: x.clone(), "CPU")
+    _expect(has_kernel_for_dispatch_key("torchpmap_probe::plain", "CPU"), "a registered kernel is found")
+    _expect(not has_kernel_for_dispatch_key("torchpmap_probe::plain", "Autograd"), "a missing one is not")
+    _expect(has_kernel_for_dispatch_key("aten::add.Tensor", "Autograd"), "aten ops have autograd kernels")
+
+
+def _probe_op_schema() -> None:
+    schema = op_schema(torch.ops.aten.add_.Tensor)
+    arguments = [(a.name, bool(a.alias_info and a.alias_info.is_write)) for a in schema.arguments]
+    _expect(arguments == [("self", True), ("other", False), ("alpha", False)], f"add_'s arguments (got {arguments})")
+    _expect(op_schema(torch.add) is None, "None for a torch function")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One door entry: ``name`` is its attribute here, ``private`` the torch API behind it."""
+
+    name: str
+    private: str
+    probe: Callable[[], None]
+
+
+ENTRIES: dict[str, Entry] = {
+    e.name: e
+    for e in (
+        Entry("current_vmap_level", "torch._C._functorch.maybe_current_level", _probe_current_vmap_level),
+        Entry("vmap_level_of", "torch._C._functorch.maybe_get_level", _probe_vmap_level_of),
+        Entry("unwrap_batched", "torch._C._functorch._unwrap_batched", _probe_batching),
+        Entry("add_batch_dim", "torch._C._functorch._add_batch_dim", _probe_batching),
+        Entry("remove_batch_dim", "torch._C._functorch._remove_batch_dim", _probe_batching),
+        Entry("vmap_increment_nesting", "torch._C._functorch._vmap_increment_nesting", _probe_batching),
+        Entry("vmap_decrement_nesting", "torch._C._functorch._vmap_decrement_nesting", _probe_batching),
+        Entry(
+            "pop_interpreter", "torch._functorch.pyfunctorch.temporarily_pop_interpreter_stack", _probe_pop_interpreter
+        ),
+        Entry(
+            "ensure_vmap_decompositions",
+            "torch._functorch.vmap.lazy_load_decompositions",
+            _probe_ensure_vmap_decompositions,
+        ),
+        Entry(
+            "saved_tensors_hooks_disabled_message",
+            "torch._C._autograd._saved_tensors_hooks_get_disabled_error_message",
+            _probe_saved_tensors_hooks,
+        ),
+        Entry(
+            "disable_saved_tensors_hooks", "torch._C._autograd._saved_tensors_hooks_disable", _probe_saved_tensors_hooks
+        ),
+        Entry(
+            "enable_saved_tensors_hooks", "torch._C._autograd._saved_tensors_hooks_enable", _probe_saved_tensors_hooks
+        ),
+        Entry("pytree", "torch.utils._pytree", _probe_pytree),
+        Entry("make_fx_real_inputs", "make_fx(..., _allow_non_fake_inputs=True)", _probe_make_fx_real_inputs),
+        Entry(
+            "value_dependent_errors",
+            "torch._subclasses.fake_tensor.DataDependentOutputException, DynamicOutputShapeException",
+            _probe_value_dependent_errors,
+        ),
+        Entry("default_store", "torch.distributed.distributed_c10d._get_default_store", _probe_default_store),
+        Entry("forward_grad_enabled", "torch._C._is_fwd_grad_enabled", _probe_forward_grad),
+        Entry("forward_grad_set", "torch.autograd.forward_ad._set_fwd_grad_enabled", _probe_forward_grad),
+        Entry("function_mode_stack", "torch.overrides._get_current_function_mode_stack", _probe_function_modes),
+        Entry("function_mode_pushed", "torch.overrides._push_mode, _pop_mode", _probe_function_modes),
+        Entry(
+            "functorch_layers",
+            "torch._C._functorch.peek_interpreter_stack, pop_dynamic_layer_stack, push_dynamic_layer_stack",
+            _probe_functorch_layers,
+        ),
+        Entry(
+            "functorch_layers_restored",
+            "torch._C._functorch.pop_dynamic_layer_stack, push_dynamic_layer_stack",
+            _probe_functorch_layers,
+        ),
+        Entry(
+            "functorch_layers_cleared",
+            "torch._C._functorch.peek_interpreter_stack, pop_dynamic_layer_stack, push_dynamic_layer_stack",
+            _probe_functorch_layers,
+        ),
+        Entry("jvp_nesting", "torch._functorch.eager_transforms.JVP_NESTING", _probe_jvp_nesting),
+        Entry("jvp_nesting_raised", "torch._functorch.eager_transforms.JVP_NESTING", _probe_jvp_nesting),
+        Entry("release_compiled", "torch._dynamo.reset_code", _probe_release_compiled),
+        Entry("TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode", _probe_dispatch_mode),
+        Entry("has_kernel_for_dispatch_key", "torch._C._dispatch_has_kernel_for_dispatch_key", _probe_has_kernel),
+        Entry("op_schema", "OpOverload._schema", _probe_op_schema),
+    )
+}
+
+
+def check(*names: str) -> None:
+    """Verifies the entries ``names`` (all when none given) on the running torch.
+
+    Raises :class:`TorchPrivateError` naming every entry whose private API is missing or
+    no longer behaves as torchpmap expects. Run it on a new torch release before anything
+    else (``tests/test_torch_private.py`` does, one test per entry).
+    """
+    failures = []
+    for name in names or tuple(ENTRIES):
+        entry = ENTRIES[name]
+        try:
+            entry.probe()
+        except Exception as error:  # noqa: BLE001 - every failure is reported, by entry
+            failures.append((name, f"{type(error).__name__}: {error}"))
+    if len(failures) == 1:
+        name, problem = failures[0]
+        raise TorchPrivateError(name, f"failed its check: {problem}")
+    if failures:
+        listing = "; ".join(f"{name}: {problem}" for name, problem in failures)
+        others = len(failures) - 1
+        raise TorchPrivateError(failures[0][0], f"and {others} other entries failed their checks ({listing})")
