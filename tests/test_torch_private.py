@@ -65,24 +65,7 @@ _PRIVATE = re.compile(
 
 # Call sites in files their owners are changing, still to be switched to the door
 # (file -> substrings of the lines): remove a line here when its call site is switched.
-_PENDING = {
-    # -> from torchpmap._torch_private import pytree
-    "torchpmap/training.py": ["import torch.utils._pytree as pytree"],
-    # -> private.current_vmap_level()
-    "torchpmap/_engines/__init__.py": ["torch._C._functorch.maybe_current_level()"],
-    "torchpmap/_engines/multi_device.py": ["torch._C._functorch.maybe_current_level()"],
-    "torchpmap/_engines/threaded.py": ["torch._C._functorch.maybe_current_level()"],
-    "torchpmap/_engines/compiled.py": [
-        "from torch.utils._python_dispatch import",  # -> private.TorchDispatchMode
-        "from torch.utils._pytree import",  # -> private.pytree.tree_flatten / tree_map_only
-        "_allow_non_fake_inputs=True",  # -> private.make_fx_real_inputs(program, decomposition_table={})
-        "torch._C._dispatch_has_kernel_for_dispatch_key",  # -> private.has_kernel_for_dispatch_key
-        "from torch._subclasses import fake_tensor",  # -> private.value_dependent_errors(), when needed
-    ],
-    # its functions are entries of the door under the same names: switch _context.py and
-    # thread_mode.py to torchpmap._torch_private, then delete the file
-    "torchpmap/_torch_private_state.py": [""],
-}
+_PENDING: dict[str, list[str]] = {}  # call sites not yet switched to the door: none
 
 
 def test_no_private_torch_outside_the_door():

@@ -513,7 +513,9 @@ def test_train_digits_quick_reaches_95_percent(tmp_path):
     assert match, result.stdout
     assert float(match.group(1)) >= 0.95, result.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "samples/s" in result.stderr  # the tqdm bar reports throughput
+    assert "samples/s" in result.stdout  # the summary reports throughput
+    assert re.search(r"^epoch 1/\d+: loss ", result.stdout, re.M)  # not a terminal: plain lines, no progress bar
+    assert "\r" not in result.stderr
 
 
 # --------------------------------------------------------------------------- the open step

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
-from torchpmap import _torch_private_state as private
+from torchpmap import _torch_private as private
 
 T = TypeVar("T")
 

@@ -58,10 +58,10 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optiona
 
 import numpy as np
 import torch
-import torch.utils._pytree as pytree
 from torch.func import functional_call, grad_and_value
 
 from torchpmap import _devices
+from torchpmap._torch_private import pytree
 from torchpmap._sharded import ShardedTensor
 from torchpmap._api import pmap
 from torchpmap._collectives import pmean

@@ -146,7 +146,7 @@ def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
         _warn_not_compiled(call, f"runs on {len(call.devices)} devices")
         _log_engine(call, "multi-device (one thread per device)")
         return multi_device.run(call)
-    if call.programs is not None and torch._C._functorch.maybe_current_level() is None:
+    if call.programs is not None and private.current_vmap_level() is None:
         _log_engine(call, "compiled")
         return call.programs.run(call, call.signature)
     _log_engine(call, "vectorized")
@@ -172,6 +172,7 @@ def _warn_not_compiled(call: MappedCall, why: str) -> None:
 # The engines import MappedCall from here, so they come after it (imported once, not per call).
 from torchpmap import _axis_env  # noqa: E402
 from torchpmap._log import logger  # noqa: E402
+from torchpmap import _torch_private as private  # noqa: E402
 from torchpmap._config import vectorization_disabled  # noqa: E402
 from torchpmap._engines import batching_fixes, distributed, multi_device, threaded, vectorized  # noqa: E402
 from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402

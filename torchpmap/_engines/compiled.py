@@ -33,13 +33,11 @@ import warnings
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from torchpmap import _devices
-from torchpmap import _torch_private_state as private
+from torchpmap import _torch_private as private
+from torchpmap._torch_private import TorchDispatchMode
 from torchpmap._config import config
 from torchpmap._engines import MappedCall, vectorized
 from torchpmap._log import logger
@@ -232,7 +230,7 @@ class JitRecompileWarning(UserWarning):
 def _fallback_message(call: MappedCall, failure: Exception) -> str:
     first_line = (str(failure).strip().splitlines() or [""])[0]
     why = f"{type(failure).__name__}: {first_line}"
-    if isinstance(failure, _VALUE_DEPENDENT):
+    if isinstance(failure, private.value_dependent_errors()):
         why = (
             f"it depends on the value of a tensor ({why}); a compiled program fixes its control flow and output "
             "shapes when it is traced. Compute such a branch with torch.where"
@@ -293,7 +291,7 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
 
     # An explicit decomposition table, even empty: without one, make_fx (torch >= 2.14) records
     # detach as alias, and AOTAutograd would differentiate through it.
-    graph = make_fx(program, decomposition_table={}, tracing_mode="fake", _allow_non_fake_inputs=True)(
+    graph = private.make_fx_real_inputs(program, decomposition_table={})(
         *_graph_inputs(call, tensor_slots)
     )
     graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses
@@ -339,17 +337,17 @@ class _GradientAudit(TorchDispatchMode):
         kwargs = kwargs or {}
         recorded = torch.is_grad_enabled() or _has_own_autograd(func)
         written = _written_arguments(func)
-        schema_args = getattr(getattr(func, "_schema", None), "arguments", ())
+        schema_args = getattr(private.op_schema(func), "arguments", ())
         args = tuple(
             self._stop(a, recorded, i < len(schema_args) and schema_args[i].name in written)
             for i, a in enumerate(args)
         )
         kwargs = {k: self._stop(v, recorded, k in written) for k, v in kwargs.items()}
         carries = func is not torch.ops.aten.detach.default and any(
-            self._carried(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+            self._carried(t) for t in private.pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         )
         out = func(*args, **kwargs)
-        for t in tree_flatten(out)[0]:
+        for t in private.pytree.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._carries[t] = carries and _differentiable_dtype(t)
                 if recorded:
@@ -370,7 +368,7 @@ class _GradientAudit(TorchDispatchMode):
 
     def _stop(self, value: Any, recorded: bool, written: bool) -> Any:
         """``value`` (a tensor, a list of them, or anything else) as an op must see it."""
-        return tree_map_only(torch.Tensor, lambda t: self._stop_one(t, recorded, written), value)
+        return private.pytree.tree_map_only(torch.Tensor, lambda t: self._stop_one(t, recorded, written), value)
 
     def _stop_one(self, t: torch.Tensor, recorded: bool, written: bool) -> torch.Tensor:
         if recorded and t.requires_grad and t.grad_fn is not None and t in self._unrecorded:
@@ -401,7 +399,7 @@ def _has_own_autograd(func: Any) -> bool:
     if getattr(func, "namespace", "aten") in ("aten", "prim", "prims"):
         return False
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "Autograd")
+        return private.has_kernel_for_dispatch_key(func.name(), "Autograd")
     except RuntimeError:  # not a dispatcher op
         return False
 
@@ -409,24 +407,8 @@ def _has_own_autograd(func: Any) -> bool:
 @functools.lru_cache(maxsize=None)
 def _written_arguments(func: Any) -> frozenset[str]:
     """The names of the arguments an op writes to (in-place and out= ops)."""
-    arguments = getattr(getattr(func, "_schema", None), "arguments", ())
+    arguments = getattr(private.op_schema(func), "arguments", ())
     return frozenset(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
-
-
-def _value_dependent_errors() -> tuple[type[BaseException], ...]:
-    from torch._subclasses import fake_tensor
-
-    errors = [fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException]
-    try:
-        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-        errors.append(GuardOnDataDependentSymNode)
-    except ImportError:  # pragma: no cover - older torch
-        pass
-    return tuple(errors)
-
-
-_VALUE_DEPENDENT = _value_dependent_errors()
 
 
 def _lift_constants(graph: torch.fx.GraphModule) -> list[torch.Tensor]:

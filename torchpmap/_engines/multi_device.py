@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from torchpmap import _context, _devices
+from torchpmap import _torch_private as private
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, module_guard, vectorized
@@ -62,7 +63,7 @@ def run(call: MappedCall) -> list[ShardedTensor]:
 
     per_device = run_threads([lambda d=d: one_device(d) for d in range(len(devices))], rendezvous, devices, k)
     check_outputs_agree(per_device, devices)
-    if torch._C._functorch.maybe_current_level() is not None:
+    if private.current_vmap_level() is not None:
         # a torch.func transform encloses the call: it carries tensors only (gathered on the first device)
         return [torch.cat([o.to(torch_devices[0]) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]

@@ -15,7 +15,7 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torchpmap._torch_private_state import functorch_layers_cleared
+from torchpmap._torch_private import functorch_layers_cleared
 
 _RANDOM_OPS = frozenset(
     """rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson

@@ -23,6 +23,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from torchpmap import _axis_env, _context, _devices, _mesh
+from torchpmap import _torch_private as private
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
@@ -61,7 +62,7 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
         return None
     if axis is not None and axis in parent.coords:
         raise ValueError(f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name")
-    if torch._C._functorch.maybe_current_level() != parent.outer_level:
+    if private.current_vmap_level() != parent.outer_level:
         raise NotImplementedError(
             f"{what} over axis {axis!r}: it is nested in a map whose instances run vectorized, or in a torch.func "
             "transform, so it cannot start threads of its own. Give each enclosing mesh axis one instance per "
@@ -78,7 +79,7 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
     if parent is None:
         rendezvous = Rendezvous(config.collective_timeout, baton or threading.RLock())
         path, coords, frames, outer_along = (object(),), {}, (), {}
-        outer_level = torch._C._functorch.maybe_current_level()
+        outer_level = private.current_vmap_level()
     else:
         parent.nested_calls += 1
         rendezvous, path, coords = parent.rendezvous, parent.path + (parent.nested_calls,), parent.coords
