@@ -10,13 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Hashable, Iterator
+from typing import Hashable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from torchpmap import _context
 
 AxisName = Hashable
+
+
+class Exchange(Protocol):
+    """How the slices of a split axis talk: one per slice (device thread or process).
+
+    Implemented by the device threads' ``ThreadExchange``, the processes'
+    ``ProcessExchange`` and the ``TracedExchange`` a compiled program records.
+    """
+
+    #: True when each slice sends its partial result of a reduction instead of every
+    #: instance's value (across processes: traffic independent of the local size).
+    reduces_locally: bool
+
+    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+        """For each ``ts[k]``: every slice's value stacked along a new dim 0, in axis order."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -43,7 +59,7 @@ class AxisFrame:
     token: torch.Tensor
     local_size: int
     offset: int = 0
-    exchange: Any = None
+    exchange: Optional[Exchange] = None
     vectorized: bool = True
 
 

@@ -234,7 +234,7 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     exchange = prims[0].frame.exchange
     if exchange is None:
         return [p.compute(X) for p, X in zip(prims, Xs)]
-    if getattr(exchange, "reduces_locally", False) and all(p.reduces for p in prims):
+    if exchange.reduces_locally and all(p.reduces for p in prims):
         # even a slice of one instance sends compute's result: its dtype (psum of bools
         # sends int64) must not depend on the local size, and the bits are those of one process
         Xs = [p.compute(X)[0].unsqueeze(0) for p, X in zip(prims, Xs)]

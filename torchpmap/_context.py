@@ -12,7 +12,8 @@ changes a program's results per thread. Two kinds of state follow the caller:
   ``vmap``, ``jvp`` and ``jacfwd`` enclose a pmap on several devices as they enclose one
   on one device. The default dtype, deterministic-algorithms mode and anomaly mode are
   process-wide in PyTorch, so device threads see them without help.
-* **torchpmap's own state**: the active meshes and debug mode live in
+* **torchpmap's own state**: the active meshes, debug mode, bound axes, device placement,
+  the threaded engine's position and the process exchange's state live in
   :mod:`contextvars`, so that a ``with mesh:`` or ``disable_vectorization()`` in one
   thread never leaks into another, nested contexts restore what they found (on error
   too), and device threads run in a copy of their caller's context
@@ -48,6 +49,10 @@ axis_frames: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("t
 instance_thread: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_instance", default=None)
 #: In a device thread, the watch over module forwards of its call (see ``module_guard``).
 module_watch: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_module_watch", default=None)
+#: The axes (mesh axis names, or the world) of the distributed pmaps running here, outermost first.
+process_axes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_process_axes", default=())
+#: True while a program spanning processes is traced here (``pmap(jit=True)``).
+tracing_processes: contextvars.ContextVar[bool] = contextvars.ContextVar("torchpmap_tracing_processes", default=False)
 #: ``disable_vectorization()`` in this context: True inside, None where no such block is open.
 debug_mode: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("torchpmap_debug", default=None)
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
 from torchpmap._devices import Device
+from torchpmap._mesh import Mesh
+
+if TYPE_CHECKING:
+    from torchpmap._engines.compiled import ProgramCache
 
 
 @dataclasses.dataclass(eq=False, slots=True)  # not frozen: a frozen __init__ costs microseconds per call
@@ -52,8 +56,8 @@ class MappedCall:
     randomness: str
     devices: Optional[Sequence[Device]]
     must_be_unmapped: Optional[Callable[[], dict[int, str]]] = None
-    mesh: Any = None
-    programs: Any = None
+    mesh: Optional[Mesh] = None
+    programs: Optional["ProgramCache"] = None
     signature: Hashable = None
     body_record: dict = dataclasses.field(default_factory=dict)
     memory: Optional["FunctionMemory"] = None

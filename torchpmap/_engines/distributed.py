@@ -30,12 +30,12 @@ dead peer into an error naming its rank instead of a hang.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from torchpmap import _context
 from torchpmap import _process_group as pg
 from torchpmap import _torch_private as private
 from torchpmap._mesh import ProcessMesh
@@ -220,21 +220,13 @@ class _GatherProcesses(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- which processes form the axis
 
-_running = threading.local()  # the mesh axes (or _WORLD) of the distributed pmaps running in this thread
-_WORLD = object()
-
-
-def _enclosing() -> list[Any]:
-    stack = getattr(_running, "stack", None)
-    if stack is None:
-        stack = _running.stack = []
-    return stack
+_WORLD = object()  # the key of a pmap over all processes in _context.process_axes
 
 
 def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
     """The exchange for this call and its key in the running stack; None to run locally."""
     st = pg.state()
-    mesh, name, enclosing = getattr(call, "mesh", None), call.axis_name, _enclosing()
+    mesh, name, enclosing = getattr(call, "mesh", None), call.axis_name, _context.process_axes.get()
     if mesh is not None:
         if not isinstance(mesh, ProcessMesh):
             raise NotImplementedError(
@@ -274,8 +266,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         )
     exchange.unchecked = (call.size, call.axis_name)
     part = dataclasses.replace(call, devices=st.local_devices)
-    stack = _enclosing()
-    stack.append(key)
+    token = _context.process_axes.set(_context.process_axes.get() + (key,))
     st.calls += 1
     try:
         if call.programs is not None and private.current_vmap_level() is None:
@@ -296,7 +287,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
                 pass
         raise
     finally:
-        stack.pop()
+        _context.process_axes.reset(token)
 
 
 def _run_slice(part: MappedCall, exchange: ProcessExchange, through: Any) -> list[torch.Tensor]:

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+
+from torchpmap import _context
 
 from torchpmap._engines.process_transpose import differentiable, transpose_gather
 
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
 _live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
-_state = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +54,14 @@ def traced(exchange: Any) -> TracedExchange:
 @contextlib.contextmanager
 def tracing() -> Iterator[None]:
     """Marks this thread as tracing a program across processes (see :func:`is_tracing`)."""
-    previous = getattr(_state, "tracing", False)
-    _state.tracing = True
-    try:
+    with _context.setting(_context.tracing_processes, True):
         yield
-    finally:
-        _state.tracing = previous
 
 
 def is_tracing() -> bool:
     """True while a distributed program is traced in this thread: a distributed pmap
     nested in it cannot run its own (eager) exchange on the tracer's fake tensors."""
-    return getattr(_state, "tracing", False)
+    return _context.tracing_processes.get()
 
 
 @torch.library.custom_op("torchpmap::gather_processes", mutates_args=())

@@ -174,6 +174,8 @@ class ThreadExchange:
     group: Hashable
     seq: int = 0
 
+    reduces_locally = False  # device threads gather every instance's value: bitwise those of one device
+
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, on this slice's
         device. All tensors travel in one meeting (one wait per collective, not per tensor).

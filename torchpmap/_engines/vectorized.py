@@ -6,7 +6,7 @@ that collectives can find this axis' vmap level (see :mod:`torchpmap._collective
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ def place(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exchange: Any = None) -> list[torch.Tensor]:
+def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exchange: Optional[_axis_env.Exchange] = None) -> list[torch.Tensor]:
     """Runs all ``call.size`` instances vectorized on one device.
 
     ``offset``, ``axis_size`` and ``exchange`` let a multi-device engine run one slice of
