@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torchpmap import _torch_private as private
 from torchpmap._device_record import Device
 from torchpmap._faults import PeerFailed
+from torchpmap._log import logger
 
 #: Seconds between two heartbeats of a process (environment: ``TORCHPMAP_HEARTBEAT_INTERVAL``).
 HEARTBEAT_INTERVAL = float(os.environ.get("TORCHPMAP_HEARTBEAT_INTERVAL", "0.5"))
@@ -212,6 +213,11 @@ def _make_state(
     if st.store is not None:
         st.heartbeat = _Heartbeat(st)
         st.heartbeat.start()
+    logger.info(
+        "process group: rank %d of %d (local rank %d), backend %s, device %s, store %s, fault watching %s",
+        st.rank, st.world_size, st.local_rank, st.backend, st.local_device, st.store_address,
+        "on" if st.store is not None else "off",
+    )
     return st
 
 
