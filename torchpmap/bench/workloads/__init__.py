@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from torchpmap.bench.core import Workload
-from torchpmap.bench.workloads import dispatch, distributed, multidevice, psum, scaling, training
+from torchpmap.bench.workloads import dispatch, distributed, mixed_precision, multidevice, psum, scaling, training
 
 WORKLOADS: list[Workload] = [
     dispatch.WORKLOAD,
@@ -12,6 +12,7 @@ WORKLOADS: list[Workload] = [
     scaling.WORKLOAD,
     distributed.WORKLOAD,
     multidevice.WORKLOAD,
+    mixed_precision.WORKLOAD,
 ]
 
 
