@@ -11,7 +11,7 @@
 PYTHON ?= python3
 
 # The torch releases that CI tests; pyproject.toml's torch requirement spans them.
-# TORCH_MAIN: the whole suite. TORCH_COMPAT: the parts that touch torch internals.
+# TORCH_MAIN is the default (`.venv`); `make test` runs the whole suite on both.
 TORCH_MAIN = 2.13.0
 TORCH_COMPAT = 2.14.1
 # The GPU targets need a CUDA build of torch. On this project's machines pip finds the
@@ -76,23 +76,22 @@ else
 test: test-main
 endif
 
-# The whole suite on one device, then the device-spanning parts again on 4 CPU devices,
-# then the jit sweep.
-test-main: $(VENV)/.stamp-test
-	@echo "== $$(date +%T) torch $(TORCH): whole suite, 1 device"
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST)
-	@echo "== $$(date +%T) torch $(TORCH): tests/, 4 CPU devices"
-	TORCHPMAP_NUM_CPU_DEVICES=4 $(PY) $(PYTEST) tests
-	@echo "== $$(date +%T) torch $(TORCH): jit sweep"
-	$(call JIT_SWEEP,$(PY))
+# $(call suite,PYTHON,TORCH VERSION): the whole suite on one device, then the
+# device-spanning parts again on 4 CPU devices, then the jit sweep.
+define suite
+	@echo "== $$(date +%T) torch $(2): whole suite, 1 device"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(1) $(PYTEST)
+	@echo "== $$(date +%T) torch $(2): tests/, 4 CPU devices"
+	TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) tests
+	@echo "== $$(date +%T) torch $(2): jit sweep"
+	$(call JIT_SWEEP,$(1))
+endef
 
-# On TORCH_COMPAT: the whole suite on one device (the device-spanning tests set their own
-# device counts), then the jit sweep. `make test TORCH=2.14.1` adds the 4-device pass.
+test-main: $(VENV)/.stamp-test
+	$(call suite,$(PY),$(TORCH))
+
 test-compat: $(COMPAT_VENV)/.stamp-test
-	@echo "== $$(date +%T) torch $(TORCH_COMPAT): whole suite, 1 device"
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(COMPAT_VENV)/bin/python $(PYTEST)
-	@echo "== $$(date +%T) torch $(TORCH_COMPAT): jit sweep"
-	$(call JIT_SWEEP,$(COMPAT_VENV)/bin/python)
+	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT))
 
 test-quick: $(VENV)/.stamp-test
 	$(PY) $(PYTEST) -x -m "not slow"
