@@ -182,6 +182,9 @@ def test_from_a_dataloader_takes_its_batch_size_shuffle_and_settings():
     assert epoch_of(ShardedLoader(ddp, n=2)) == epoch_of(ShardedLoader(ds, 6, n=2, seed=7))
 
 
+# The suite's conftest imports JAX, whose threads make Python warn at every fork; the
+# DataLoader workers forked here run only the dataset and torch's collate, never JAX.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_workers_give_the_same_batches_and_seeded_augmentations():
     ds = Indexed()
     assert epoch_of(ShardedLoader(ds, B, n=2, num_workers=2)) == epoch_of(ShardedLoader(ds, B, n=2))
