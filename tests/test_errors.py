@@ -489,3 +489,37 @@ def test_saved_tensor_hooks_around_a_pmap_are_refused_clearly():
     # and the hooks are on again afterwards
     with torch.autograd.graph.save_on_cpu():
         (x * x).sum().backward()
+
+
+# --------------------------------------------------------------------------- messages that used to be torch's
+
+
+def test_axis_index_groups_of_strings_say_what_is_expected():
+    with raises(TypeError, "axis_index_groups must be a list of lists of integer axis indices", "0..3", "[['a', 'b'], ['c', 'd']]"):
+        tp.pmap(lambda v: tp.psum(v, "i", axis_index_groups=[["a", "b"], ["c", "d"]]), "i")(torch.ones(4))
+
+
+@pytest.mark.parametrize("bad", [["gpu:7"], ["tpu:0"], ["cuda:3"]])
+def test_an_unknown_device_string_names_the_known_devices(bad):
+    with raises(ValueError, f"devices[0] = {bad[0]!r} is not one of torchpmap.devices()"):
+        tp.pmap(lambda v: v, devices=bad)
+    with raises(ValueError, f"{bad[0]!r} is not one of torchpmap.devices()"):
+        tp.Mesh([bad], ("a", "b"))
+
+
+def test_a_single_device_instead_of_a_list():
+    with raises(TypeError, "devices must be a list of devices, got the single device 'cpu:0'", "devices=['cpu:0']"):
+        tp.pmap(lambda v: v, devices="cpu:0")
+    with raises(TypeError, "got the single device cpu:0"):
+        tp.pmap(lambda v: v, devices=tp.devices()[0])
+
+
+@pytest.mark.parametrize("name", ["pmax", "pmin"])
+def test_an_extremum_of_complex_values_is_refused_clearly(name):
+    with raises(TypeError, f"{name}: complex values have no order", ".abs()"):
+        tp.pmap(lambda v: getattr(tp, name)(v, "i"), "i")(torch.ones(2, dtype=torch.complex64))
+
+
+def test_an_axis_name_list_is_refused_at_once():
+    with raises(TypeError, "axis_name must be hashable", "axis_name='i'"):
+        tp.pmap(lambda v: v, axis_name=["i"])

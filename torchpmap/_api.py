@@ -119,7 +119,8 @@ def pmap(
         axis_size=axis_size,
         static_argnums=statics,
         donate_argnums=donated,
-        devices=None if devices is None else tuple(devices),
+        # a single device (a string, a Device) is kept as it is, for the error that says so
+        devices=devices if devices is None or isinstance(devices, str) or not hasattr(devices, "__iter__") else tuple(devices),
         mesh=mesh,
         jit=jit,
     )

@@ -74,6 +74,13 @@ def _normalize_dim(dim: int, rank: int, what: str, arg: str) -> int:
     return dim % rank
 
 
+def _index(i: Any) -> int:
+    """An axis index: an int, or a 0-d integer tensor/array; never a string or a float."""
+    if isinstance(i, bool) or not hasattr(i, "__index__"):
+        raise TypeError(i)
+    return int(i.__index__())
+
+
 def _check_groups(groups: Any, frames: list[AxisFrame], what: str, equal_sizes: bool) -> Groups:
     """``axis_index_groups`` as a tuple of tuples, checked against the axis size."""
     if groups is None:
@@ -82,9 +89,12 @@ def _check_groups(groups: Any, frames: list[AxisFrame], what: str, equal_sizes: 
         raise NotImplementedError(f"{what}: axis_index_groups works with a single axis name, got {_axis_phrase(frames)}")
     n = frames[0].size
     try:
-        normalized = tuple(tuple(int(i) for i in g) for g in groups)
-    except TypeError:
-        raise TypeError(f"{what}: axis_index_groups must be a list of lists of axis indices, got {groups!r}") from None
+        normalized = tuple(tuple(_index(i) for i in g) for g in groups)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{what}: axis_index_groups must be a list of lists of integer axis indices (0..{n - 1} for "
+            f"{_axis_phrase(frames)}), e.g. [[0, 1], [2, 3]]; got {groups!r}"
+        ) from None
     members = sorted(i for g in normalized for i in g)
     if members != list(range(n)):
         raise ValueError(
@@ -177,7 +187,17 @@ def pmin(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[i
 def _extremum(x, axis_name, axis_index_groups, op: str, what: str):
     frames = _frames(axis_name, what)
     groups = _check_groups(axis_index_groups, frames, what, equal_sizes=False)
-    return _tree_apply(what, x, lambda ts: _reduce(ts, frames, lambda f: Pextremum(f, op=op, groups=groups)))
+
+    def ordered(ts: list[torch.Tensor]) -> Leaves:
+        for t in ts:
+            if t.is_complex():
+                raise TypeError(
+                    f"{what}: complex values have no order, so there is no {'maximum' if what == 'pmax' else 'minimum'} of {t.dtype} values; take the "
+                    f"{what} of their .abs() or of .real and .imag separately"
+                )
+        return _reduce(ts, frames, lambda f: Pextremum(f, op=op, groups=groups))
+
+    return _tree_apply(what, x, ordered)
 
 
 def _per_instance(table: list[int], axis_name: AxisNames, device: torch.device) -> torch.Tensor:

@@ -106,6 +106,10 @@ def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
             "pmap: a pmap nested inside a multi-device pmap runs on the device of its enclosing instance, so it "
             "cannot take devices=. To spread nested axes over devices, use a Mesh with one named axis per pmap."
         )
+    if isinstance(requested, (str, Device, torch.device)):
+        raise TypeError(
+            f"pmap: devices must be a list of devices, got the single device {requested!r}; write devices=[{requested!r}]"
+        )
     # A pmap resolves the same devices= at every call: remember the answer for this set
     # of known devices (compared by identity: a re-initialization makes new ones).
     requested = tuple(requested)
@@ -140,8 +144,11 @@ def _resolve_requested(requested: Sequence[Any]) -> tuple[Device, ...]:
             known.setdefault(key, d)
     chosen = []
     for i, d in enumerate(requested):
-        key = d if isinstance(d, str) and d in known else torch.device(d) if isinstance(d, str) else d
-        if key not in known:
+        try:
+            key = d if isinstance(d, str) and d in known else torch.device(d) if isinstance(d, str) else d
+        except RuntimeError:  # a string torch cannot parse as a device ("gpu:7", "tpu:0")
+            key = None
+        if key is None or key not in known:
             raise ValueError(f"pmap: devices[{i}] = {d!r} is not one of torchpmap.devices() = {devices()}")
         chosen.append(known[key])
     if len(set(chosen)) != len(chosen):

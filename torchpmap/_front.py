@@ -52,6 +52,13 @@ def check_options(opts: MapOptions) -> None:
         )
     check_axis_spec(opts.in_axes, f"{what} in_axes")
     check_axis_spec(opts.out_axes, f"{what} out_axes")
+    try:
+        hash(opts.axis_name)
+    except TypeError:
+        raise TypeError(
+            f"{what}: axis_name must be hashable (a string, usually), got {opts.axis_name!r}"
+            + (f"; for one axis write axis_name={opts.axis_name[0]!r}" if isinstance(opts.axis_name, list) and len(opts.axis_name) == 1 else "")
+        ) from None
     if opts.randomness not in _RANDOMNESS:
         raise ValueError(f"{what}: randomness must be one of {_RANDOMNESS}, got {opts.randomness!r}")
     if opts.axis_size is not None and (not isinstance(opts.axis_size, int) or opts.axis_size < 1):
