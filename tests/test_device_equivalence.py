@@ -391,3 +391,19 @@ def test_a_collective_inside_no_grad_inside_the_function(eight_devices):
         out.sum().backward()
         grads.append(w.grad.clone())
     assert torch.equal(grads[0], grads[1])  # no gradient flows through the collective: bitwise
+
+
+def test_device_threads_use_the_callers_intra_op_thread_count(eight_devices):
+    """OpenMP keeps the thread count per thread: a pooled device thread made earlier must
+    not keep its old count (reductions would round differently from call to call)."""
+    seen = []
+    f = tp.pmap(lambda v: v + len(seen.append(torch.get_num_threads()) or ()), devices=eight_devices[:4])
+    f(torch.zeros(4))  # the pool's workers exist now, with the default count
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seen.clear()
+        f(torch.zeros(4))
+        assert seen == [1] * 4
+    finally:
+        torch.set_num_threads(previous)

@@ -7,7 +7,8 @@ changes a program's results per thread. Two kinds of state follow the caller:
   :meth:`CallerState.capture` and entered in every device thread by
   :meth:`CallerState.entered`: grad mode, inference mode, forward-grad mode, autocast
   (every device type, its dtype and cache flag), the torch function modes (among them
-  ``with torch.device(...)`` and ``torch.set_default_device``) and the torch.func
+  ``with torch.device(...)`` and ``torch.set_default_device``), the number of intra-op
+  threads (a reduction split differently rounds differently) and the torch.func
   transforms around the call (their interpreter stack), so that ``grad``, ``vjp``,
   ``vmap``, ``jvp`` and ``jacfwd`` enclose a pmap on several devices as they enclose one
   on one device. The default dtype, deterministic-algorithms mode and anomaly mode are
@@ -95,6 +96,8 @@ class CallerState:
         autocast: one entry per device type whose autocast is on.
         function_modes: the torch function modes in force, outermost first.
         transforms: the torch.func transforms around the call (opaque interpreter layers).
+        intra_op_threads: ``torch.get_num_threads()``: kept per thread by OpenMP, and a
+            reduction split over another number of threads rounds differently.
     """
 
     grad_enabled: bool
@@ -103,6 +106,7 @@ class CallerState:
     autocast: tuple[Autocast, ...]
     function_modes: tuple[Any, ...]
     transforms: tuple[Any, ...]
+    intra_op_threads: int
 
     @classmethod
     def capture(cls) -> "CallerState":
@@ -117,11 +121,14 @@ class CallerState:
             autocast=autocast,
             function_modes=tuple(private.function_mode_stack()),
             transforms=tuple(private.functorch_layers()),
+            intra_op_threads=torch.get_num_threads(),
         )
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
         """Puts this state in force in the current (device) thread for the block."""
+        if torch.get_num_threads() != self.intra_op_threads:  # a pooled worker keeps what it was given
+            torch.set_num_threads(self.intra_op_threads)
         with contextlib.ExitStack() as stack:
             stack.enter_context(private.functorch_layers_restored(self.transforms))
             if self.inference_mode:
