@@ -75,7 +75,20 @@ def run_in_copy(context: contextvars.Context, fn: Callable[[], T]) -> T:
 
 # ----------------------------------------------------------------------- torch's thread-local state
 
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+def _known_autocast_device_type(device_type: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError):  # a device type this torch build does not know
+        return False
+    return True
+
+
+#: The device types whose autocast state this torch build knows (probed once, at import).
+AUTOCAST_DEVICE_TYPES: tuple[str, ...] = tuple(
+    t for t in ("cpu", "cuda", "xpu", "mps", "hpu") if _known_autocast_device_type(t)
+)
+#: Those torchpmap's own devices can be (CPU and CUDA): what hot-path checks look at.
+DEVICE_AUTOCAST_TYPES: tuple[str, ...] = tuple(t for t in AUTOCAST_DEVICE_TYPES if t in ("cpu", "cuda"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +125,7 @@ class CallerState:
     def capture(cls) -> "CallerState":
         cache = torch.is_autocast_cache_enabled()
         autocast = tuple(
-            Autocast(t, torch.get_autocast_dtype(t), cache) for t in _autocast_device_types() if torch.is_autocast_enabled(t)
+            Autocast(t, torch.get_autocast_dtype(t), cache) for t in AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
         )
         return cls(
             grad_enabled=torch.is_grad_enabled(),
@@ -140,19 +153,6 @@ class CallerState:
             for mode in self.function_modes:
                 stack.enter_context(private.function_mode_pushed(mode))
             yield
-
-
-def _autocast_device_types() -> tuple[str, ...]:
-    global _AUTOCAST_DEVICE_TYPES
-    usable = []
-    for t in _AUTOCAST_DEVICE_TYPES:
-        try:
-            torch.is_autocast_enabled(t)
-        except (RuntimeError, ValueError):  # a device type this torch build does not know
-            continue
-        usable.append(t)
-    _AUTOCAST_DEVICE_TYPES = tuple(usable)
-    return _AUTOCAST_DEVICE_TYPES
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from torchpmap import _context
+
 _REDUCED = (torch.bfloat16, torch.float16)
 _BATCH_NORMS = (F.batch_norm, torch.batch_norm)
 
@@ -33,20 +35,9 @@ class _MixedPrecisionBatchNorm(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _known(device_type: str) -> bool:
-    try:
-        torch.is_autocast_enabled(device_type)
-    except (RuntimeError, ValueError):  # pragma: no cover - a build without that device type
-        return False
-    return True
-
-
-_DEVICE_TYPES = tuple(t for t in ("cpu", "cuda") if _known(t))
-
-
 def needed() -> bool:
     """Whether a map starting now needs the corrections (autocast is on): cheap, per call."""
-    return any(torch.is_autocast_enabled(t) for t in _DEVICE_TYPES)
+    return any(torch.is_autocast_enabled(t) for t in _context.DEVICE_AUTOCAST_TYPES)
 
 
 def fixed() -> contextlib.AbstractContextManager[Any]:

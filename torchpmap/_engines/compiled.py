@@ -35,7 +35,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Seque
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from torchpmap import _devices
+from torchpmap import _context, _devices
 from torchpmap import _torch_private as private
 from torchpmap._torch_private import TorchDispatchMode
 from torchpmap._config import config
@@ -88,12 +88,9 @@ def _leaf_signature(leaf: Any) -> Hashable:
     return (type(leaf), leaf)
 
 
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
-
-
 def _autocast_state() -> tuple:
     """The autocast regions in force, with their dtypes: a trace bakes in their casts."""
-    return tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(d))
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _context.DEVICE_AUTOCAST_TYPES if torch.is_autocast_enabled(d))
 
 
 class _ByIdentity:
