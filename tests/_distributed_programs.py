@@ -139,7 +139,8 @@ def pytree_backward(d: dict) -> dict:
 
 
 def count_transfers(d: dict) -> dict:
-    """How many all-gathers and all-to-alls a pmean of a 6-leaf pytree and its backward make."""
+    """How many all-gathers and all-to-alls a pmean of a 6-leaf pytree and its backward make,
+    once the steps repeat."""
     from torchpmap._engines import distributed as engine
 
     counts = {"all_gather": 0, "all_to_all": 0, "all_gather_bytes": 0}
@@ -153,12 +154,17 @@ def count_transfers(d: dict) -> dict:
             return fn(*args, **kwargs)
         return call
 
-    engine._all_gather_flat = counted("all_gather", gather)
-    torch.distributed.all_to_all_single = counted("all_to_all", all_to_all)
-    try:
+    def step():
         tree = {f"p{k}": d["x"].clone().requires_grad_() * (k + 1) for k in range(6)}
         out = tp.pmap(lambda t: tp.pmean(t, "i"), axis_name="i")(tree)
         sum(o.sum() for o in out.values()).backward()
+
+    step()  # a first step teaches the processes what follows what (see process_agreement)
+    step()
+    engine._all_gather_flat = counted("all_gather", gather)
+    torch.distributed.all_to_all_single = counted("all_to_all", all_to_all)
+    try:
+        step()
     finally:
         engine._all_gather_flat, torch.distributed.all_to_all_single = gather, all_to_all
     return counts
@@ -392,6 +398,31 @@ def scenario_die_jit(rank: int, nproc: int) -> dict:
     return _expect_failure(lambda: f(torch.ones(2)))
 
 
+def scenario_sigkill(rank: int, nproc: int) -> dict:
+    """The last process is killed (SIGKILL: no Python exit, no goodbye) inside the pmap."""
+    import signal
+
+    def f(v):
+        if int(os.environ["RANK"]) == nproc - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return tp.psum(v, "i")
+
+    return _expect_failure(lambda: tp.pmap(f, axis_name="i")(torch.ones(2)))
+
+
+def scenario_sleep(rank: int, nproc: int) -> dict:
+    """The last process sleeps inside the pmap, past the timeout, before its collective:
+    the others time out saying where it is; it then finds their failure records."""
+    timeout = float(os.environ.get("TEST_TIMEOUT", "30"))
+
+    def f(v):
+        if int(os.environ["RANK"]) == nproc - 1:
+            time.sleep(timeout + 3)
+        return tp.psum(v, "i")
+
+    return _expect_failure(lambda: tp.pmap(f, axis_name="i")(torch.ones(2)))
+
+
 def scenario_absent(rank: int, nproc: int) -> dict:
     """Rank 1 is alive but never calls the pmap: the others time out, saying where it is."""
     if rank == 1:  # stay alive (outside any pmap) until rank 0 has reported
@@ -400,6 +431,77 @@ def scenario_absent(rank: int, nproc: int) -> dict:
             time.sleep(0.1)
         return {"waited": True}
     return _expect_failure(lambda: tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.ones(2)))
+
+
+#: Ways for the last process to disagree with the others at an exchange, each from the
+#: issue's table: (what every other process runs, what the last one runs), as pmapped functions
+#: of a local value of shape (1, 4) (float32, or float64 with "f64" in the case's name).
+def _disagreements() -> dict[str, tuple]:
+    ring, back = _ring, lambda n: [(d, s) for s, d in _ring(n)]
+    return {
+        "dtype": (lambda v: tp.psum(v, "i"), lambda v: tp.psum(v.int(), "i")),
+        "shape_same_bytes": (lambda v: tp.psum(v.double()[:2], "i"), lambda v: tp.psum(v, "i")),
+        "collective": (lambda v: tp.psum(v, "i"), lambda v: tp.pmax(v, "i")),
+        "perm": (lambda v: tp.ppermute(v, "i", ring(tp.process_count())),
+                 lambda v: tp.ppermute(v, "i", back(tp.process_count()))),
+        "shape_other_bytes": (lambda v: tp.psum(v, "i"), lambda v: tp.psum(torch.cat([v, v], -1), "i")),
+        "psum_vs_all_gather": (lambda v: tp.psum(v, "i"), lambda v: tp.all_gather(v, "i")),
+        "collective_vs_none": (lambda v: tp.psum(v, "i"), lambda v: v * 2),
+        # (tiled=True is a local reshape of the same exchange: each process gets what it asked for)
+        "all_gather_axis": (lambda v: tp.all_gather(v, "i", axis=0), lambda v: tp.all_gather(v, "i", axis=1)),
+    }
+
+
+def scenario_disagree(rank: int, nproc: int) -> dict:
+    """Each way to disagree, eager and compiled, then an out-of-step case; each must raise
+    the same clear error on every process, and (in step) leave the processes usable."""
+    import warnings
+
+    last = rank == nproc - 1
+    out: dict[str, object] = {}
+    x = torch.arange(4.0).reshape(1, 4) + rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.JitFallbackWarning)
+        for name, (theirs, mine) in _disagreements().items():
+            for jit in (False, True):
+                # agree twice first: the next transfer is then announced in the form of
+                # `theirs` (one round; see process_agreement), and the odd process either
+                # sends its differing header in that form or asks for two rounds
+                for _ in range(2):
+                    tp.pmap(theirs, axis_name="i", jit=JIT if jit else False)(x)
+                f = mine if last else theirs
+                out[name + ("_jit" if jit else "")] = _failure_of(
+                    lambda: tp.pmap(f, axis_name="i", jit=JIT if jit else False)(x))
+                # still in step: an agreeing call works right after
+                out[name + ("_jit" if jit else "") + "_after"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(x)
+    # the gradient exchange: the last process differentiates another output of the same call
+    w = x.clone().requires_grad_()
+    a, b = tp.pmap(lambda v: (tp.psum(v * v, "i"), tp.all_gather(v, "i")), axis_name="i")(w)
+    out["backward"] = _failure_of(lambda: (b if last else a).sum().backward())
+    out["backward_after"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(x)
+    # out of step: the last process makes one more exchange in a call than the others
+    out["out_of_step"] = _failure_of(lambda: (
+        tp.pmap(lambda v: tp.psum(tp.psum(v, "i") if last else v, "i"), axis_name="i")(x),
+        tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(x)))
+    out["after_out_of_step"] = _failure_of(lambda: tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(x))
+    return out
+
+
+def scenario_uncaught_mismatch(rank: int, nproc: int) -> dict:
+    """Payloads of different byte counts, not caught: the process must exit with an error."""
+    x = torch.ones(1, 8 if rank == nproc - 1 else 4)
+    tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(x)
+    return {}
+
+
+def _failure_of(fn) -> dict | None:
+    t = time.monotonic()
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        return {"error": type(e).__name__, "message": str(e), "ranks": list(getattr(e, "ranks", ())),
+                "seconds": time.monotonic() - t}
+    return None
 
 
 def _expect_failure(fn) -> dict:
@@ -425,6 +527,8 @@ def main() -> None:
 
     tpd.initialize(timeout=datetime.timedelta(seconds=timeout))
     rank, nproc = tp.process_index(), tp.process_count()
+    if scenario.startswith("uncaught_"):  # the error ends the process, as in a user's script
+        globals()[f"scenario_{scenario}"](rank, nproc)
     try:
         out = globals()[f"scenario_{scenario}"](rank, nproc)
     except BaseException:  # noqa: BLE001 - keep the traceback for the test
@@ -433,7 +537,7 @@ def main() -> None:
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)  # complete when it appears
     sys.stdout.flush()
-    if scenario in ("raise", "raise_jit", "die", "die_jit", "absent"):
+    if scenario in ("raise", "raise_jit", "die", "die_jit", "absent", "disagree", "sigkill", "sleep"):
         # The group is out of step: skip waiting for its collectives at exit, but let rank 0
         # (the store's host) stay as long as torchpmap's own exit hook would.
         if rank == 0:

@@ -63,6 +63,16 @@ class Primitive:
     def transpose(self) -> "Primitive":
         raise NotImplementedError(f"{self.name} has no transpose")
 
+    def params(self) -> str:
+        """The parameters that change the result and differ from their defaults, as
+        ``(perm=((0, 1), (1, 0)))``; "" for none."""
+        shown = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name not in ("frame", "lead") and getattr(self, f.name) != f.default
+        ]
+        return f"({', '.join(shown)})" if shown else ""
+
     def with_lead(self, lead: int) -> "Primitive":
         return dataclasses.replace(self, lead=lead)
 
@@ -245,10 +255,13 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
 
 
 def _describe(prims: Sequence[Primitive]) -> str:
-    """How waits and errors name the exchange; the count also tells instances that
+    """How waits and errors name the exchange, with the collective's parameters (a
+    ``ppermute`` perm, groups, dims): processes compare it before they exchange, so it
+    must name everything that changes the result. The count also tells instances that
     bundle different numbers of tensors apart."""
     prim = prims[0]
-    what = f"{prim.name} over axis {prim.frame.name!r}"
+    params = sorted({p.params() for p in prims})
+    what = f"{prim.name}{', '.join(params) if len(params) > 1 else params[0]} over axis {prim.frame.name!r}"
     return what if len(prims) == 1 else f"{what} ({len(prims)} tensors at once)"
 
 

@@ -63,6 +63,11 @@ is. After a failure the processes are out of step and later distributed pmaps ra
 at once: restart the job (``torchrun --max-restarts``). With NCCL, faults are left to
 NCCL's own watchdog and the process group timeout.
 
+**Disagreements.** Processes that reach an exchange with different collectives,
+parameters, shapes or dtypes all raise :class:`ExchangeMismatch`, naming what each one
+called, before any payload is used (different numbers of local instances raise
+:class:`SizeMismatch`). Every transfer carries a small header that every process checks.
+
 ``torch.func`` transforms work inside the pmapped function and around the pmap
 (``torch.func.grad`` of a function that calls a distributed pmap, ``vmap`` of it), since
 each process runs its slice in its own thread of control.
@@ -90,8 +95,10 @@ import torch
 import torch.distributed as dist
 
 from torchpmap import _process_group as _pg
+from torchpmap import _store
 from torchpmap._devices import Device, devices, local_devices, process_count, process_index
 from torchpmap._mesh import ProcessMesh
+from torchpmap._faults import ExchangeMismatch, SizeMismatch
 from torchpmap._process_group import RankFailed
 
 __all__ = [
@@ -101,6 +108,8 @@ __all__ = [
     "mesh",
     "ProcessMesh",
     "RankFailed",
+    "ExchangeMismatch",
+    "SizeMismatch",
     "Device",
     "devices",
     "local_devices",
@@ -175,13 +184,19 @@ def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = date
         backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # torch's env:// rendezvous, with rank 0's server bound to MASTER_ADDR and one store per process
+    store, use = _store.rendezvous(rank, world_size, timeout)
     dist.init_process_group(
-        backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size, timeout=timeout
+        backend, store=dist.PrefixStore(_store.group_prefix(use), store), rank=rank, world_size=world_size,
+        timeout=timeout,
     )
     st = _pg.install(
-        backend=backend, timeout=timeout.total_seconds(), local_rank=local_rank, base_store=store, owns_group=True
+        backend=backend,
+        timeout=timeout.total_seconds(),
+        local_rank=local_rank,
+        base_store=store,
+        token=_pg.agree_on_token(backend),
+        owns_group=True,
     )
     if st.store is not None:  # every process has published its device before anyone goes on
         st.store.wait([f"device/{r}" for r in range(world_size)], timeout)

@@ -39,8 +39,9 @@ from torchpmap import _context
 from torchpmap import _process_group as pg
 from torchpmap import _torch_private as private
 from torchpmap._mesh import ProcessMesh
-from torchpmap._engines import MappedCall, process_ops, vectorized
+from torchpmap._engines import MappedCall, process_agreement as agreement, process_ops, vectorized
 from torchpmap._engines.process_transpose import differentiable, transpose_gather
+from torchpmap._faults import ExchangeMismatch, SizeMismatch
 
 active = pg.active
 
@@ -49,35 +50,46 @@ active = pg.active
 class ProcessExchange:
     """One process' door to the other processes' slices of a split axis.
 
-    Every process of a call must pass the same local size. The first transfer of the
-    call checks it: one that moves partial results (whose size does not depend on the
-    local size) carries each process' local size along; before any other, the sizes are
-    compared in a transfer of their own. A call without transfers compares them at its
-    end (:meth:`settle`).
+    Every transfer is checked before its payload is used: each process' header (a digest
+    of what it is doing, the pmap call and transfer, its local size and payload size)
+    travels with or before its payload, and every process compares all of them (see
+    :mod:`torchpmap._engines.process_agreement`). So processes that reach an exchange with
+    different dtypes, shapes, collectives or parameters (a ``ppermute`` perm), or out of
+    step, all raise the same :class:`ExchangeMismatch` (naming every side) instead of
+    computing on each other's bytes, and payloads of different byte counts never reach
+    gloo or NCCL (which would abort the process). Different local sizes raise
+    :class:`SizeMismatch`. A call without transfers compares headers at its end
+    (:meth:`settle`).
 
     Attributes:
         group: the process group of the axis (None: all processes).
         index: this process' position in the group (its coordinate along the axis).
         size: the number of processes in the group.
         label: how error messages name the group.
-        unchecked: (local size, axis name) until the processes have compared local sizes.
+        call: the number of the pmap call this exchange serves (:attr:`ProcessState.calls`).
+        local_size: this process' number of instances in the call.
+        axis_name: the call's axis name, for messages.
+        transfers: how many transfers the call has made so far (headers carry it).
     """
 
     group: Any
     index: int
     size: int
     label: str
-    unchecked: Optional[tuple[int, Hashable]] = dataclasses.field(default=None, repr=False)
+    call: int = 0
+    local_size: int = 0
+    axis_name: Hashable = None
+    transfers: int = 0
 
     #: A reduction sends each process' own partial result, not all its instances' values
     #: (see torchpmap._collective_binding.run_owning): traffic independent of the local size.
     reduces_locally = True
 
     def settle(self) -> None:
-        """Compares the processes' local sizes, unless a transfer did; raises :class:`SizeMismatch`."""
-        if self.unchecked is not None:
-            mine = torch.tensor([self.unchecked[0]], device=pg.state().local_device.torch_device)
-            self._compare_sizes(self._gather_bytes([mine], "the size check")[0])
+        """At the end of a call that made no transfer: the processes compare headers
+        (local sizes, and that none of them made a transfer this one did not)."""
+        if self.transfers == 0:
+            self._transfer("end", "the end of the pmap call", None, None)
 
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every process' value stacked along a new dim 0 (in group
@@ -91,45 +103,178 @@ class ProcessExchange:
 
     def gather_plain(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """``all_gather_many`` without autograd: one all-gather of every tensor's bytes."""
-        if self.unchecked is None or not partial:
-            self.settle()  # never send values shaped by a local size that the others do not share
-            return self._gather_bytes(ts, what)
-        size = torch.tensor([self.unchecked[0]], device=ts[0].device)  # the check rides along
-        *gathered, sizes = self._gather_bytes([*ts, size], what)
-        self._compare_sizes(sizes)
-        return gathered
-
-    def _gather_bytes(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         layout = _Layout.of(ts)
-        send = layout.pack(ts, rows=1).view(-1)
-        received = send.new_empty(self.size * send.numel())  # one flat buffer: gloo's fastest all-gather
-        work = _all_gather_flat(received, send, group=self.group, async_op=True)
-        pg.wait(work, f"{what} across {self.label}")
-        return layout.unpack(received.view(self.size, layout.row))
-
-    def _compare_sizes(self, sizes: torch.Tensor) -> None:
-        (_, name), self.unchecked = self.unchecked, None  # checked now, whatever the outcome
-        found = sizes.view(-1).tolist()
-        if len(set(found)) == 1:
-            return
-        ranks = range(self.size) if self.group is None else dist.get_process_group_ranks(self.group)
-        who = ", ".join(f"rank {r}: {s}" for r, s in zip(ranks, found))
-        raise SizeMismatch(
-            f"pmap over axis {name!r} across {self.label}: every process must pass the same number of local "
-            f"instances (the size of its local portion of the mapped axis), but they differ: {who} (this is rank "
-            f"{pg.state().rank}). Split the global batch evenly over the processes."
-        )
+        received = self._transfer("gather" if partial else "gather-all", what, layout, ts)
+        return layout.unpack(received)
 
     def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
         sum over processes of their entries for this process (the transpose of
         :meth:`all_gather_many`), all tensors in one all-to-all."""
         layout = _Layout.of([g[0] for g in grads])
-        send = layout.pack(grads, rows=self.size)  # row p: what process p receives
-        received = torch.empty_like(send)
-        work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
-        pg.wait(work, f"the gradient of {what} across {self.label}")
+        received = self._transfer("scatter", f"the gradient of {what}", layout, grads)
         return [r.sum(0) for r in layout.unpack(received)]  # each contiguous, as a lone tensor's
+
+    # ------------------------------------------------------------------ the agreement check
+
+    def _transfer(
+        self, kind: str, what: str, layout: Optional[_Layout], ts: Optional[Sequence[torch.Tensor]]
+    ) -> torch.Tensor:
+        """Moves ``ts`` (packed by ``layout``; a scatter's have one row per process) once every
+        process' header agrees (see :mod:`torchpmap._engines.process_agreement`); returns the
+        received rows, ``(size, layout.row)`` bytes, row ``p`` from process ``p``."""
+        st = pg.state()
+        chain = agreement.chain(st, self.group)
+        self.transfers += 1
+        form = (agreement.KINDS[kind], 0 if layout is None else layout.row)
+        shapes, dtypes = (None, None) if layout is None else (layout.shapes, layout.dtypes)
+        digest = agreement.digest_of(kind, what, shapes, dtypes)
+        mine = agreement.Header(digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest))
+        device = ts[0].device if ts else st.local_device.torch_device
+        label = f"{what} across {self.label}"
+        if chain.announced is not None:  # one round: header and payload together
+            if form == chain.announced:
+                headers, received = self._round(mine, layout, ts, form, device, label)
+            else:  # mine differs from the announced transfer: say so in its form, then two rounds
+                renegotiate = dataclasses.replace(mine, flag=agreement.RENEGOTIATE)
+                headers, received = self._round(renegotiate, None, None, chain.announced, device, label)
+            if not any(h.flag for h in headers):
+                self._check(headers, mine, chain, kind, what, layout)
+                chain.completed(digest, form, headers)
+                return received
+        headers, _ = self._round(mine, None, None, (agreement.KINDS["end"], 0), device, label)
+        self._check(headers, mine, chain, kind, what, layout)
+        received = self._payload(layout, ts, form, device, label)
+        chain.completed(digest, form, headers)
+        return received
+
+    def _round(
+        self,
+        header: agreement.Header,
+        layout: Optional[_Layout],
+        ts: Optional[Sequence[torch.Tensor]],
+        form: agreement.Form,
+        device: torch.device,
+        label: str,
+    ) -> tuple[list[agreement.Header], torch.Tensor]:
+        """One collective of ``form`` whose every row starts with ``header``; the payload
+        (zeros without ``ts``) follows it. Returns every process' header and payload rows."""
+        scatter = form[0] == agreement.KINDS["scatter"]
+        rows, h = (self.size if scatter else 1), agreement.HEADER_BYTES
+        send = torch.empty(rows, h + form[1], dtype=torch.uint8, device=device)
+        send[:, :h] = header.as_tensor(device).view(torch.uint8)
+        if ts is None:
+            send[:, h:].zero_()
+        else:
+            layout.pack_into(send[:, h:], ts)
+        received = self._collective(send, scatter, label)
+        return agreement.Header.from_bytes(received[:, :h]), received[:, h:]
+
+    def _payload(
+        self,
+        layout: Optional[_Layout],
+        ts: Optional[Sequence[torch.Tensor]],
+        form: agreement.Form,
+        device: torch.device,
+        label: str,
+    ) -> torch.Tensor:
+        """The payload alone, after the headers agreed (two rounds)."""
+        if layout is None:
+            return torch.empty(self.size, 0, dtype=torch.uint8, device=device)
+        scatter = form[0] == agreement.KINDS["scatter"]
+        return self._collective(layout.pack(ts, rows=self.size if scatter else 1), scatter, label)
+
+    def _collective(self, send: torch.Tensor, scatter: bool, label: str) -> torch.Tensor:
+        """``send``: ``(1, n)`` bytes to every process (all-gather), or ``(size, n)``, row ``p``
+        to process ``p`` (all-to-all); returns ``(size, n)``, row ``p`` from process ``p``."""
+        if scatter:
+            received = torch.empty_like(send)
+            work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
+        else:
+            received = send.new_empty(self.size, send.shape[1])  # one flat buffer: gloo's fastest all-gather
+            work = _all_gather_flat(received.view(-1), send.view(-1), group=self.group, async_op=True)
+        pg.wait(work, label)
+        return received
+
+    def _check(
+        self,
+        headers: list[agreement.Header],
+        mine: agreement.Header,
+        chain: agreement.Chain,
+        kind: str,
+        what: str,
+        layout: Optional[_Layout],
+    ) -> None:
+        """Raises, on every process alike, unless every header agrees with ``mine``."""
+        if all(h.agrees_with(mine) for h in headers):
+            return
+        chain.forget()
+        in_step = len({(h.call, h.transfer) for h in headers}) == 1
+        if in_step and len({h.local_size for h in headers}) > 1:
+            self._raise_size_mismatch([h.local_size for h in headers])
+        told = self._gather_text(_explain(mine, kind, what, layout), what)
+        raise self._mismatch(headers, told, in_step)
+
+    def _raise_size_mismatch(self, found: list[int]) -> None:
+        who = ", ".join(f"rank {r}: {s}" for r, s in zip(self._ranks(), found))
+        raise SizeMismatch(
+            f"pmap over axis {self.axis_name!r} across {self.label}: every process must pass the same number of local "
+            f"instances (the size of its local portion of the mapped axis), but they differ: {who} (this is rank "
+            f"{pg.state().rank}). Split the global batch evenly over the processes."
+        )
+
+    def _mismatch(self, headers: list[agreement.Header], told: list[str], in_step: bool) -> "ExchangeMismatch":
+        ranks, st = self._ranks(), pg.state()
+        by_text: dict[str, list[int]] = {}
+        for r, text in zip(ranks, told):
+            by_text.setdefault(text, []).append(r)
+        sides = "; ".join(
+            f"process{'es' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {text}" for text, rs in by_text.items()
+        )
+        message = (
+            f"pmap over axis {self.axis_name!r} across {self.label}: the processes reached exchanges that do not "
+            f"match: {sides} (this is rank {st.rank}). Every process must run the same collectives, in the same "
+            "order, on values of the same shapes and dtypes: look for a branch on the rank or on process-local data. "
+        )
+        if in_step:
+            message += "Nothing was exchanged; the processes are still in step."
+        else:  # one process is an exchange or a call ahead: everything after would pair up wrongly
+            message += "The processes are out of step: restart them."
+            st.poisoned = st.poisoned or f"mismatched exchanges: {sides}"
+        return ExchangeMismatch(message, ranks=[r for r, h in zip(ranks, headers) if not h.agrees_with(headers[0])])
+
+    def _gather_text(self, text: str, what: str) -> list[str]:
+        """Every process' ``text``, in group order (two watched transfers: lengths, then bytes)."""
+        device = pg.state().local_device.torch_device
+        data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+        length = torch.tensor([data.numel()], device=device)
+        lengths = length.new_empty(self.size)
+        pg.wait(_all_gather_flat(lengths, length, group=self.group, async_op=True), f"explaining {what}")
+        longest = int(lengths.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        received = padded.new_empty(self.size * longest)
+        pg.wait(_all_gather_flat(received, padded, group=self.group, async_op=True), f"explaining {what}")
+        rows = received.view(self.size, longest).cpu()
+        return [bytes(rows[p, : int(n)].tolist()).decode(errors="replace") for p, n in enumerate(lengths.tolist())]
+
+    def _ranks(self) -> Sequence[int]:
+        return range(self.size) if self.group is None else dist.get_process_group_ranks(self.group)
+
+
+def _explain(header: agreement.Header, kind: str, what: str, layout: Optional[_Layout]) -> str:
+    """How an error names one side: the collective, the tensors, the call."""
+    if kind == "end":
+        return f"reached the end of pmap call #{header.call} without any exchange"
+    sent = "" if layout is None else " on " + _describe_tensors(layout)
+    return f"called {what}{sent} (exchange {header.transfer} of pmap call #{header.call})"
+
+
+def _describe_tensors(layout: "_Layout", at_most: int = 4) -> str:
+    """``float32[1, 4], int64[1]`` (and how many more)."""
+    named = [f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in zip(layout.shapes, layout.dtypes)]
+    more = len(named) - at_most
+    return ", ".join(named[:at_most]) + (f" and {more} more tensors" if more > 0 else "")
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
@@ -174,6 +319,12 @@ class _Layout:
         for flat, start in zip(flats, self.offsets):
             buffer[:, start : start + flat.shape[1]].copy_(flat)
         return buffer
+
+    def pack_into(self, buffer: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+        """:meth:`pack` into ``buffer``, a ``(rows, row)`` byte view (after a header)."""
+        rows = buffer.shape[0]
+        for t, start, n in zip(ts, self.offsets, self.nbytes):
+            buffer[:, start : start + n].copy_(t.contiguous().reshape(rows, t.numel() // rows).view(torch.uint8))
 
     def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """A ``(m, row)`` byte buffer -> tensor ``k`` of every row, ``(m, *shapes[k])``, contiguous."""
@@ -249,10 +400,6 @@ def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
     return ProcessExchange(None, st.rank, st.world_size, "all processes"), _WORLD
 
 
-class SizeMismatch(ValueError):
-    """The processes passed different numbers of local instances (every process raises it)."""
-
-
 def run(call: MappedCall) -> list[torch.Tensor]:
     st = pg.state()
     st.check_usable()
@@ -264,10 +411,10 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             f"pmap(jit=True): the distributed pmap over axis {call.axis_name!r} is nested in another one that is "
             "being compiled; nested pmaps across processes run eagerly"
         )
-    exchange.unchecked = (call.size, call.axis_name)
+    st.calls += 1
+    exchange.call, exchange.local_size, exchange.axis_name = st.calls, call.size, call.axis_name
     part = dataclasses.replace(call, devices=st.local_devices)
     token = _context.process_axes.set(_context.process_axes.get() + (key,))
-    st.calls += 1
     try:
         if call.programs is not None and private.current_vmap_level() is None:
             outputs = _run_compiled(part, exchange)
@@ -275,7 +422,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             outputs = _run_slice(part, exchange, exchange)
         exchange.settle()  # a call without collectives still checks the sizes
         return outputs
-    except SizeMismatch:
+    except (SizeMismatch, ExchangeMismatch):
         raise  # every process raises it at the same point: they stay in step
     except BaseException as e:
         if not getattr(e, "_torchpmap_reported", False) and not isinstance(e, (pg.RankFailed, TimeoutError)):
@@ -317,4 +464,7 @@ def _run_compiled(part: MappedCall, exchange: ProcessExchange) -> list[torch.Ten
 def _is_no_fault_of_the_run(failure: Exception) -> bool:
     """False for a failure that an eager retry must not repeat: a size mismatch, or any
     failed collective (the process state is then poisoned: the others have moved on)."""
-    return not isinstance(failure, (SizeMismatch, pg.PeerFailed, TimeoutError)) and pg.state().poisoned is None
+    return (
+        not isinstance(failure, (SizeMismatch, ExchangeMismatch, pg.PeerFailed, TimeoutError))
+        and pg.state().poisoned is None
+    )
