@@ -228,6 +228,14 @@ def train_with_helper(d: dict[str, torch.Tensor], steps: int = 3, jit: bool = Fa
     return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
 
 
+def per_instance_dropout(d: dict) -> torch.Tensor:
+    """randomness="per_instance": every process draws its instances' own numbers, which are
+    those of one process (every process seeds alike, as for parameter initialization)."""
+    torch.manual_seed(11)
+    f = lambda v: torch.nn.functional.dropout(v, 0.5) + torch.rand(())  # noqa: E731
+    return tp.pmap(f, axis_name="i", randomness="per_instance")(d["x"])
+
+
 def compared_programs(d: dict) -> dict[str, object]:
     """Every program whose results are compared between one process and several, on
     ``d`` (the global data in one process, a rank's share in several)."""
@@ -238,6 +246,7 @@ def compared_programs(d: dict) -> dict[str, object]:
     out["replicated"] = tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i", out_axes=None)(d["x"])
     out["train_by_hand"] = train_by_hand(d)
     out["train_with_helper"] = train_with_helper(d)
+    out["per_instance_dropout"] = per_instance_dropout(d)
     return out
 
 

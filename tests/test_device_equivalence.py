@@ -251,6 +251,62 @@ def dropout_eval_mode(devices):
     return tp.pmap(lambda x: functional_call(model, params, (x,)), devices=devices)(_data(8, 4, 3, seed=10))
 
 
+# --------------------------------------------------------------------------- random numbers
+# randomness="per_instance": each instance draws from its own stream, so the numbers (and
+# everything computed from them) are those of one device on any number of devices.
+
+
+def per_instance_draws(devices):
+    def draws(v):
+        return (
+            torch.rand(3, dtype=torch.float64), torch.randn(2, 2), torch.randint(0, 100, (4,)), torch.randperm(6),
+            torch.rand_like(v), torch.randn_like(v), torch.randint_like(v, 10), torch.normal(v, 0.5),
+            torch.normal(0.0, 2.0, (2,)), torch.bernoulli(torch.full((5,), 0.3)), v.clone().uniform_(-1, 1),
+            v.clone().normal_(), v.clone().exponential_(), v.clone().bernoulli_(0.5), v.clone().random_(0, 7),
+        )
+
+    torch.manual_seed(3)
+    return tp.pmap(draws, randomness="per_instance", devices=devices)(X)
+
+
+def per_instance_dropouts(devices):
+    F = torch.nn.functional
+    img = _data(8, 2, 3, 4, 4, seed=11)
+
+    def drop(v, x):
+        return (
+            F.dropout(v, 0.4), F.dropout(v, 0.4, training=False), F.alpha_dropout(v, 0.3, training=True),
+            F.dropout2d(x, 0.5), F.dropout1d(x[0], 0.5), F.dropout3d(x, 0.5), F.feature_alpha_dropout(x, 0.2, True),
+            F.rrelu(v - 0.5, training=True), F.gumbel_softmax(v, tau=0.5), F.gumbel_softmax(v, hard=True),
+        )
+
+    torch.manual_seed(4)
+    return tp.pmap(drop, randomness="per_instance", devices=devices)(X, img)
+
+
+def per_instance_dropout_training(devices):
+    """A data-parallel training run with dropout: the same model on every placement."""
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+    ).double()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = tp.training.data_parallel_step(
+        model, torch.nn.functional.mse_loss, opt, devices=devices, randomness="per_instance"
+    )
+    xs, ys = _data(8, 4, 3, seed=12), _data(8, 4, 1, seed=13)
+    losses = [step((xs, ys)) for _ in range(5)]
+    return losses, model.state_dict()
+
+
+def per_instance_grad_through_dropout(devices):
+    def f(v):
+        return torch.func.grad(lambda w: torch.nn.functional.dropout(w * w, 0.5).sum())(v)
+
+    torch.manual_seed(6)
+    return tp.pmap(f, randomness="per_instance", devices=devices)(X)
+
+
 PROGRAMS: dict[str, Program] = {
     f.__name__: f
     for f in [
@@ -260,6 +316,7 @@ PROGRAMS: dict[str, Program] = {
         grad_of_grad_around, jvp_inside, jacfwd_inside, hessian_inside,
         backward_through_torch_ops,
         shared_module_data_parallel, batch_norm_training_step, dropout_eval_mode,
+        per_instance_draws, per_instance_dropouts, per_instance_dropout_training, per_instance_grad_through_dropout,
     ]
 }
 
@@ -271,6 +328,7 @@ PROGRAMS: dict[str, Program] = {
 ROUNDING = {
     "grad_around", "vjp_around", "backward_through_torch_ops", "enable_grad_inside_no_grad",
     "batch_norm_training_step", "grad_of_grad_around", "jacrev_around", "shared_module_data_parallel",
+    "per_instance_dropout_training",
 }
 
 
@@ -305,6 +363,71 @@ def test_same_answers_on_one_and_on_n_devices(eight_devices, name, n):
     program = PROGRAMS[name]
     one = program(eight_devices[:1])
     assert_same(one, program(eight_devices[:n]), f"{name} on {n} devices", exact=name not in ROUNDING)
+
+
+def test_per_instance_streams_are_those_of_the_debug_mode(eight_devices):
+    """One instance per thread, without a vmap level: the same numbers again."""
+    vectorized = per_instance_dropouts(eight_devices[:1]), per_instance_draws(eight_devices[:1])
+    with tp.disable_vectorization():
+        debug = per_instance_dropouts(eight_devices[:1]), per_instance_draws(eight_devices[:1])
+    assert_same(vectorized, debug, "per_instance in the debug mode")
+
+
+def test_per_instance_streams_differ_between_instances_and_calls(eight_devices):
+    f = tp.pmap(lambda v: torch.rand(4), randomness="per_instance", devices=eight_devices[:2])
+    torch.manual_seed(0)
+    first, second = _plain(f(X)), _plain(f(X))
+    assert len({tuple(r.tolist()) for r in torch.cat([first, second])}) == 16  # no two rows alike
+    torch.manual_seed(0)
+    assert torch.equal(_plain(f(X)), first)  # reproducible under torch.manual_seed
+
+
+def test_a_pmap_nested_in_a_per_instance_pmap(eight_devices):
+    inner = tp.pmap(lambda w: w * 2, axis_name="j")
+    f = tp.pmap(lambda v: inner(v.reshape(3, 1)).sum() + torch.rand(()), randomness="per_instance",
+                devices=eight_devices[:1])
+    g = tp.pmap(lambda v: inner(v.reshape(3, 1)).sum() + torch.rand(()), randomness="per_instance",
+                devices=eight_devices[:4])
+    torch.manual_seed(1)
+    one = f(X)
+    torch.manual_seed(1)
+    assert_same(one, g(X), "a nested pmap")
+
+
+@pytest.mark.parametrize("case, match", [
+    (lambda v: torch.rand(3, generator=torch.Generator()), "generator="),
+    (lambda v: torch.vmap(lambda w: torch.rand(()) * w, randomness="different")(v), "nested in the mapped function"),
+    (lambda v: torch.multinomial(v.abs() + 0.1, 2), "torch.multinomial"),
+    (lambda v: torch.poisson(v.abs()), "torch.poisson"),
+])
+def test_what_per_instance_refuses_is_named(eight_devices, case, match):
+    for devices in (eight_devices[:1], eight_devices[:2]):
+        with pytest.raises(NotImplementedError, match=match):
+            tp.pmap(case, randomness="per_instance", devices=devices)(X)
+
+
+def test_per_instance_with_jit_is_refused_when_the_pmap_is_made():
+    with pytest.raises(NotImplementedError, match="jit=True with randomness='per_instance'"):
+        tp.pmap(lambda v: v, randomness="per_instance", jit=True)
+
+
+def test_random_ops_torch_draws_in_cpp_under_per_instance(eight_devices):
+    """Random ops the streams cannot rebuild: in a vectorized instance they hit the vmap
+    level's "error" randomness instead of drawing placement-dependent numbers; nn.LSTM
+    (no batching rule: its instances run one per thread) draws its dropout from each
+    instance's own stream, the same on every placement."""
+    q = _data(8, 2, 4, 3, seed=14)
+    sdpa = lambda v: torch.nn.functional.scaled_dot_product_attention(v, v, v, dropout_p=0.5)  # noqa: E731
+    with pytest.raises(RuntimeError, match="random"):
+        tp.pmap(sdpa, randomness="per_instance", devices=eight_devices[:1])(q)
+    lstm = torch.nn.LSTM(3, 4, num_layers=2, dropout=0.5).double().train()
+    f = lambda v: lstm(v.reshape(1, 1, 3))[0]  # noqa: E731
+    results = []
+    for devices in (eight_devices[:1], eight_devices[:4]):
+        torch.manual_seed(2)
+        with pytest.warns(tp.VectorizationFallbackWarning):
+            results.append(tp.pmap(f, randomness="per_instance", devices=devices)(X))
+    assert_same(*results, "nn.LSTM's dropout")
 
 
 # --------------------------------------------------------------------------- torchpmap's own state

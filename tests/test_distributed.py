@@ -117,7 +117,9 @@ def test_collectives_and_training_match_one_process(nproc, tmp_path, reference):
         want = {"all_gather": 1, "all_to_all": 1, "all_gather_bytes": 64 + 6 * 3 * 4}
         assert res["transfers"] == want, res["transfers"]
     one_each = nproc == progs.G  # one instance per process
-    programs = list(progs.collective_programs(progs.global_data())) + ["backward_outside", "grad_around", "pytree_backward"]
+    programs = list(progs.collective_programs(progs.global_data())) + [
+        "backward_outside", "grad_around", "pytree_backward", "per_instance_dropout",
+    ]
     for name in programs:
         _assert_same(name, _concat(per_rank, name), reference[name], bitwise=one_each and name not in NOT_BITWISE)
     for name in ("replicated", "train_by_hand", "train_with_helper"):

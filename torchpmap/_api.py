@@ -57,8 +57,12 @@ def pmap(
             only a hint (the same as JAX on CPU).
         randomness: how random ops behave across instances, as in ``torch.func.vmap``:
             ``"different"`` (default: each instance draws its own numbers, as separate
-            devices would, reproducibly under ``torch.manual_seed``), ``"same"`` or
-            ``"error"``.
+            devices would, reproducibly under ``torch.manual_seed`` for a given placement),
+            ``"same"`` or ``"error"``; or ``"per_instance"``: instance ``i`` draws from
+            its own stream, seeded from the call's seed and ``i``, so the numbers are the
+            same on one device, on several and across processes (the random ops torch
+            offers in Python, dropout included; a Python hop per torch call; not with
+            ``jit=True``). See ``docs/device-threads.md``.
         mesh: a :class:`Mesh` (default: the one of an enclosing ``with mesh:``). When
             ``axis_name`` is one of its axes, the instances are placed along that mesh
             axis, and nested pmaps over other mesh axes fill the grid.

@@ -21,7 +21,7 @@ from torchpmap._sharded import ShardedTensor
 from torchpmap._torch_private import pytree
 from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 
-_RANDOMNESS = ("error", "different", "same")
+_RANDOMNESS = ("error", "different", "same", "per_instance")
 _MAX_CACHED_LAYOUTS = 64  # argument structures remembered per mapped function
 _LEAF_SPEC = pytree.tree_flatten(0)[1]
 
@@ -65,6 +65,12 @@ def check_options(opts: MapOptions) -> None:
         raise ValueError(f"{what}: axis_size must be a positive int or None, got {opts.axis_size!r}")
     if opts.devices is not None:
         _devices.resolve(opts.devices)
+    if opts.jit and opts.randomness == "per_instance":
+        raise NotImplementedError(
+            f"{what}: jit=True with randomness='per_instance' is not supported yet (the compiled program would draw "
+            "from torch.compile's generator, not from each instance's stream). Drop jit=True, or use "
+            "randomness='different'."
+        )
     if not isinstance(opts.jit, (bool, Mapping)):
         raise TypeError(
             f"{what}: jit must be True, False or a dict of torch.compile keyword arguments "

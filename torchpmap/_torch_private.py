@@ -449,6 +449,32 @@ def functorch_layers_cleared() -> Iterator[None]:
             push(layer)
 
 
+def innermost_vmap_level() -> Optional[int]:
+    """The level of the innermost vmap among the torch.func transforms in force (grad and
+    jvp levels above it are skipped), or None.
+
+    For: ``randomness="per_instance"`` draws one stream per instance of *its* vmap level,
+    and must refuse a random op inside a vmap nested in the instance (whose instances
+    would all get the same numbers). Public replacement: none (``maybe_current_level``
+    gives the innermost level of any kind). Checked: torch 2.13.0, 2.14.1
+    (``torch._C._functorch.peek_interpreter_stack``, ``TransformType``, and the pop/push
+    of :func:`functorch_layers`).
+    """
+    f = torch._C._functorch
+    peek, pop, push = _layer_stack()
+    popped, found = [], None
+    try:
+        while (top := peek()) is not None:
+            if top.key() == f.TransformType.Vmap:
+                found = top.level()
+                break
+            popped.append(pop())
+    finally:
+        for layer in reversed(popped):
+            push(layer)
+    return found
+
+
 def jvp_nesting() -> int:
     """How many ``torch.func.jvp`` calls are open in this process (torch.func opens the
     process' forward-AD level only at nesting 1).
@@ -799,6 +825,16 @@ def _probe_functorch_layers() -> None:
     _expect(seen == {"count": 1, "kept": True, "cleared": None, "back": True, "restored": True}, f"got {seen}")
 
 
+def _probe_innermost_vmap_level() -> None:
+    _expect(innermost_vmap_level() is None, "no vmap outside every transform")
+    seen = []
+    torch.func.vmap(lambda x: torch.func.grad(lambda y: (seen.append(innermost_vmap_level()), y.sum())[1])(x))(
+        torch.ones(2, 3)
+    )
+    _with_vmap_level(2, lambda level: seen.append(innermost_vmap_level() == level))
+    _expect(seen[0] == 1 and seen[1] is True, f"the vmap under a grad is found ({seen})")
+
+
 def _probe_jvp_nesting() -> None:
     seen = []
     _expect(jvp_nesting() == 0, "no jvp open")
@@ -918,6 +954,11 @@ ENTRIES: dict[str, Entry] = {
             "functorch_layers_cleared",
             "torch._C._functorch.peek_interpreter_stack, pop_dynamic_layer_stack, push_dynamic_layer_stack",
             _probe_functorch_layers,
+        ),
+        Entry(
+            "innermost_vmap_level",
+            "torch._C._functorch.peek_interpreter_stack, TransformType",
+            _probe_innermost_vmap_level,
         ),
         Entry("jvp_nesting", "torch._functorch.eager_transforms.JVP_NESTING", _probe_jvp_nesting),
         Entry("jvp_nesting_raised", "torch._functorch.eager_transforms.JVP_NESTING", _probe_jvp_nesting),

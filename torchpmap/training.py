@@ -396,6 +396,7 @@ def data_parallel_step(
     axis_name: Hashable = "batch",
     devices: Optional[Sequence[Any]] = None,
     jit: bool | Mapping[str, Any] = False,
+    randomness: str = "different",
 ) -> Callable[[PyTree], torch.Tensor]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
 
@@ -440,9 +441,13 @@ def data_parallel_step(
       instance 0's value is kept. In train mode, batch norm normalizes with the
       statistics of the instance's own shard, so gradients differ from a single process
       on the whole batch, as with one replica per device.
-    * **Randomness** (dropout): the pmap uses ``randomness="different"``: every instance
-      draws its own dropout mask, as separate devices would; results are reproducible
-      under ``torch.manual_seed`` but are not the masks a single-process run would draw.
+    * **Randomness** (dropout): every instance draws its own dropout mask, as separate
+      devices would; results are reproducible under ``torch.manual_seed`` but are not the
+      masks a single-process run would draw. With the default ``randomness="different"``
+      the masks also depend on the placement (one device, several, processes); with
+      ``randomness="per_instance"`` each instance draws from its own stream and the
+      masks, hence the whole training run, are the same on every placement (a Python hop
+      per torch call: see ``docs/device-threads.md``; not with ``jit=True``).
     * ``model.train()`` / ``model.eval()`` are respected: in eval mode dropout is off
       and batch norm uses (and does not update) its running statistics.
     * **Devices**: with several devices, each device's instances run in a thread of
@@ -530,6 +535,7 @@ def data_parallel_step(
         out_axes=None,
         devices=devices,
         jit=jit,
+        randomness=randomness,
     )
 
     def step(batch: PyTree) -> torch.Tensor:

@@ -59,7 +59,7 @@ def run(call: MappedCall) -> list[ShardedTensor]:
     def one_device(d: int) -> list[torch.Tensor]:
         with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
             exchange = ThreadExchange(rendezvous, d, torch_devices, group)
-            return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange)
+            return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange, seed=seed)
 
     per_device = run_threads([lambda d=d: one_device(d) for d in range(len(devices))], rendezvous, devices, k)
     check_outputs_agree(per_device, devices)

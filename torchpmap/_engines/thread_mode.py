@@ -15,13 +15,15 @@ import threading
 import torch
 from torch.overrides import TorchFunctionMode
 
+from torchpmap._engines.instance_streams import instance_seed
 from torchpmap._torch_private import functorch_layers_cleared
 
 _RANDOM_OPS = frozenset(
     """rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson
     dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d rrelu gumbel_softmax
-    uniform_ normal_ bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_""".split()
-)
+    uniform_ normal_ bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_
+    lstm gru rnn_tanh rnn_relu scaled_dot_product_attention multi_head_attention_forward""".split()
+)  # the last line: ops that may draw inside C++ (their dropout in training)
 _lock = threading.Lock()
 
 
@@ -65,7 +67,13 @@ class _DeviceThreadMode(TorchFunctionMode):
 
 def device_thread_mode(seed: int | None, index: int, randomness: str, device: torch.device) -> _DeviceThreadMode:
     """The mode for device thread ``index``: its random stream is seed + index for
-    "different", seed for "same", none for "error" (vmap then refuses random ops)."""
-    if seed is not None and randomness == "different":
+    "different", seed for "same", none for "error" (vmap then refuses random ops) and for
+    "per_instance" (each instance's own stream: see :mod:`instance_streams`)."""
+    if seed is not None and randomness == "per_instance":
+        # Random ops are drawn per instance (see instance_streams); what reaches this mode
+        # comes from C++ (nn.LSTM's dropout) in an instance run without a vmap level, one
+        # per thread: its own stream, seeded from the instance's index, as on any placement
+        seed = instance_seed(seed, index) ^ 1
+    elif seed is not None and randomness == "different":
         seed += index
     return _DeviceThreadMode(seed, device)

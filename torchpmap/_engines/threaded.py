@@ -27,6 +27,7 @@ from torchpmap import _torch_private as private
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
+from torchpmap._engines.instance_streams import InstanceStreams
 from torchpmap._engines.multi_device import device_thread, run_threads
 from torchpmap._engines.thread_mode import call_seed
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
@@ -93,8 +94,10 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
         with _context.setting(_context.instance_thread, state), _axis_env.inherited(rebound):
             with device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
                 if k > 1:
-                    return vectorized.run(part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis))
-                return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size)
+                    return vectorized.run(
+                        part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis), seed=seed
+                    )
+                return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
 
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
     per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None)
@@ -102,7 +105,9 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
     return _assemble(devices, per_thread)
 
 
-def _run_single(call: MappedCall, state: _ThreadState, enclosing: tuple, axis: Hashable, offset: int, axis_size: int) -> list:
+def _run_single(
+    call: MappedCall, state: _ThreadState, enclosing: tuple, axis: Hashable, offset: int, axis_size: int, seed: int | None
+) -> list:
     """One instance on this device, without a vmap level (see module docstring)."""
     device = call.devices[0].torch_device
     token = torch.zeros((), dtype=torch.long, device=device)
@@ -111,8 +116,10 @@ def _run_single(call: MappedCall, state: _ThreadState, enclosing: tuple, axis: H
     state.frames = enclosing + ((frame,) if name is not None else ())
     slices = [t.select(dim, 0) for t, dim in zip(call.mapped, call.in_dims)]
     broadcast = [vectorized.place(v, device) for v in call.broadcast]
+    per_instance = call.randomness == "per_instance" and seed is not None
     with _axis_env.bound(frame) if name is not None else contextlib.nullcontext():
-        outputs = call.body(slices, broadcast)
+        with InstanceStreams(seed, offset, 1, None, device) if per_instance else contextlib.nullcontext():
+            outputs = call.body(slices, broadcast)
     # a nested mesh pmap's result stays sharded along its own axis: blocks stay where computed
     return [o.unsqueeze(0) if isinstance(o, ShardedTensor) else as_local(o, device).unsqueeze(0) for o in outputs]
 

@@ -13,6 +13,8 @@ import torch
 from torchpmap import _axis_env, _devices
 from torchpmap import _torch_private as private
 from torchpmap._engines import MappedCall
+from torchpmap._engines.instance_streams import InstanceStreams
+from torchpmap._engines.thread_mode import call_seed
 from torchpmap._sharded import as_local
 
 
@@ -25,28 +27,53 @@ def place(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def run(call: MappedCall, *, offset: int = 0, axis_size: int | None = None, exchange: Optional[_axis_env.Exchange] = None) -> list[torch.Tensor]:
+def run(
+    call: MappedCall,
+    *,
+    offset: int = 0,
+    axis_size: int | None = None,
+    exchange: Optional[_axis_env.Exchange] = None,
+    seed: int | None = None,
+) -> list[torch.Tensor]:
     """Runs all ``call.size`` instances vectorized on one device.
 
     ``offset``, ``axis_size`` and ``exchange`` let a multi-device engine run one slice of
     a larger axis: this slice holds instances ``offset .. offset + call.size - 1`` of an
     axis of ``axis_size`` instances, and ``exchange`` connects it to the other slices.
+    ``seed``: the call seed of ``randomness="per_instance"`` (drawn here when None).
     """
     device = call.devices[0].torch_device if call.devices else None
     mapped = [place(t, device) for t in call.mapped]
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else (mapped[0].device if mapped else None)
-    # the axis token is an extra vmap input (see _collective_binding); an unnamed axis needs none
-    token = None if call.axis_name is None else _token(call.size, here)
+    # the axis token is an extra vmap input (see _collective_binding); an unnamed axis needs
+    # none, unless each instance draws from its own random stream (it tells which instance)
+    per_instance = call.randomness == "per_instance"
+    if per_instance and seed is None:
+        seed = call_seed(call.randomness)
+    token = None if call.axis_name is None and not per_instance else _token(call.size, here)
 
     def one_instance(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if token is None:
+        if token is None:  # the hot path: an unnamed axis, no per-instance streams
             outputs = tuple(call.body(slices, broadcast))
-        else:
-            token_slice, slices = slices[0], slices[1:]
-            frame = _axis_env.AxisFrame(call.axis_name, axis_size or call.size, token_slice, call.size, offset, exchange)
-            with _axis_env.bound(frame):
-                outputs = tuple(call.body(slices, broadcast))
+            if call.must_be_unmapped is not None:  # vmap's out_axes=None
+                _check_unmapped(outputs, call.must_be_unmapped())
+            return outputs
+        token_slice, slices = slices[0], slices[1:]
+        if per_instance:
+            with InstanceStreams(seed, offset, call.size, token_slice, here):
+                return _on_axis(token_slice, slices)
+        return _on_axis(token_slice, slices)
+
+    def _on_axis(token_slice: torch.Tensor, slices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if call.axis_name is None:
+            return _checked(call.body(slices, broadcast))
+        frame = _axis_env.AxisFrame(call.axis_name, axis_size or call.size, token_slice, call.size, offset, exchange)
+        with _axis_env.bound(frame):
+            return _checked(call.body(slices, broadcast))
+
+    def _checked(outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        outputs = tuple(outputs)
         if call.must_be_unmapped is not None:  # vmap's out_axes=None
             _check_unmapped(outputs, call.must_be_unmapped())
         return outputs
@@ -101,7 +128,8 @@ def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[
     previous_message = private.saved_tensors_hooks_disabled_message()
     try:
         private.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS)  # raises (after disabling) if hooks are set
-        level = private.vmap_increment_nesting(size, randomness)
+        # per_instance draws outside vmap (see instance_streams): any other random op is refused
+        level = private.vmap_increment_nesting(size, "error" if randomness == "per_instance" else randomness)
         try:
             batched = [private.add_batch_dim(t, d, level) for t, d in zip(inputs, in_dims)]
             return [private.remove_batch_dim(out, level, size, 0) for out in fn(*batched)]
