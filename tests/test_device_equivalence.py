@@ -10,6 +10,7 @@ several devices too: ``make test`` runs ``tests/`` with ``TORCHPMAP_NUM_CPU_DEVI
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -26,6 +27,9 @@ Program = Callable[[list], Any]  # devices -> a pytree of results
 def eight_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "8")
+    # a device with one instance runs it through vmap too: bitwise one device's results
+    # (the default runs it directly: see test_one_instance_per_device_runs_directly)
+    monkeypatch.setattr(tp.config, "bitwise_placement", True)
     _devices._local_devices.cache_clear()
     yield tp.devices()
     monkeypatch.undo()
@@ -342,7 +346,7 @@ def _plain(tree: Any) -> Any:
     return torch.utils._pytree.tree_map(leaf, tree, is_leaf=lambda v: isinstance(v, tp.ShardedTensor))
 
 
-def assert_same(one: Any, many: Any, where: str, exact: bool = True) -> None:
+def assert_same(one: Any, many: Any, where: str, exact: bool = True, rounding: str = "float64") -> None:
     one_leaves, one_spec = torch.utils._pytree.tree_flatten(_plain(one))
     many_leaves, many_spec = torch.utils._pytree.tree_flatten(_plain(many))
     assert one_spec == many_spec, where
@@ -352,7 +356,8 @@ def assert_same(one: Any, many: Any, where: str, exact: bool = True) -> None:
             if exact or not a.is_floating_point():
                 assert torch.equal(a, b), (where, k, (a - b).abs().max() if a.is_floating_point() else None)
             else:
-                torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=lambda m: f"{where}, result {k}: {m}")
+                tolerance = {"rtol": 1e-12, "atol": 1e-12} if rounding == "float64" else {}  # else: by dtype
+                torch.testing.assert_close(b, a, **tolerance, msg=lambda m: f"{where}, result {k}: {m}")
         else:
             assert a == b, (where, k, a, b)
 
@@ -428,6 +433,28 @@ def test_random_ops_torch_draws_in_cpp_under_per_instance(eight_devices):
         with pytest.warns(tp.VectorizationFallbackWarning):
             results.append(tp.pmap(f, randomness="per_instance", devices=devices)(X))
     assert_same(*results, "nn.LSTM's dropout")
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_one_instance_per_device_runs_directly(eight_devices, monkeypatch, name):
+    """By default a device holding one instance runs it without vmap (plain PyTorch speed,
+    every op): results agree with one device to rounding (float32: torch's default
+    tolerances; float64: 1e-12), and random streams stay bitwise."""
+    monkeypatch.setattr(tp.config, "bitwise_placement", False)
+    program = PROGRAMS[name]
+    one = program(eight_devices[:1])
+    assert_same(one, program(eight_devices[:8]), f"{name} directly on 8 devices", exact=False, rounding="dtype")
+
+
+def test_a_function_vmap_cannot_run_runs_directly_on_one_instance_per_device(eight_devices, monkeypatch):
+    monkeypatch.setattr(tp.config, "bitwise_placement", False)
+    f = lambda v: tp.psum(v * 2 if v.sum().item() > 0 else -v, "i")  # noqa: E731 - .item(): no vmap
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no VectorizationFallbackWarning: nothing was vectorized
+        direct = tp.pmap(f, "i", devices=eight_devices)(X)
+    with pytest.warns(tp.VectorizationFallbackWarning):
+        one = tp.pmap(f, "i", devices=eight_devices[:1])(X)
+    assert_same(one, direct, ".item() on 8 devices")
 
 
 # --------------------------------------------------------------------------- torchpmap's own state

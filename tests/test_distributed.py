@@ -36,14 +36,16 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 NOT_BITWISE = {"backward_outside", "grad_around"}
 
 
-def _run(scenario: str, nproc: int, tmp_path: Path, timeout: float = 30.0, launch_timeout: float = 120.0):
+def _run(
+    scenario: str, nproc: int, tmp_path: Path, timeout: float = 30.0, launch_timeout: float = 120.0, env: dict = {}
+):
     out = tmp_path / scenario
     out.mkdir()
     finished = launch(
         [str(HERE / "_distributed_programs.py"), scenario, str(out)],
         nproc,
         timeout=launch_timeout,
-        env={"TEST_TIMEOUT": str(timeout)},
+        env={"TEST_TIMEOUT": str(timeout), **env},
     )
     results = {}
     for f in finished:
@@ -95,9 +97,13 @@ def reference():
         return progs.reference()
 
 
-@pytest.mark.parametrize("nproc", [2, 4])  # 4 processes on 2 cores: 13-20 s, mostly importing torch
-def test_collectives_and_training_match_one_process(nproc, tmp_path, reference):
-    finished, results = _run("collectives", nproc, tmp_path)
+# 4 processes on 2 cores: 13-20 s, mostly importing torch. With one instance per process
+# the instance runs directly (no vmap): results agree with one process to rounding; with
+# TORCHPMAP_BITWISE_PLACEMENT=1 it runs through vmap and they are bitwise.
+@pytest.mark.parametrize("nproc, bitwise_placement", [(2, False), (4, False), (4, True)])
+def test_collectives_and_training_match_one_process(nproc, bitwise_placement, tmp_path, reference):
+    env = {"TORCHPMAP_BITWISE_PLACEMENT": "1" if bitwise_placement else "0"}
+    finished, results = _run("collectives", nproc, tmp_path, env=env)
     logs = _logs(finished)
     assert all(f.returncode == 0 for f in finished), logs
     per_rank = [results[r] for r in range(nproc)]
@@ -116,7 +122,7 @@ def test_collectives_and_training_match_one_process(nproc, tmp_path, reference):
         # instances it holds
         want = {"all_gather": 1, "all_to_all": 1, "all_gather_bytes": 64 + 6 * 3 * 4}
         assert res["transfers"] == want, res["transfers"]
-    one_each = nproc == progs.G  # one instance per process
+    one_each = nproc == progs.G and bitwise_placement  # one instance per process, through vmap
     programs = list(progs.collective_programs(progs.global_data())) + [
         "backward_outside", "grad_around", "pytree_backward", "per_instance_dropout",
     ]

@@ -40,6 +40,7 @@ from torchpmap import _process_group as pg
 from torchpmap import _torch_private as private
 from torchpmap._mesh import ProcessMesh
 from torchpmap._engines import MappedCall, process_agreement as agreement, process_ops, vectorized
+from torchpmap._engines.multi_device import runs_directly as _runs_directly
 from torchpmap._engines.process_transpose import differentiable, transpose_gather
 from torchpmap._faults import ExchangeMismatch, SizeMismatch
 
@@ -418,6 +419,8 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     try:
         if call.programs is not None and private.current_vmap_level() is None:
             outputs = _run_compiled(part, exchange)
+        elif part.size == 1 and _runs_directly(part):  # one instance per process: nothing to vectorize
+            outputs = vectorized.run_one(part, offset=exchange.index, axis_size=exchange.size, exchange=exchange)
         else:
             outputs = _run_slice(part, exchange, exchange)
         exchange.settle()  # a call without collectives still checks the sizes

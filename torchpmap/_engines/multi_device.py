@@ -55,10 +55,13 @@ def run(call: MappedCall) -> list[ShardedTensor]:
     rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
     torch_devices = tuple(d.torch_device for d in devices)
     seed = call_seed(call.randomness)
+    direct = k == 1 and runs_directly(call)
 
     def one_device(d: int) -> list[torch.Tensor]:
         with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
             exchange = ThreadExchange(rendezvous, d, torch_devices, group)
+            if direct:  # nothing to vectorize: the instance runs as it is
+                return vectorized.run_one(part, offset=d, axis_size=call.size, exchange=exchange, seed=seed)
             return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange, seed=seed)
 
     per_device = run_threads([lambda d=d: one_device(d) for d in range(len(devices))], rendezvous, devices, k)
@@ -67,6 +70,13 @@ def run(call: MappedCall) -> list[ShardedTensor]:
         # a torch.func transform encloses the call: it carries tensors only (gathered on the first device)
         return [torch.cat([o.to(torch_devices[0]) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+def runs_directly(call: MappedCall) -> bool:
+    """Whether a device's single instance runs without vmap: unless the user asked for
+    bitwise placement, or a torch.func transform encloses the call (its levels then
+    carry the instance through vmap, as on one device)."""
+    return not config.bitwise_placement and call.must_be_unmapped is None and private.current_vmap_level() is None
 
 
 def check_outputs_agree(per_device: Sequence[Sequence[torch.Tensor]], devices: Sequence[Device]) -> None:

@@ -18,12 +18,14 @@ from torch.overrides import TorchFunctionMode
 from torchpmap._engines.instance_streams import instance_seed
 from torchpmap._torch_private import functorch_layers_cleared
 
-_RANDOM_OPS = frozenset(
+_DRAWING_OPS = frozenset(
     """rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson
     dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d rrelu gumbel_softmax
-    uniform_ normal_ bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_
-    lstm gru rnn_tanh rnn_relu scaled_dot_product_attention multi_head_attention_forward""".split()
-)  # the last line: ops that may draw inside C++ (their dropout in training)
+    uniform_ normal_ bernoulli_ random_ exponential_ geometric_ cauchy_ log_normal_""".split()
+)
+# ops that may draw inside C++ (their dropout in training): their draws use the thread's stream
+_RANDOM_OPS = _DRAWING_OPS | {"lstm", "gru", "rnn_tanh", "rnn_relu", "scaled_dot_product_attention",
+                              "multi_head_attention_forward"}
 _lock = threading.Lock()
 
 
@@ -36,9 +38,9 @@ def call_seed(randomness: str) -> int | None:
 
 
 class _DeviceThreadMode(TorchFunctionMode):
-    def __init__(self, seed: int | None, device: torch.device):
+    def __init__(self, seed: int | None, device: torch.device, refuse: bool = False):
         super().__init__()
-        self.seed = seed
+        self.seed, self.refuse = seed, refuse
         if seed is None:
             return
         self.generators = [torch.default_generator]
@@ -51,7 +53,14 @@ class _DeviceThreadMode(TorchFunctionMode):
             self.states.append(own.get_state())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.seed is None or getattr(func, "__name__", None) not in _RANDOM_OPS:
+        name = getattr(func, "__name__", None)
+        own_seed = kwargs is not None and kwargs.get("generator") is torch.default_generator  # see call_seed
+        if self.refuse and name in _DRAWING_OPS and not own_seed:  # what vmap does under randomness="error"
+            raise RuntimeError(
+                f"pmap: called random operation {name} while in randomness error mode (randomness='error'); "
+                "pass randomness='different', 'same' or 'per_instance' to draw random numbers"
+            )
+        if self.seed is None or name not in _RANDOM_OPS:
             return func(*args, **(kwargs or {}))
         with _lock:
             saved = [g.get_state() for g in self.generators]
@@ -67,7 +76,7 @@ class _DeviceThreadMode(TorchFunctionMode):
 
 def device_thread_mode(seed: int | None, index: int, randomness: str, device: torch.device) -> _DeviceThreadMode:
     """The mode for device thread ``index``: its random stream is seed + index for
-    "different", seed for "same", none for "error" (vmap then refuses random ops) and for
+    "different", seed for "same", none for "error" (random ops are refused) and for
     "per_instance" (each instance's own stream: see :mod:`instance_streams`)."""
     if seed is not None and randomness == "per_instance":
         # Random ops are drawn per instance (see instance_streams); what reaches this mode
@@ -76,4 +85,5 @@ def device_thread_mode(seed: int | None, index: int, randomness: str, device: to
         seed = instance_seed(seed, index) ^ 1
     elif seed is not None and randomness == "different":
         seed += index
-    return _DeviceThreadMode(seed, device)
+    # an instance run without vmap (one per device) has no vmap level to refuse random ops
+    return _DeviceThreadMode(seed, device, refuse=randomness == "error")

@@ -6,6 +6,7 @@ that collectives can find this axis' vmap level (see :mod:`torchpmap._collective
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -88,6 +89,37 @@ def run(
         return _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
     finally:
         _devices.set_current_default(previous)
+
+
+def run_one(
+    call: MappedCall, *, offset: int, axis_size: int, exchange: _axis_env.Exchange, seed: int | None = None
+) -> list[torch.Tensor]:
+    """Runs the single instance of ``call`` (one of a larger axis) directly, without vmap.
+
+    A device that holds one instance of a split axis has nothing to vectorize: its
+    function runs on the instance's own tensors at plain PyTorch speed, and every op works
+    (no batching rule needed). Collectives apply directly through ``exchange``; the same
+    math runs on the gathered values as in :func:`run`.
+    """
+    device = call.devices[0].torch_device if call.devices else None
+    slices = [place(t, device).select(dim, 0) for t, dim in zip(call.mapped, call.in_dims)]
+    broadcast = [place(v, device) for v in call.broadcast]
+    here = device if device is not None else torch.device("cpu")
+    token = torch.zeros((), dtype=torch.long, device=here)
+    frame = _axis_env.AxisFrame(call.axis_name, axis_size, token, 1, offset, exchange, vectorized=False)
+    per_instance = call.randomness == "per_instance"
+    if per_instance and seed is None:
+        seed = call_seed(call.randomness)
+    previous = _devices.current_default()
+    if previous is None:
+        _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(here))
+    try:
+        with _axis_env.bound(frame) if call.axis_name is not None else contextlib.nullcontext():
+            with InstanceStreams(seed, offset, 1, None, here) if per_instance else contextlib.nullcontext():
+                outputs = call.body(slices, broadcast)
+    finally:
+        _devices.set_current_default(previous)
+    return [as_local(o, here).unsqueeze(0) for o in outputs]
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}

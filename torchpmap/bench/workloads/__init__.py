@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from torchpmap.bench.core import Workload
-from torchpmap.bench.workloads import dispatch, distributed, mixed_precision, multidevice, psum, scaling, training
+from torchpmap.bench.workloads import (
+    dispatch, distributed, mixed_precision, multidevice, psum, scaling, training, transformer,
+)
 
 WORKLOADS: list[Workload] = [
     dispatch.WORKLOAD,
@@ -13,6 +15,7 @@ WORKLOADS: list[Workload] = [
     distributed.WORKLOAD,
     multidevice.WORKLOAD,
     mixed_precision.WORKLOAD,
+    transformer.WORKLOAD,
 ]
 
 
