@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "torchpmap._devices": 3, "torchpmap._mesh": 3, "torchpmap._sharded": 3,
     "torchpmap._process_group": 4, "torchpmap._context": 4, "torchpmap._config": 4, "torchpmap._axis_env": 4,
     "torchpmap._log": 4, "torchpmap._torch_private": 4,
-    "torchpmap._compile_guard": 4, "torchpmap._device_record": 4, "torchpmap._faults": 4,
+    "torchpmap._compile_guard": 4, "torchpmap._device_record": 4, "torchpmap._faults": 4, "torchpmap._store": 4,
 }
 
 

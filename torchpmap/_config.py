@@ -1,17 +1,19 @@
 """Run-time settings, read from the environment and changeable in code.
 
 Every environment variable torchpmap reads, in one table (each is validated when
-torchpmap is imported or, for the device count, when devices are first listed; a bad
-value raises a ``ValueError`` that names the variable and what it accepts):
+torchpmap is imported or, for the device count, when devices are first listed, and for
+the store, by ``torchpmap.distributed.initialize``; a bad value raises a ``ValueError``
+that names the variable and what it accepts):
 
 | variable | setting | accepts | default |
 |---|---|---|---|
 | ``TORCHPMAP_COLLECTIVE_TIMEOUT`` | ``config.collective_timeout`` | seconds, a number > 0 | 300 |
 | ``TORCHPMAP_DISABLE_VECTORIZATION`` | ``config.disable_vectorization`` | 1/0, true/false, yes/no, on/off | 0 |
-| ``TORCHPMAP_JIT_CACHE_SIZE`` | ``config.jit_cache_size`` | compiled programs kept per function, an integer >= 1 | 32 |
 | ``TORCHPMAP_BITWISE_PLACEMENT`` | ``config.bitwise_placement`` | 1/0, true/false, yes/no, on/off | 0 |
+| ``TORCHPMAP_JIT_CACHE_SIZE`` | ``config.jit_cache_size`` | compiled programs kept per function, an integer >= 1 | 32 |
 | ``TORCHPMAP_WORKER_IDLE_TIMEOUT`` | ``config.worker_idle_timeout`` | seconds an idle device-thread worker waits for work before it exits, a number > 0 | 60 |
 | ``TORCHPMAP_HEARTBEAT_INTERVAL`` | (processes) | seconds between two heartbeats of a process, a number > 0 | 0.5 |
+| ``TORCHPMAP_STORE_LISTEN_ALL`` | (processes) | 1 keeps torch's rendezvous store server on every interface instead of the address ``MASTER_ADDR`` names (read by ``initialize``), 1/0, true/false, yes/no, on/off | 0 |
 | ``TORCHPMAP_NUM_CPU_DEVICES`` | (devices) | simulated CPU devices without a GPU, an integer >= 1 | 1 |
 
 Example:
@@ -64,9 +66,9 @@ def _boolean(value: Any) -> bool:
 _SETTINGS: dict[str, tuple[str, Callable[[Any], Any], str, Any]] = {
     "collective_timeout": ("TORCHPMAP_COLLECTIVE_TIMEOUT", _positive_number, "a number > 0 (seconds)", 300.0),
     "disable_vectorization": ("TORCHPMAP_DISABLE_VECTORIZATION", _boolean, "one of 1/0, true/false, yes/no, on/off", False),
+    "bitwise_placement": ("TORCHPMAP_BITWISE_PLACEMENT", _boolean, "one of 1/0, true/false, yes/no, on/off", False),
     "jit_cache_size": ("TORCHPMAP_JIT_CACHE_SIZE", _at_least_one, "an integer >= 1", 32),
     "worker_idle_timeout": ("TORCHPMAP_WORKER_IDLE_TIMEOUT", _positive_number, "a number > 0 (seconds)", 60.0),
-    "bitwise_placement": ("TORCHPMAP_BITWISE_PLACEMENT", _boolean, "one of 1/0, true/false, yes/no, on/off", False),
 }
 
 
@@ -102,23 +104,23 @@ class Config:
         disable_vectorization: run instances one at a time in plain Python threads so
             that ``print`` and ``pdb`` work inside a pmapped function (environment:
             ``TORCHPMAP_DISABLE_VECTORIZATION=1``).
-        jit_cache_size: compiled programs ``pmap(jit=True)`` keeps per function, the least
-            recently used dropped first (environment: ``TORCHPMAP_JIT_CACHE_SIZE``, default 32).
         bitwise_placement: a device (or process) that holds a single instance runs it
             through ``vmap`` like one device running all the instances, so that results
             are bitwise the same on every placement. Off (the default), it runs the
             instance directly, at plain PyTorch speed with every op (no batching rule
             needed); results then agree with one device to rounding (environment:
             ``TORCHPMAP_BITWISE_PLACEMENT=1``).
+        jit_cache_size: compiled programs ``pmap(jit=True)`` keeps per function, the least
+            recently used dropped first (environment: ``TORCHPMAP_JIT_CACHE_SIZE``, default 32).
         worker_idle_timeout: seconds an idle device-thread worker waits for work before it
             exits (environment: ``TORCHPMAP_WORKER_IDLE_TIMEOUT``, default 60).
     """
 
     collective_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["collective_timeout"]))
     disable_vectorization: bool = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["disable_vectorization"]))
+    bitwise_placement: bool = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["bitwise_placement"]))
     jit_cache_size: int = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["jit_cache_size"]))
     worker_idle_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["worker_idle_timeout"]))
-    bitwise_placement: bool = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["bitwise_placement"]))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _SETTINGS:

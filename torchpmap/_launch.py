@@ -42,14 +42,17 @@ def launch(
     timeout: float,
     env: Optional[Mapping[str, str]] = None,
     cwd: Optional[str] = None,
+    master_port: Optional[int] = None,
 ) -> list[Finished]:
     """Runs ``python *argv`` in ``nproc`` processes and waits for all of them.
 
     Processes still running after ``timeout`` seconds are killed (only those started
     here); their ``returncode`` is None. Output (stdout and stderr) is collected per
-    process.
+    process. ``master_port`` (default: a free port) is where they meet: give the port of
+    a store that is already up, with ``TORCHELASTIC_USE_AGENT_STORE=True`` in ``env``, to
+    run them as workers of torchrun's agent store would.
     """
-    port = str(free_port())
+    port = str(master_port if master_port is not None else free_port())
     base = dict(os.environ)
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does with several processes per node
     base.update(env or {})

@@ -15,6 +15,17 @@ engine (:mod:`torchpmap._engines.distributed`) and :mod:`torchpmap._devices` nee
   and raises :class:`RankFailed` (or ``TimeoutError`` when every rank is alive but one
   never arrived). After a failure the process group is out of step: later distributed
   pmaps raise at once.
+* The job token. All of that lives in the store under ``torchpmap/<token>/``, where the
+  token is 16 random hex digits drawn by rank 0 for each process group
+  (:func:`agree_on_token`, :func:`_store_token`). A store can outlive a job (torchrun's
+  agent keeps its store across restarts; a ``FileStore`` file or a store server can be
+  reused), and its keys outlive the group that wrote them: without the token, a failure
+  record left by an earlier job (or an earlier ``initialize``) under the same prefix
+  would make every collective of the next one raise :class:`RankFailed` at once, and so
+  would a record written by anyone who can reach the store under a prefix they can
+  guess. The token is no secret (``Store.list_keys`` shows it to anyone who can reach
+  the store), so it keeps out stale and blind records, not a deliberate attacker:
+  see "Who can reach the store" in ``docs/multiprocess.md``.
 """
 from __future__ import annotations
 
@@ -23,6 +34,7 @@ import dataclasses
 import datetime
 import json
 import os
+import secrets
 import threading
 import time
 import warnings
@@ -71,7 +83,7 @@ class ProcessState:
     local_rank: int
     backend: str
     timeout: float
-    store: Any  # a torch.distributed Store under this run's prefix, or None
+    store: Any  # a torch.distributed Store under this group's prefix (torchpmap/<token>/), or None
     store_address: str
     local_device: Device
     owns_group: bool
@@ -81,6 +93,7 @@ class ProcessState:
     poisoned: Optional[str] = None
     heartbeat: Optional["_Heartbeat"] = None
     world_group: Any = None  # the default process group this state belongs to
+    token: str = ""  # this group's job token (see the module docstring); empty without a store
     _devices: Optional[tuple[Device, ...]] = None
 
     @property
@@ -176,6 +189,7 @@ def _adopt_existing_group() -> ProcessState:
 
     return _make_state(
         base,
+        token=None,
         backend=str(dist.get_backend()),
         timeout=float(config.collective_timeout),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
@@ -184,13 +198,68 @@ def _adopt_existing_group() -> ProcessState:
     )
 
 
+# --------------------------------------------------------------------------- the job token
+
+#: Random bytes in a job token: 16 hex digits, so that no two groups draw the same one.
+_TOKEN_BYTES = 8
+
+
+def agree_on_token(backend: str) -> str:
+    """A fresh job token for the process group just initialized, the same in every rank.
+
+    A collective: every rank of the default group calls it, right after
+    ``init_process_group``. Rank 0 draws the token and broadcasts it over the group itself,
+    not through the store, so nothing left in the store (by an earlier job, by an earlier
+    ``initialize`` of these processes, or by anyone else) can make the ranks take an old
+    token or disagree on it. Each call draws a new one: a second ``initialize`` after
+    ``shutdown`` gets its own.
+    """
+    device = torch.device("cuda" if "nccl" in backend else "xpu" if "xccl" in backend else "cpu")
+    raw = secrets.token_bytes(_TOKEN_BYTES) if dist.get_rank() == 0 else bytes(_TOKEN_BYTES)
+    tensor = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+    dist.broadcast(tensor, src=0)
+    return bytes(tensor.cpu().tolist()).hex()
+
+
+def _store_token(base_store: Any, generation: int) -> str:
+    """The job token of a process group that torchpmap did not initialize, agreed through
+    the store.
+
+    No collective is possible here: this runs when a process first looks at the group,
+    which the others need not do at the same moment. So the first process to get here
+    draws the token and the others read it, through one atomic ``compare_set`` on a key
+    named by torchrun's restart count and the generation (never blocking, and the same
+    token in every process). What this cannot tell is a key left in a store reused from
+    an earlier job with the same restart count and generation; torch's own keys go stale
+    there too. :func:`torchpmap.distributed.initialize` draws the token in a collective
+    (:func:`agree_on_token`) instead.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = f"torchpmap/token/{restart}/{generation}"
+    return base_store.compare_set(key, "", secrets.token_hex(_TOKEN_BYTES)).decode()
+
+
 def _make_state(
-    base_store: Any, *, backend: str, timeout: float, local_rank: int, owns_group: bool, exact_devices: bool
+    base_store: Any,
+    *,
+    token: Optional[str],
+    backend: str,
+    timeout: float,
+    local_rank: int,
+    owns_group: bool,
+    exact_devices: bool,
 ) -> ProcessState:
+    """This process' state for the default group; ``token`` None agrees on one through
+    ``base_store`` (:func:`_store_token`)."""
     global _generation
     _generation += 1
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"torchpmap/{restart}/{_generation}/", base_store) if base_store is not None else None
+    store = None
+    if base_store is not None:
+        try:
+            token = token if token is not None else _store_token(base_store, _generation)
+            store = dist.PrefixStore(f"torchpmap/{token}", base_store)  # keys torchpmap/<token>/alive/0, ...
+        except RuntimeError as error:  # a store without compare_set, or one that stopped answering
+            logger.warning("process group: fault watching is off, the store failed: %s", error)
     rank = dist.get_rank()
     st = ProcessState(
         rank=rank,
@@ -204,6 +273,7 @@ def _make_state(
         owns_group=owns_group,
         exact_devices=exact_devices,
         world_group=dist.group.WORLD,
+        token=token if store is not None and token is not None else "",
     )
     if store is not None:
         try:
@@ -221,12 +291,16 @@ def _make_state(
     return st
 
 
-def install(*, backend: str, timeout: float, local_rank: int, base_store: Any, owns_group: bool) -> ProcessState:
-    """Called by ``initialize`` right after it created the default process group."""
+def install(
+    *, backend: str, timeout: float, local_rank: int, base_store: Any, token: str, owns_group: bool
+) -> ProcessState:
+    """Called by ``initialize`` right after it created the default process group and the
+    ranks agreed on ``token`` (:func:`agree_on_token`)."""
     global _state
     with _lock:
         _state = _make_state(
             base_store,
+            token=token,
             backend=backend,
             timeout=timeout,
             local_rank=local_rank,
@@ -243,6 +317,10 @@ def uninstall() -> Optional[ProcessState]:
         st, _state = _state, None
     if st is not None and st.heartbeat is not None:
         st.heartbeat.stop(exited=True)
+        # The heartbeat and the state refer to each other: break the cycle, so that the
+        # state (and the process group it refers to) goes with its last reference, not at
+        # the next garbage collection.
+        st.heartbeat = None
     return st
 
 
