@@ -413,15 +413,18 @@ def _read_failures(st: ProcessState) -> list[dict]:
     return records
 
 
-def record_failure(ranks: Sequence[int], reason: str) -> None:
-    """Tells the other processes that ``ranks`` failed (the first record of each reporter counts)."""
+def record_failure(ranks: Sequence[int], reason: str, kind: str = "failure") -> None:
+    """Tells the other processes that ``ranks`` failed (the first record of each reporter
+    counts). ``kind`` "timeout": they are alive but never arrived (the others then raise
+    ``TimeoutError``, not :class:`RankFailed`)."""
     st = _state
     if st is None or st.store is None:
         return
     try:
         key = f"failure/{st.rank}"
         if not st.store.check([key]):
-            st.store.set(key, json.dumps({"ranks": list(ranks), "reason": reason, "reporter": st.rank}))
+            record = {"ranks": list(ranks), "reason": reason, "reporter": st.rank, "kind": kind}
+            st.store.set(key, json.dumps(record))
             st.store.add("failures", 1)
     except Exception:
         pass
@@ -474,6 +477,9 @@ def wait(work: Any, what: str) -> None:
     started = time.monotonic()
     deadline = started + st.timeout
     slice_s = _FIRST_SLICE
+    # The heartbeats a dead-or-alive verdict compares, read one verdict window before the
+    # deadline, so that a timeout is reported at the deadline rather than a window later.
+    snapshot: Optional[_Heartbeats] = None
     try:
         while True:
             try:
@@ -485,16 +491,25 @@ def wait(work: Any, what: str) -> None:
                         work.wait(datetime.timedelta(seconds=slice_s))  # returns at once, or raises its own error
                         return
                     except RuntimeError as e:
-                        raise _fail(st, _diagnose(st, what, cause=e, waited=time.monotonic() - started)) from e
+                        waited = time.monotonic() - started
+                        raise _fail(st, _diagnose(st, what, cause=e, waited=waited, snapshot=snapshot)) from e
             try:
                 failed = _failure_count(st) > 0
             except _StoreUnreachable as e:
                 raise _fail(st, _store_lost(st, what, e)) from None
             if failed:
                 raise _fail(st, _diagnose(st, what, cause=None, waited=time.monotonic() - started))
-            if time.monotonic() >= deadline:
-                raise _fail(st, _diagnose(st, what, cause=None, waited=time.monotonic() - started, timed_out=True))
-            slice_s = min(slice_s * 2, _MAX_SLICE)
+            now = time.monotonic()
+            if now >= deadline:
+                raise _fail(
+                    st, _diagnose(st, what, cause=None, waited=now - started, timed_out=True, snapshot=snapshot)
+                )
+            if snapshot is None and now >= deadline - _verdict_window():
+                try:
+                    snapshot = _Heartbeats.read(st)
+                except _StoreUnreachable as e:
+                    raise _fail(st, _store_lost(st, what, e)) from None
+            slice_s = min(slice_s * 2, _MAX_SLICE, max(0.01, deadline - now))
     finally:
         st.waiting_in = ""
 
@@ -514,8 +529,31 @@ def _store_lost(st: ProcessState, what: str, e: BaseException) -> RankFailed:
     )
 
 
+def _verdict_window() -> float:
+    """Seconds over which a heartbeat that has not moved means a dead (or hung) process."""
+    return _DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL
+
+
+@dataclasses.dataclass(frozen=True)
+class _Heartbeats:
+    """The other processes' heartbeat records (beat, pmap calls, collective waited in), and when they were read."""
+
+    at: float
+    alive: dict[int, tuple[str, str, str]]
+
+    @classmethod
+    def read(cls, st: ProcessState) -> "_Heartbeats":
+        return cls(time.monotonic(), {r: _read_alive(st, r) for r in range(st.world_size) if r != st.rank})
+
+
 def _diagnose(
-    st: ProcessState, what: str, *, cause: Optional[BaseException], waited: Optional[float], timed_out: bool = False
+    st: ProcessState,
+    what: str,
+    *,
+    cause: Optional[BaseException],
+    waited: Optional[float],
+    timed_out: bool = False,
+    snapshot: Optional[_Heartbeats] = None,
 ) -> BaseException:
     """Why ``what`` did not complete: names the failed ranks from the records and heartbeats."""
     where = f"{what} on rank {st.rank} (pmap call #{st.calls})"
@@ -529,8 +567,10 @@ def _diagnose(
         records = _read_failures(st)
         if not records:
             # Nobody recorded a failure (yet): look for dead processes by their heartbeats.
-            before = {r: _read_alive(st, r) for r in range(st.world_size) if r != st.rank}
-            end = time.monotonic() + _DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL
+            if snapshot is None:
+                snapshot = _Heartbeats.read(st)
+            before = snapshot.alive
+            end = snapshot.at + _verdict_window()
             while not records and time.monotonic() < end:
                 time.sleep(min(HEARTBEAT_INTERVAL / 2, max(0.0, end - time.monotonic())))
                 records = _read_failures(st)
@@ -552,7 +592,18 @@ def _diagnose(
                         for r, a in sorted(after.items())
                     )
                     if timed_out:
-                        record_failure([st.rank], f"{where} timed out after {waited:.1f} s")
+                        # name the processes that are not in any collective: they never arrived
+                        late = [r for r, a in sorted(after.items()) if not a[2]]
+                        if late:
+                            where_late = "; ".join(
+                                f"rank {r} is in pmap call #{after[r][1]}, not in a collective" for r in late
+                            )
+                            record_failure(
+                                late, f"{where_late}: it did not reach {what} within the {st.timeout:g} s timeout",
+                                kind="timeout",
+                            )
+                        else:
+                            record_failure([st.rank], f"{where} timed out after {waited:.1f} s", kind="timeout")
                         return TimeoutError(
                             f"torchpmap: {where} waited {waited:.1f} s (the timeout) for the other processes. Every "
                             f"process is alive: {progress}. A process that stopped calling the same pmaps in the "
@@ -565,4 +616,6 @@ def _diagnose(
     except _StoreUnreachable as e:
         return _store_lost(st, what, e)
     ranks, described = _describe(records)
+    if records and all(rec.get("kind") == "timeout" for rec in records):  # alive but absent: not a failure
+        return TimeoutError(f"torchpmap: {where} was abandoned because {described}")
     return RankFailed(f"torchpmap: {where} was abandoned because {described}", ranks=ranks)
