@@ -313,19 +313,17 @@ class _Layout:
     def pack(self, ts: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
         """``ts[k]`` of shape ``(rows, *shapes[k])`` (or ``shapes[k]`` when rows == 1) ->
         a ``(rows, row)`` byte buffer whose row ``r`` holds entry ``r`` of every tensor."""
-        flats = [t.contiguous().reshape(rows, t.numel() // rows).view(torch.uint8) for t in ts]
-        if len(flats) == 1:
-            return flats[0]
-        buffer = flats[0].new_empty(rows, self.row)
-        for flat, start in zip(flats, self.offsets):
-            buffer[:, start : start + flat.shape[1]].copy_(flat)
+        if len(ts) == 1:  # a lone tensor is its own buffer: no copy
+            return _bytes(ts[0], rows)
+        buffer = torch.empty(rows, self.row, dtype=torch.uint8, device=ts[0].device)
+        self.pack_into(buffer, ts)
         return buffer
 
     def pack_into(self, buffer: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
         """:meth:`pack` into ``buffer``, a ``(rows, row)`` byte view (after a header)."""
         rows = buffer.shape[0]
         for t, start, n in zip(ts, self.offsets, self.nbytes):
-            buffer[:, start : start + n].copy_(t.contiguous().reshape(rows, t.numel() // rows).view(torch.uint8))
+            buffer[:, start : start + n].copy_(_bytes(t, rows))
 
     def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """A ``(m, row)`` byte buffer -> tensor ``k`` of every row, ``(m, *shapes[k])``, contiguous."""
@@ -334,6 +332,11 @@ class _Layout:
             buffer[:, start : start + n].view(dtype).reshape(m, *shape).contiguous()
             for shape, dtype, start, n in zip(self.shapes, self.dtypes, self.offsets, self.nbytes)
         ]
+
+
+def _bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` as a ``(rows, bytes per row)`` uint8 view (a copy only if ``t`` is not contiguous)."""
+    return t.contiguous().reshape(rows, t.numel() // rows).view(torch.uint8)
 
 
 class _GatherProcesses(torch.autograd.Function):
