@@ -162,7 +162,7 @@ def test_autodiff_across_devices(cpu_devices):
     assert torch.equal(torch.as_tensor(inside), 16 * x)  # psum transposes to psum: 8 instances * 2x
     y = x.clone().requires_grad_()
     out = tp.pmap(lambda v: tp.all_gather(v, "i") * (tp.axis_index("i") + 1), axis_name="i")(y)
-    out.gather().sum().backward()  # gather keeps the graph; torch.as_tensor (DLPack) would not
+    torch.as_tensor(out).sum().backward()  # a ShardedTensor is a tensor: as_tensor keeps the graph
     y1 = x.clone().requires_grad_()
     tp.pmap(lambda v: tp.all_gather(v, "i") * (tp.axis_index("i") + 1), axis_name="i", devices=devs[:1])(y1).sum().backward()
     assert torch.equal(y.grad, y1.grad) and torch.equal(y.grad, torch.full((8,), 36.0))

@@ -579,6 +579,31 @@ def op_schema(op: Any) -> Any:
     return getattr(op, "_schema", None)
 
 
+# ======================================================================= ShardedTensor: a tensor subclass
+
+
+make_wrapper_subclass = _bind("make_wrapper_subclass", lambda: torch.Tensor._make_wrapper_subclass)
+"""``make_wrapper_subclass(cls, size, dtype=, device=, requires_grad=)``: a tensor of
+class ``cls`` with the given metadata and no storage of its own; every aten op on it
+reaches ``cls.__torch_dispatch__``.
+
+For: :class:`torchpmap.ShardedTensor`, a ``torch.Tensor`` whose data lives in shards on
+several devices (so ``torch.as_tensor`` and autograd treat it as the tensor it is).
+Public replacement: none (DTensor and every torch wrapper subclass use it; what we'd
+need: a public constructor for wrapper subclasses).
+Checked: torch 2.13.0, 2.14.1 (``torch.Tensor._make_wrapper_subclass``)."""
+
+disabled_torch_function = _bind("disabled_torch_function", lambda: torch._C._disabled_torch_function_impl)
+"""The ``__torch_function__`` of a subclass that wants none: the function runs as on a
+plain tensor, and its results stay plain tensors (the default ``__torch_function__``
+would turn every result into the subclass).
+
+For: :class:`torchpmap.ShardedTensor`, whose ops are handled at ``__torch_dispatch__``,
+below autograd, and return plain tensors.
+Public replacement: none (what we'd need: a public name for it); DTensor uses it too.
+Checked: torch 2.13.0, 2.14.1 (``torch._C._disabled_torch_function_impl``)."""
+
+
 # ======================================================================= probes
 
 
@@ -890,6 +915,24 @@ def _probe_op_schema() -> None:
     _expect(op_schema(torch.add) is None, "None for a torch function")
 
 
+def _probe_wrapper_subclass() -> None:
+    seen = []
+
+    class Wrapper(torch.Tensor):
+        __torch_function__ = disabled_torch_function
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*[torch.ones(2) if isinstance(a, Wrapper) else a for a in args], **(kwargs or {}))
+
+    wrapped = make_wrapper_subclass(Wrapper, (2,), dtype=torch.float32, device="cpu", requires_grad=False)
+    _expect(wrapped.shape == (2,) and wrapped.dtype == torch.float32, "metadata without storage")
+    out = wrapped + 1
+    _expect(type(out) is torch.Tensor and torch.equal(out, torch.full((2,), 2.0)), "ops return plain tensors")
+    _expect(torch.ops.aten.add.Tensor in seen, "ops reach __torch_dispatch__")
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One door entry: ``name`` is its attribute here, ``private`` the torch API behind it."""
@@ -966,6 +1009,8 @@ ENTRIES: dict[str, Entry] = {
         Entry("TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode", _probe_dispatch_mode),
         Entry("has_kernel_for_dispatch_key", "torch._C._dispatch_has_kernel_for_dispatch_key", _probe_has_kernel),
         Entry("op_schema", "OpOverload._schema", _probe_op_schema),
+        Entry("make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass", _probe_wrapper_subclass),
+        Entry("disabled_torch_function", "torch._C._disabled_torch_function_impl", _probe_wrapper_subclass),
     )
 }
 
