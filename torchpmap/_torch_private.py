@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import inspect
 import threading
@@ -157,6 +158,42 @@ Checked: torch 2.13.0, 2.14.1 (``torch._functorch.pyfunctorch.temporarily_pop_in
 a module ``import torch`` loads)."""
 
 _decompositions_loaded = False
+
+
+@functools.cache
+def cpu_flash_attention() -> Optional[tuple[Any, Any]]:
+    """The (forward, backward) ops of the CPU flash attention that
+    ``F.scaled_dot_product_attention`` runs on CPU, None when this torch has none.
+
+    For: torchpmap's batching rule for them (vmap has none, and loops over the instances).
+    Public replacement: none (private aten ops; a batching rule in torch would retire the
+    need). Checked: torch 2.13.0, 2.14.1
+    (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and ``_backward``)."""
+    try:
+        return (
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        )
+    except AttributeError:
+        return None
+
+
+def batching_excluded() -> contextlib.AbstractContextManager:
+    """``with batching_excluded(): ...`` runs ops as a batching rule's body runs: below the
+    innermost vmap level (the ``FuncTorchBatched`` dispatch key excluded), with the levels
+    beneath still batching.
+
+    For: torchpmap's own batching rules (:mod:`torchpmap._engines.batching_rules`), which
+    call the op once on the unwrapped, folded values, as torch's C++ rules do.
+    Public replacement: ``torch.library.register_vmap``, for custom ops only (what we'd
+    need: the same for an aten op without a rule).
+    Checked: torch 2.13.0, 2.14.1 (``torch._C._ExcludeDispatchKeyGuard``, ``DispatchKeySet``,
+    ``DispatchKey.FuncTorchBatched``)."""
+    try:
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+        return torch._C._ExcludeDispatchKeyGuard(keys)
+    except AttributeError as error:
+        raise TorchPrivateError("batching_excluded", f"is missing ({error})") from error
 
 
 def ensure_vmap_decompositions() -> None:
@@ -915,6 +952,28 @@ def _probe_op_schema() -> None:
     _expect(op_schema(torch.add) is None, "None for a torch function")
 
 
+def _probe_cpu_flash_attention() -> None:
+    ops = cpu_flash_attention()
+    _expect(ops is not None, "the ops exist")
+    q = torch.randn(1, 2, 4, 8)
+    out, _ = ops[0](q, q, q, 0.0, False, attn_mask=None, scale=None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    _expect(torch.allclose(out, want, atol=1e-6), "the forward is F.scaled_dot_product_attention's")
+
+
+def _probe_batching_excluded() -> None:
+    level = vmap_increment_nesting(2, "error")
+    try:
+        batched = add_batch_dim(torch.arange(6.0).reshape(2, 3), 0, level)
+        with batching_excluded():
+            value, dim = unwrap_batched(batched, level)
+            _expect(dim == 0 and value.shape == (2, 3), "the physical value is seen")
+            _expect(vmap_level_of(value + 1) == -1, "ops run below the level")
+        _expect(vmap_level_of(batched + 1) == level, "the level batches again after the block")
+    finally:
+        vmap_decrement_nesting()
+
+
 def _probe_wrapper_subclass() -> None:
     seen = []
 
@@ -1009,6 +1068,16 @@ ENTRIES: dict[str, Entry] = {
         Entry("TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode", _probe_dispatch_mode),
         Entry("has_kernel_for_dispatch_key", "torch._C._dispatch_has_kernel_for_dispatch_key", _probe_has_kernel),
         Entry("op_schema", "OpOverload._schema", _probe_op_schema),
+        Entry(
+            "cpu_flash_attention",
+            "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, _backward",
+            _probe_cpu_flash_attention,
+        ),
+        Entry(
+            "batching_excluded",
+            "torch._C._ExcludeDispatchKeyGuard, DispatchKeySet, DispatchKey.FuncTorchBatched",
+            _probe_batching_excluded,
+        ),
         Entry("make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass", _probe_wrapper_subclass),
         Entry("disabled_torch_function", "torch._C._disabled_torch_function_impl", _probe_wrapper_subclass),
     )

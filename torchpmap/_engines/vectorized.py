@@ -13,7 +13,7 @@ import torch
 
 from torchpmap import _axis_env, _devices
 from torchpmap import _torch_private as private
-from torchpmap._engines import MappedCall
+from torchpmap._engines import MappedCall, batching_rules
 from torchpmap._engines.instance_streams import InstanceStreams
 from torchpmap._engines.thread_mode import call_seed
 from torchpmap._sharded import as_local
@@ -156,6 +156,7 @@ def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[
     global _decompositions_loaded
     if not _decompositions_loaded:
         private.ensure_vmap_decompositions()
+        batching_rules.install()
         _decompositions_loaded = True
     previous_message = private.saved_tensors_hooks_disabled_message()
     try:

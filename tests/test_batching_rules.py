@@ -1,0 +1,138 @@
+"""torchpmap's own batching rules (torchpmap._engines.batching_rules).
+
+The oracle is the op called once per instance, as torch's fallback does: the rules must
+give the same bits, forward and backward, for every way the arguments can be batched,
+and no "performance drop" warning may remain.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, vmap
+
+import torchpmap as tp
+from torchpmap import _torch_private as private
+from torchpmap._engines import batching_rules
+
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"), reason="no CPU flash attention"
+)
+
+
+@pytest.fixture(autouse=True)
+def installed():
+    batching_rules.install()
+
+
+def attention(q, k, v, mask=None, causal=False):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def loss(q, k, v, mask=None, causal=False):
+    return attention(q, k, v, mask, causal).sin().sum()
+
+
+def no_fallback_warning(fn):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = fn()
+    assert not [w for w in seen if "performance drop" in str(w.message)], [str(w.message) for w in seen]
+    return out
+
+
+def test_the_rules_are_registered():
+    assert private.has_kernel_for_dispatch_key(FLASH, "FuncTorchBatched")
+    assert private.has_kernel_for_dispatch_key(FLASH + "_backward", "FuncTorchBatched")
+
+
+MASKS = {
+    "none": lambda n, b, h, l, s: None,
+    "bool, shared, L x S": lambda n, b, h, l, s: torch.rand(l, s) > 0.3,
+    "float, shared, B x 1 x L x S": lambda n, b, h, l, s: torch.randn(b, 1, l, s),
+    "float, per instance, B x H x L x S": lambda n, b, h, l, s: torch.randn(n, b, h, l, s),
+    "bool, per instance, 1 x L x S": lambda n, b, h, l, s: torch.rand(n, 1, l, s) > 0.3,
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mask_kind", list(MASKS))
+def test_forward_and_gradients_equal_one_call_per_instance(mask_kind, causal):
+    if causal and mask_kind != "none":
+        pytest.skip("sdpa takes a mask or is_causal, not both")
+    torch.manual_seed(0)
+    n, b, h, l, s, e = 3, 2, 4, 8, 8, 16
+    q, k, v = (torch.randn(n, b, h, l if i == 0 else s, e) for i in range(3))
+    mask = MASKS[mask_kind](n, b, h, l, s)
+    mask_dim = 0 if mask is not None and mask.shape[0] == n and mask.dim() > 2 and "per instance" in mask_kind else None
+
+    def pick(i):
+        return mask if mask_dim is None else mask[i]
+
+    want_out = torch.stack([attention(q[i], k[i], v[i], pick(i), causal) for i in range(n)])
+    want_grads = [torch.stack(g) for g in zip(*(grad(loss, (0, 1, 2))(q[i], k[i], v[i], pick(i), causal) for i in range(n)))]
+    got_out = no_fallback_warning(lambda: vmap(attention, (0, 0, 0, mask_dim, None))(q, k, v, mask, causal))
+    got_grads = no_fallback_warning(lambda: vmap(grad(loss, (0, 1, 2)), (0, 0, 0, mask_dim, None))(q, k, v, mask, causal))
+    assert torch.equal(got_out, want_out)
+    for got, want in zip(got_grads, want_grads):
+        assert torch.equal(got, want)
+
+
+def test_unbatched_keys_and_values_broadcast_over_the_instances():
+    torch.manual_seed(1)
+    q = torch.randn(4, 2, 2, 5, 8)
+    k, v = torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
+    want = torch.stack([attention(q[i], k, v) for i in range(4)])
+    assert torch.equal(no_fallback_warning(lambda: vmap(attention, (0, None, None))(q, k, v)), want)
+
+
+def test_nested_vmaps_and_a_batch_dim_that_is_not_first():
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 1, 3, 2, 6, 8).movedim(2, 4) for _ in range(3))  # instances at dims 0 and 4
+    want = torch.stack([
+        torch.stack([attention(q[i, :, :, :, j], k[i, :, :, :, j], v[i, :, :, :, j]) for j in range(3)]) for i in range(2)
+    ])
+    got = no_fallback_warning(lambda: vmap(vmap(attention, (3, 3, 3)))(q, k, v))
+    assert torch.equal(got, want)
+
+
+def test_grad_around_vmap():
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 2, 6, 8) for _ in range(3))
+
+    def total(q):
+        return vmap(attention, (0, None, None))(q, k[0], v[0]).pow(2).sum()
+
+    want = torch.stack([grad(lambda x: attention(x, k[0], v[0]).pow(2).sum())(q[i]) for i in range(3)])
+    assert torch.equal(no_fallback_warning(lambda: grad(total)(q)), want)
+
+
+def test_dropout_still_draws_per_instance():
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(3, 2, 2, 6, 8) for _ in range(3))
+
+    def drop(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+    torch.manual_seed(5)
+    got = vmap(drop, randomness="different")(q, k, v)
+    assert got.shape == (3, 2, 2, 6, 8) and torch.isfinite(got).all()
+    assert not torch.equal(got[0], got[1])  # not one draw folded for all
+
+
+def test_a_transformer_step_under_pmap_matches_plain_pytorch():
+    torch.manual_seed(6)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).double()
+    params = {k: p.detach() for k, p in layer.named_parameters()}
+    x = torch.randn(4, 3, 5, 16, dtype=torch.float64)  # 4 instances of 3 sequences
+
+    def step(params, x):
+        return grad(lambda p: torch.func.functional_call(layer, p, (x,)).pow(2).mean())(params)
+
+    got = no_fallback_warning(lambda: tp.pmap(step, in_axes=(None, 0))(params, x))
+    for i in range(4):
+        want = step(params, x[i])
+        for key in params:
+            torch.testing.assert_close(torch.as_tensor(got[key])[i], want[key], rtol=1e-12, atol=1e-14)
