@@ -24,6 +24,7 @@ from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
 _RANDOMNESS = ("error", "different", "same", "per_instance")
 _MAX_CACHED_LAYOUTS = 64  # argument structures remembered per mapped function
 _LEAF_SPEC = pytree.tree_flatten(0)[1]
+_NO_NONES: dict[int, None] = {}  # a lone tensor output has no None leaves (read, never written)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,13 +132,13 @@ class MappedFunction:
         flat = self._flatten(args, statics, dyn_args, kwargs)
         mapped = set(flat.mapped_slots)
         broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
-        out_holder: dict[str, Any] = {}  # filled by body; restored by a compiled program that skips it
+        layout = _engines.OutputLayout()  # filled by body; restored by a compiled program that skips it
         # the common case: positional tensors, all mapped; an instance's arguments are its slices
         direct = flat.spec is None and not statics and not broadcast_slots
 
         def body(slices: Sequence[torch.Tensor], broadcast: Sequence[Any]) -> list[torch.Tensor]:
             if direct:
-                return self._flatten_output(self.fun(*slices), out_holder)
+                return self._flatten_output(self.fun(*slices), layout)
             leaves = list(flat.leaves)
             for slot, value in zip(flat.mapped_slots, slices):
                 leaves[slot] = value
@@ -150,7 +151,7 @@ class MappedFunction:
                 call_args = list(call_args)
             for i in sorted(statics):
                 call_args.insert(i, statics[i])
-            return self._flatten_output(self.fun(*call_args, **call_kwargs), out_holder)
+            return self._flatten_output(self.fun(*call_args, **call_kwargs), layout)
 
         mesh = self._mesh()
         call = _engines.MappedCall(
@@ -163,14 +164,14 @@ class MappedFunction:
             randomness=self.opts.randomness,
             devices=self._devices_for(flat.size, mesh) if what == "pmap" else None,
             mesh=mesh,
-            must_be_unmapped=(lambda: self._replicated_outputs(out_holder)) if what == "vmap" else None,
+            must_be_unmapped=(lambda: self._replicated_outputs(layout)) if what == "vmap" else None,
             programs=self._programs,
             signature=signature_of(flat.structure, statics, flat.leaves) if self._programs is not None else None,
-            body_record=out_holder,
+            output_layout=layout,
             memory=self._memory,
         )
         outputs = _engines.run(call)
-        return self._stack_outputs(outputs, out_holder)
+        return self._stack_outputs(outputs, layout)
 
     # ------------------------------------------------------------------ arguments
 
@@ -338,9 +339,9 @@ class MappedFunction:
 
     # ------------------------------------------------------------------ outputs
 
-    def _flatten_output(self, out: Any, holder: dict[str, Any]) -> list[torch.Tensor]:
+    def _flatten_output(self, out: Any, layout: _engines.OutputLayout) -> list[torch.Tensor]:
         if type(out) is torch.Tensor:  # the common case needs no pytree pass
-            holder.update(spec=_LEAF_SPEC, constants={}, leaves=1)
+            layout.record(_LEAF_SPEC, 1, _NO_NONES)
             return [out]
         leaves, spec = pytree.tree_flatten(out)
         tensors, constants = [], {}
@@ -356,30 +357,30 @@ class MappedFunction:
                     f"{self.opts.kind}: the mapped function returned a {type(leaf).__name__} ({leaf!r}) at output "
                     f"leaf {k}; outputs must be pytrees of tensors, numpy arrays or numbers"
                 )
-        holder.update(spec=spec, constants=constants, leaves=len(leaves))
+        layout.record(spec, len(leaves), constants)
         return tensors
 
-    def _out_axes(self, holder: dict[str, Any]) -> list[tuple[Optional[int], str]]:
-        spec = holder["spec"]
+    def _out_axes(self, layout: _engines.OutputLayout) -> list[tuple[Optional[int], str]]:
+        spec = layout.spec
         axes = self._out_layouts.get(spec)
         if axes is None:
-            tree = pytree.tree_unflatten([None] * holder["leaves"], spec)
+            tree = pytree.tree_unflatten([None] * layout.leaves, spec)
             axes = list(broadcast_prefix(self.opts.out_axes, tree, f"{self.opts.kind} out_axes"))
             if len(self._out_layouts) < _MAX_CACHED_LAYOUTS:
                 self._out_layouts[spec] = axes
         return axes
 
-    def _replicated_outputs(self, holder: dict[str, Any]) -> dict[int, str]:
+    def _replicated_outputs(self, layout: _engines.OutputLayout) -> dict[int, str]:
         """Tensor-output positions whose out axis is None, with their key paths."""
-        tensor_axes = [a for k, a in enumerate(self._out_axes(holder)) if k not in holder["constants"]]
+        tensor_axes = [a for k, a in enumerate(self._out_axes(layout)) if k not in layout.none_leaves]
         return {k: path for k, (axis, path) in enumerate(tensor_axes) if axis is None}
 
-    def _stack_outputs(self, outputs: list[torch.Tensor], holder: dict[str, Any]) -> Any:
-        spec, constants = holder["spec"], holder["constants"]
+    def _stack_outputs(self, outputs: list[torch.Tensor], layout: _engines.OutputLayout) -> Any:
+        spec, constants = layout.spec, layout.none_leaves
         if spec is _LEAF_SPEC and self.opts.out_axes == 0:  # one tensor, stacked where the engine put it
             return outputs[0]
         result, it = [], iter(outputs)
-        for k, (axis, path) in enumerate(self._out_axes(holder)):
+        for k, (axis, path) in enumerate(self._out_axes(layout)):
             if k in constants:
                 result.append(constants[k])
                 continue

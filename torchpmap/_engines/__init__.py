@@ -42,9 +42,9 @@ class MappedCall:
             (a :class:`~torchpmap._engines.compiled.ProgramCache`); None runs eagerly.
         signature: what identifies this call's program in ``programs``: everything
             about the arguments that a trace bakes in (structure, shapes, dtypes, ...).
-        body_record: a dict ``body`` fills as it runs (what the front end learns about
-            the outputs). When a compiled program answers a call without running
-            ``body``, it fills this dict with what ``body`` recorded when it was traced.
+        output_layout: what ``body`` records about the outputs as it runs (an
+            :class:`OutputLayout`). When a compiled program answers a call without
+            running ``body``, it copies in what ``body`` recorded when it was traced.
     """
 
     body: Callable[[Sequence[torch.Tensor], Sequence[Any]], Sequence[torch.Tensor]]
@@ -59,8 +59,31 @@ class MappedCall:
     mesh: Optional[Mesh] = None
     programs: Optional["ProgramCache"] = None
     signature: Hashable = None
-    body_record: dict = dataclasses.field(default_factory=dict)
+    output_layout: "OutputLayout" = dataclasses.field(default_factory=lambda: OutputLayout())
     memory: Optional["FunctionMemory"] = None
+
+
+@dataclasses.dataclass(eq=False)
+class OutputLayout:
+    """The shape of a mapped function's output as a pytree, recorded by ``body``; the front
+    end stacks the engine's flat outputs back into it.
+
+    Attributes:
+        spec: the output's pytree structure (a ``TreeSpec``).
+        leaves: how many leaves it has.
+        none_leaves: the positions of leaves that are None (they are not computed, and
+            come back as None); the other leaves are the engine's outputs, in order.
+    """
+
+    spec: Any = None
+    leaves: int = 0
+    none_leaves: dict[int, None] = dataclasses.field(default_factory=dict)
+
+    def record(self, spec: Any, leaves: int, none_leaves: dict[int, None]) -> None:
+        self.spec, self.leaves, self.none_leaves = spec, leaves, none_leaves
+
+    def copy_from(self, other: "OutputLayout") -> None:
+        self.record(other.spec, other.leaves, other.none_leaves)
 
 
 @dataclasses.dataclass(eq=False)

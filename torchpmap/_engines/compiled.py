@@ -39,7 +39,7 @@ from torchpmap import _context, _devices
 from torchpmap import _torch_private as private
 from torchpmap._torch_private import TorchDispatchMode
 from torchpmap._config import config
-from torchpmap._engines import MappedCall, vectorized
+from torchpmap._engines import MappedCall, OutputLayout, vectorized
 from torchpmap._log import logger
 from torchpmap._sharded import ShardedTensor, as_local
 
@@ -179,7 +179,7 @@ class ProgramCache:
         if program is None:
             return engine(call)
         if program is not _UNTRACED and program.constants_current():
-            call.body_record.update(program.body_record)  # body will not run
+            call.output_layout.copy_from(program.output_layout)  # body will not run
             return program(call)
         # traced anew: first sight, or a closed-over tensor's requires_grad changed (it decides where
         # the graph stops gradients)
@@ -246,7 +246,7 @@ class _Program:
     compiled: Callable[..., list[torch.Tensor]]
     tensor_slots: list[int]  # positions in call.broadcast that are graph inputs
     constants: list[torch.Tensor]  # tensors the function closes over, passed by reference
-    body_record: dict  # what body recorded while it was traced
+    output_layout: OutputLayout  # what body recorded while it was traced
     constants_requires_grad: list[bool] = dataclasses.field(default_factory=list)  # when traced
     graph_forward: Any = None  # what was handed to torch.compile
 
@@ -295,7 +295,7 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     constants = _lift_constants(graph)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **{"fullgraph": True, "dynamic": False, **options})
-    return _Program(compiled, tensor_slots, constants, dict(call.body_record), graph_forward=graph.forward)
+    return _Program(compiled, tensor_slots, constants, dataclasses.replace(call.output_layout), graph_forward=graph.forward)
 
 
 class _UntraceableGradient(RuntimeError):

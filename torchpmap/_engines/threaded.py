@@ -15,7 +15,6 @@ within the same nested call: the meeting key is (axis, call path, other coordina
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from typing import Callable, Hashable, Sequence
@@ -27,11 +26,10 @@ from torchpmap import _torch_private as private
 from torchpmap._config import config
 from torchpmap._devices import Device
 from torchpmap._engines import MappedCall, vectorized
-from torchpmap._engines.instance_streams import InstanceStreams
 from torchpmap._engines.multi_device import device_thread, run_threads
 from torchpmap._engines.thread_mode import call_seed
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
-from torchpmap._sharded import ShardedTensor, as_local
+from torchpmap._sharded import ShardedTensor
 
 # For an axis, the device of each participant given the caller's coordinates.
 Along = Callable[[dict], Sequence[Device]]
@@ -108,20 +106,17 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
 def _run_single(
     call: MappedCall, state: _ThreadState, enclosing: tuple, axis: Hashable, offset: int, axis_size: int, seed: int | None
 ) -> list:
-    """One instance on this device, without a vmap level (see module docstring)."""
-    device = call.devices[0].torch_device
-    token = torch.zeros((), dtype=torch.long, device=device)
-    name = call.axis_name
-    frame = _axis_env.AxisFrame(name, axis_size, token, 1, offset, _exchange(state, axis), vectorized=False)
-    state.frames = enclosing + ((frame,) if name is not None else ())
-    slices = [t.select(dim, 0) for t, dim in zip(call.mapped, call.in_dims)]
-    broadcast = [vectorized.place(v, device) for v in call.broadcast]
-    per_instance = call.randomness == "per_instance" and seed is not None
-    with _axis_env.bound(frame) if name is not None else contextlib.nullcontext():
-        with InstanceStreams(seed, offset, 1, None, device) if per_instance else contextlib.nullcontext():
-            outputs = call.body(slices, broadcast)
-    # a nested mesh pmap's result stays sharded along its own axis: blocks stay where computed
-    return [o.unsqueeze(0) if isinstance(o, ShardedTensor) else as_local(o, device).unsqueeze(0) for o in outputs]
+    """One instance on this device, without a vmap level (see module docstring): the frame
+    of its axis is recorded for maps nested in it, and a nested mesh pmap's result stays
+    sharded along its own axis (its blocks stay where they were computed)."""
+
+    def record(frame: _axis_env.AxisFrame) -> None:
+        state.frames = enclosing + ((frame,) if call.axis_name is not None else ())
+
+    exchange = _exchange(state, axis)
+    return vectorized.run_one(
+        call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record, keep_sharded=True
+    )
 
 
 def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:

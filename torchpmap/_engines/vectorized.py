@@ -7,7 +7,7 @@ that collectives can find this axis' vmap level (see :mod:`torchpmap._collective
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from torchpmap import _torch_private as private
 from torchpmap._engines import MappedCall, batching_rules
 from torchpmap._engines.instance_streams import InstanceStreams
 from torchpmap._engines.thread_mode import call_seed
-from torchpmap._sharded import as_local
+from torchpmap._sharded import ShardedTensor, as_local
 
 
 def place(value: Any, device: torch.device | None) -> Any:
@@ -92,7 +92,14 @@ def run(
 
 
 def run_one(
-    call: MappedCall, *, offset: int, axis_size: int, exchange: _axis_env.Exchange, seed: int | None = None
+    call: MappedCall,
+    *,
+    offset: int,
+    axis_size: int,
+    exchange: _axis_env.Exchange,
+    seed: int | None = None,
+    on_frame: Callable[[_axis_env.AxisFrame], None] | None = None,
+    keep_sharded: bool = False,
 ) -> list[torch.Tensor]:
     """Runs the single instance of ``call`` (one of a larger axis) directly, without vmap.
 
@@ -100,13 +107,23 @@ def run_one(
     function runs on the instance's own tensors at plain PyTorch speed, and every op works
     (no batching rule needed). Collectives apply directly through ``exchange``; the same
     math runs on the gathered values as in :func:`run`.
+
+    ``on_frame`` sees the instance's axis frame before the function runs (the threaded
+    engine records it for maps nested in this instance). With ``keep_sharded``, an output
+    that is a ShardedTensor (a nested mesh map's result) stays where it was computed
+    instead of being gathered onto this device, and so does such an input.
     """
     device = call.devices[0].torch_device if call.devices else None
-    slices = [place(t, device).select(dim, 0) for t, dim in zip(call.mapped, call.in_dims)]
+    slices = [
+        (t if keep_sharded and isinstance(t, ShardedTensor) else place(t, device)).select(dim, 0)
+        for t, dim in zip(call.mapped, call.in_dims)
+    ]
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else torch.device("cpu")
     token = torch.zeros((), dtype=torch.long, device=here)
     frame = _axis_env.AxisFrame(call.axis_name, axis_size, token, 1, offset, exchange, vectorized=False)
+    if on_frame is not None:
+        on_frame(frame)
     per_instance = call.randomness == "per_instance"
     if per_instance and seed is None:
         seed = call_seed(call.randomness)
@@ -119,7 +136,7 @@ def run_one(
                 outputs = call.body(slices, broadcast)
     finally:
         _devices.set_current_default(previous)
-    return [as_local(o, here).unsqueeze(0) for o in outputs]
+    return [o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0) for o in outputs]
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}
