@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchpmap.bench.core import Workload
 from torchpmap.bench.workloads import (
-    dispatch, distributed, mixed_precision, multidevice, psum, scaling, training, transformer,
+    dispatch, distributed, mixed_precision, multidevice, psum, real_models, scaling, training, transformer,
 )
 
 WORKLOADS: list[Workload] = [
@@ -16,6 +16,7 @@ WORKLOADS: list[Workload] = [
     multidevice.WORKLOAD,
     mixed_precision.WORKLOAD,
     transformer.WORKLOAD,
+    real_models.WORKLOAD,
 ]
 
 
