@@ -62,7 +62,7 @@ PYTEST = -m pytest -q
 JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
 	-W error::torchpmap.JitFallbackWarning
 
-.PHONY: setup demo test test-main test-compat test-quick bench docs test-gpu bench-gpu \
+.PHONY: setup demo test test-main test-compat test-quick bench bench-cluster docs test-gpu bench-gpu \
 	require-cuda clean distclean
 
 setup: $(VENV)/.stamp-test
@@ -98,6 +98,11 @@ test-quick: $(VENV)/.stamp-test
 
 bench: $(VENV)/.stamp-test
 	$(PY) -m torchpmap.bench
+
+# The data-parallel step on 2 and 3 simulated hosts (network namespaces joined by a
+# rate-limited link): DDP vs torchpmap eager and jit=True. Needs root; skips without it.
+bench-cluster: $(VENV)/.stamp-test
+	$(PY) -m torchpmap.bench.cluster --json bench-results/cluster.json
 
 docs: $(VENV)/.stamp-test
 	$(PY) -m mkdocs build --strict

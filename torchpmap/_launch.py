@@ -4,7 +4,9 @@ For tests and benchmarks on one machine: every process gets ``RANK``, ``WORLD_SI
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a free
 ``MASTER_PORT``, so that :func:`torchpmap.distributed.initialize` joins them. Unlike
 torchrun, nothing kills the others when one fails, which is what the fault tests need
-(torchrun's agent would stop the survivors before they report).
+(torchrun's agent would stop the survivors before they report). A :class:`Host` per rank
+places each process elsewhere (the simulated cluster of ``torchpmap.bench.cluster`` runs
+each in its own network namespace).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 
 @dataclasses.dataclass
@@ -26,6 +28,15 @@ class Finished:
     returncode: Optional[int]
     output: str
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """Where one rank runs: a command its Python is started under (e.g. ``ip netns exec
+    NAME``) and environment variables for it (they override the launcher's)."""
+
+    command: Sequence[str] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def free_port() -> int:
@@ -43,6 +54,8 @@ def launch(
     env: Optional[Mapping[str, str]] = None,
     cwd: Optional[str] = None,
     master_port: Optional[int] = None,
+    master_addr: str = "127.0.0.1",
+    hosts: Optional[Callable[[int], Host]] = None,
 ) -> list[Finished]:
     """Runs ``python *argv`` in ``nproc`` processes and waits for all of them.
 
@@ -50,7 +63,8 @@ def launch(
     here); their ``returncode`` is None. Output (stdout and stderr) is collected per
     process. ``master_port`` (default: a free port) is where they meet: give the port of
     a store that is already up, with ``TORCHELASTIC_USE_AGENT_STORE=True`` in ``env``, to
-    run them as workers of torchrun's agent store would.
+    run them as workers of torchrun's agent store would. ``hosts(rank)`` says where each
+    rank runs (default: here), and ``master_addr`` where rank 0's store listens.
     """
     port = str(master_port if master_port is not None else free_port())
     base = dict(os.environ)
@@ -68,12 +82,13 @@ def launch(
                 WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc),
                 GROUP_RANK="0",
-                MASTER_ADDR="127.0.0.1",
+                MASTER_ADDR=master_addr,
                 MASTER_PORT=port,
             )
-            procs.append(
-                subprocess.Popen([sys.executable, *argv], env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
-            )
+            host = hosts(rank) if hosts is not None else Host()
+            child_env.update(host.env)
+            command = [*host.command, sys.executable, *argv]
+            procs.append(subprocess.Popen(command, env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
             logs.append(log)
         ended: dict[int, float] = {}
         deadline = started + timeout

@@ -20,6 +20,7 @@ JIT = "torchpmap.jit"
 COLUMNS: dict[str, str] = {
     SUBJECT: "torchpmap.pmap",
     "torch": "plain PyTorch, the same math as one batched computation",
+    "torch.compile": "torch.compile of that plain PyTorch step (default inductor options)",
     "jax.pmap": "jax.pmap on CPU, 8 forced host devices",
     "jax.vmap": "jax.jit(jax.vmap(..., axis_name=...))",
     "torch.ddp": "torch DistributedDataParallel, 2 processes (gloo)",

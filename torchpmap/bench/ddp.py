@@ -1,19 +1,28 @@
 """A data-parallel training step: torchpmap over processes vs DistributedDataParallel.
 
-:func:`run_ddp_comparison` starts ``nproc`` local processes (gloo on CPU, NCCL with one
-GPU per process), builds the same MLP twice in each (same initial parameters), and runs
-the two steps interleaved on the same data:
+:func:`run_ddp_comparison` starts ``nproc`` processes (gloo on CPU, NCCL with one GPU
+per process; local by default, or one per simulated host, see
+:mod:`torchpmap.bench.cluster`), builds the same MLP in each column (same initial
+parameters), and runs the columns interleaved on the same data:
 
-* **torchpmap**: ``pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0),
+* ``torchpmap``: ``pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0),
   out_axes=None)`` with ``torch.func.grad`` per instance and ``pmean`` of the gradients
   over all processes' instances, then ``optimizer.step()``;
-* **DDP**: ``DistributedDataParallel(model)``, ``loss.backward()`` (bucketed all-reduce
-  of the gradients), ``optimizer.step()``.
+* ``torchpmap.jit``: the same with ``jit=True``;
+* ``ddp``: ``DistributedDataParallel(model)``, ``loss.backward()`` (bucketed all-reduce
+  of the gradients, overlapped with the backward), ``optimizer.step()``;
+* ``compute``: the same step on the process' shard with no exchange at all (what a step
+  would cost if the network were free);
+* ``allreduce``: one ``all_reduce`` of as many float32 values as the model has
+  parameters, alone (what the exchange costs if nothing overlaps it);
+* ``pmean``: torchpmap's ``pmean`` of the same values over the processes, alone (its
+  exchange against torch's all-reduce).
 
-Each repetition times one step of each, in alternating order, every process starting
-together (a barrier before each timed step, not counted); a step's time is the slowest
-process' time. The report gives medians and the median of the per-repetition ratios,
-and checks that both models went through the same updates (``max_param_diff``).
+Each repetition times one step of each column, in rotating order, every process
+starting together (a barrier before each timed step, not counted); a step's time is the
+slowest process' time. The report gives medians, the median of the per-repetition ratios
+to DDP, and checks that the training columns went through the same updates
+(``max_param_diff``).
 
 Run it on its own: ``python -m torchpmap.bench.ddp --nproc 2 --steps 20``.
 """
@@ -28,12 +37,17 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-#: The model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
+from torchpmap._launch import Host, launch
+
+#: The default model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
 FEATURES, HIDDEN, CLASSES = 64, 256, 10
+#: The columns a comparison can time (see the module docstring).
+COLUMNS = ("torchpmap", "torchpmap.jit", "ddp", "compute", "allreduce", "pmean")
+_TRAINING = ("torchpmap", "torchpmap.jit", "ddp", "compute")
 
 
 def run_ddp_comparison(
@@ -46,61 +60,83 @@ def run_ddp_comparison(
     lr: float = 0.1,
     timeout: float = 600.0,
     jit: bool = False,
+    columns: Optional[Sequence[str]] = None,
+    sizes: tuple[int, int, int] = (FEATURES, HIDDEN, CLASSES),
+    hosts: Optional[Callable[[int], Host]] = None,
+    master_addr: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """Times a data-parallel training step under torchpmap and under DDP, in ``nproc`` processes.
 
     Args:
-        nproc: the number of processes (on CPU, gloo over loopback).
+        nproc: the number of processes (on CPU, gloo over loopback unless ``hosts`` says otherwise).
         steps: timed repetitions (one step of each column per repetition).
         warmup: untimed repetitions before.
         batch_per_process: samples per process per step (the global batch is
             ``nproc * batch_per_process``).
         instances_per_process: torchpmap instances per process (the process' samples are
             split among them and run vectorized); DDP has one replica per process.
-        lr: SGD learning rate (both columns).
+        lr: SGD learning rate (every training column).
         timeout: seconds after which the processes are killed.
-        jit: compile the torchpmap step (``pmap(..., jit=True)``, inductor).
+        jit: with the default columns, compile the torchpmap step (``pmap(..., jit=True)``).
+        columns: which of :data:`COLUMNS` to time (default: ``torchpmap`` or
+            ``torchpmap.jit``, and ``ddp``).
+        sizes: the MLP's (features, hidden, classes).
+        hosts: where each rank runs (:class:`torchpmap._launch.Host`); default: here.
+        master_addr: rank 0's address, where the others meet it.
 
     Returns:
         A dict: ``nproc``, ``steps``, ``warmup``, ``backend``, ``device``, ``model``,
-        ``parameters``, ``global_batch``, ``torchpmap_ms`` / ``ddp_ms`` (medians),
-        ``torchpmap_iqr_ms`` / ``ddp_iqr_ms``, ``ratio`` (median of the per-repetition
-        ratios torchpmap / DDP), ``torchpmap_ms_all`` / ``ddp_ms_all`` (every sample),
-        ``max_param_diff`` (largest difference between the two models' parameters at the
-        end: both took the same steps) and ``loss`` (the last step's mean loss).
+        ``parameters``, ``global_batch``, ``columns`` (per column: ``ms`` median, ``iqr_ms``,
+        ``ratio_to_ddp`` (median of the per-repetition ratios, when ``ddp`` ran), ``all_ms``
+        every sample), ``max_param_diff`` (largest difference between the training
+        columns' parameters at the end: all took the same steps) and ``loss`` (the last
+        step's mean loss). For the default columns also ``torchpmap_ms``, ``ddp_ms`` and
+        ``ratio``, as before.
 
     Raises:
         RuntimeError: with the processes' output, when one of them fails.
     """
-    from torchpmap._launch import launch
-
+    chosen = list(columns) if columns is not None else ["torchpmap.jit" if jit else "torchpmap", "ddp"]
+    unknown = sorted(set(chosen) - set(COLUMNS))
+    if unknown:
+        raise ValueError(f"run_ddp_comparison: unknown columns {unknown}; choose from {list(COLUMNS)}")
     if nproc < 2:
         raise ValueError(f"run_ddp_comparison: nproc must be at least 2, got {nproc}")
     if batch_per_process % instances_per_process:
         raise ValueError("run_ddp_comparison: batch_per_process must be divisible by instances_per_process")
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
+        os.chmod(tmp, 0o777)  # a worker in another namespace runs as the same user; harmless here
         argv = [
             "-m", "torchpmap.bench.ddp", "--worker", report, "--steps", str(steps), "--warmup", str(warmup),
             "--batch-per-process", str(batch_per_process), "--instances-per-process", str(instances_per_process),
-            "--lr", str(lr), "--timeout", str(timeout),
-        ] + (["--jit"] if jit else [])
-        finished = launch(argv, nproc, timeout=timeout)
+            "--lr", str(lr), "--timeout", str(timeout), "--columns", ",".join(chosen),
+            "--sizes", ",".join(map(str, sizes)),
+        ]
+        finished = launch(argv, nproc, timeout=timeout, hosts=hosts, master_addr=master_addr)
         if any(f.returncode != 0 for f in finished) or not os.path.exists(report):
             logs = "\n".join(f"--- rank {f.rank} (exit code {f.returncode})\n{f.output[-4000:]}" for f in finished)
             raise RuntimeError(f"run_ddp_comparison: a process failed\n{logs}")
         with open(report) as f:
-            return json.load(f)
+            result = json.load(f)
+    first = next((c for c in chosen if c.startswith("torchpmap")), None)
+    if first is not None and "ddp" in chosen:  # the keys of the two-column comparison
+        result.update(
+            torchpmap_ms=result["columns"][first]["ms"], ddp_ms=result["columns"]["ddp"]["ms"],
+            ratio=result["columns"][first]["ratio_to_ddp"],
+        )
+    return result
 
 
 # --------------------------------------------------------------------------- inside each process
 
 
-def _model() -> torch.nn.Module:
+def _model(sizes: tuple[int, int, int]) -> torch.nn.Module:
+    features, hidden, classes = sizes
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, CLASSES),
+        torch.nn.Linear(features, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, classes),
     )
 
 
@@ -112,7 +148,8 @@ def _iqr(samples: list[float]) -> float:
 
 
 def _worker(
-    report: str, steps: int, warmup: int, batch_per_process: int, instances: int, lr: float, timeout: float, jit: bool
+    report: str, steps: int, warmup: int, batch_per_process: int, instances: int, lr: float, timeout: float,
+    names: Sequence[str], sizes: tuple[int, int, int],
 ) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -125,53 +162,82 @@ def _worker(
     tpd.initialize(timeout=datetime.timedelta(seconds=timeout))
     rank, nproc = tp.process_index(), tp.process_count()
     device = tp.local_devices()[0].torch_device
-
     torch.manual_seed(0)
-    tp_model = _model().to(device)
-    ddp_module = copy.deepcopy(tp_model)
-    ddp = torch.nn.parallel.DistributedDataParallel(ddp_module, device_ids=[device.index] if device.type == "cuda" else None)
-    tp_opt = torch.optim.SGD(tp_model.parameters(), lr=lr)
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    initial = _model(sizes).to(device)
+    models = {name: copy.deepcopy(initial) for name in names if name in _TRAINING}
 
-    def loss_fn(params, x, y):
-        return F.cross_entropy(functional_call(tp_model, params, (x,)), y)
+    def torchpmap_column(jit: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        model = models["torchpmap.jit" if jit else "torchpmap"]
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
 
-    def instance_step(params, x, y):
-        grads, loss = grad_and_value(loss_fn)(params, x, y)
-        return tp.pmean((grads, loss), "batch")  # one exchange, as DDP's one bucketed all-reduce
+        def loss_fn(params, x, y):
+            return F.cross_entropy(functional_call(model, params, (x,)), y)
 
-    p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None, jit=jit)
+        def instance_step(params, x, y):
+            grads, loss = grad_and_value(loss_fn)(params, x, y)
+            return tp.pmean((grads, loss), "batch")  # one exchange, as DDP's bucketed all-reduce
 
-    def torchpmap_step(x, y):
-        params = {k: p.detach() for k, p in tp_model.named_parameters()}
-        grads, loss = p_step(params, *shard((x, y), instances))
-        for k, p in tp_model.named_parameters():
-            p.grad = grads[k]
-        tp_opt.step()
-        return loss
+        p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None, jit=jit)
 
-    def ddp_step(x, y):
-        ddp_opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(ddp(x), y)
-        loss.backward()
-        ddp_opt.step()
-        return loss
+        def step(x, y):
+            params = {k: p.detach() for k, p in model.named_parameters()}
+            grads, loss = p_step(params, *shard((x, y), instances))
+            for k, p in model.named_parameters():
+                p.grad = grads[k]
+            opt.step()
+            return loss
+
+        return step
+
+    def plain_column(name: str) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        module = models[name]
+        net = module
+        if name == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        opt = torch.optim.SGD(net.parameters(), lr=lr)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    flat = torch.zeros(sum(p.numel() for p in initial.parameters()), device=device)
+
+    def allreduce(x, y):
+        dist.all_reduce(flat)
+        return None
+
+    mean_over_processes = tp.pmap(lambda v: tp.pmean(v, "batch"), axis_name="batch")
+
+    def pmean(x, y):
+        return mean_over_processes(flat[None])
+
+    builders = {
+        "torchpmap": lambda: torchpmap_column(False), "torchpmap.jit": lambda: torchpmap_column(True),
+        "ddp": lambda: plain_column("ddp"), "compute": lambda: plain_column("compute"), "allreduce": lambda: allreduce,
+        "pmean": lambda: pmean,
+    }
+    columns = {name: builders[name]() for name in names}
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
     g = torch.Generator().manual_seed(1)
-    columns = {"torchpmap": torchpmap_step, "ddp": ddp_step}
     times: dict[str, list[float]] = {k: [] for k in columns}
     loss = None
+    features, _, classes = sizes
     for rep in range(warmup + steps):
         # the global batch of this repetition, the same in every process; each takes its share
-        x = torch.randn(nproc * batch_per_process, FEATURES, generator=g)
-        y = torch.randint(0, CLASSES, (nproc * batch_per_process,), generator=g)
+        x = torch.randn(nproc * batch_per_process, features, generator=g)
+        y = torch.randint(0, classes, (nproc * batch_per_process,), generator=g)
         mine = slice(rank * batch_per_process, (rank + 1) * batch_per_process)
         x, y = x[mine].to(device), y[mine].to(device)
-        order = list(columns) if rep % 2 == 0 else list(reversed(columns))
+        order = list(columns)[rep % len(columns):] + list(columns)[: rep % len(columns)]
         for name in order:
             dist.barrier()
             sync()
@@ -180,35 +246,35 @@ def _worker(
             sync()
             if rep >= warmup:
                 times[name].append(time.perf_counter() - start)
-            if name == "torchpmap":
+            if name.startswith("torchpmap"):
                 loss = float(out)
     # a step lasts as long as its slowest process
-    stacked = torch.tensor([times["torchpmap"], times["ddp"]], dtype=torch.float64, device=device)
+    stacked = torch.tensor([times[name] for name in columns], dtype=torch.float64, device=device)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
-    tp_s, ddp_s = stacked[0].tolist(), stacked[1].tolist()
+    seconds = dict(zip(columns, stacked.tolist()))
+    trained = [m for name, m in models.items() if name != "compute"]
     diff = max(
-        (a.detach() - b.detach()).abs().max().item() for a, b in zip(tp_model.parameters(), ddp_module.parameters())
+        ((a.detach() - b.detach()).abs().max().item() for other in trained[1:] for a, b in zip(trained[0].parameters(), other.parameters())),
+        default=0.0,
     )
     if rank == 0:
         ms = lambda v: [round(t * 1e3, 4) for t in v]  # noqa: E731
+        per_column = {}
+        for name, samples in seconds.items():
+            per_column[name] = {"ms": statistics.median(samples) * 1e3, "iqr_ms": _iqr(samples) * 1e3, "all_ms": ms(samples)}
+            if "ddp" in seconds:
+                per_column[name]["ratio_to_ddp"] = statistics.median(a / b for a, b in zip(samples, seconds["ddp"]))
         result = {
             "nproc": nproc,
             "steps": steps,
             "warmup": warmup,
             "backend": str(dist.get_backend()),
             "device": str(device),
-            "model": f"MLP {FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}, cross-entropy, SGD(lr={lr})",
-            "parameters": sum(p.numel() for p in tp_model.parameters()),
+            "model": "MLP {}-{}-{}-{}, cross-entropy, SGD(lr={})".format(sizes[0], sizes[1], sizes[1], sizes[2], lr),
+            "parameters": flat.numel(),
             "global_batch": nproc * batch_per_process,
             "instances_per_process": instances,
-            "jit": jit,
-            "torchpmap_ms": statistics.median(tp_s) * 1e3,
-            "ddp_ms": statistics.median(ddp_s) * 1e3,
-            "torchpmap_iqr_ms": _iqr(tp_s) * 1e3,
-            "ddp_iqr_ms": _iqr(ddp_s) * 1e3,
-            "ratio": statistics.median(a / b for a, b in zip(tp_s, ddp_s)),
-            "torchpmap_ms_all": ms(tp_s),
-            "ddp_ms_all": ms(ddp_s),
+            "columns": per_column,
             "max_param_diff": diff,
             "loss": loss,
         }
@@ -228,20 +294,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--jit", action="store_true", help="compile the torchpmap step (pmap(jit=True))")
+    parser.add_argument("--columns", help=f"comma-separated, from {','.join(COLUMNS)}")
+    parser.add_argument("--sizes", default=f"{FEATURES},{HIDDEN},{CLASSES}", help="the MLP's features,hidden,classes")
     parser.add_argument("--worker", metavar="REPORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    sizes = tuple(int(v) for v in args.sizes.split(","))
+    columns = args.columns.split(",") if args.columns else None
     if args.worker:
         _worker(
             args.worker, args.steps, args.warmup, args.batch_per_process, args.instances_per_process, args.lr,
-            args.timeout, args.jit,
+            args.timeout, columns or [], sizes,
         )
         return
     result = run_ddp_comparison(
         args.nproc, args.steps, warmup=args.warmup, batch_per_process=args.batch_per_process,
         instances_per_process=args.instances_per_process, lr=args.lr, timeout=args.timeout, jit=args.jit,
+        columns=columns, sizes=sizes,
     )
-    short = {k: v for k, v in result.items() if not k.endswith("_all")}
-    json.dump(short, sys.stdout, indent=2)
+    for column in result["columns"].values():
+        column.pop("all_ms")
+    json.dump(result, sys.stdout, indent=2)
     print()
 
 

@@ -17,6 +17,7 @@ def build(cfg: Config) -> list[Case]:
     columns: dict[str, Cell] = {
         "torchpmap": fw.torch_impl(cfg, _mlp.torchpmap_step(fw.torchpmap_devices()), params, x, y),
         "torch": fw.torch_impl(cfg, _mlp.plain_step, params, *_mlp.flatten_batch(x, y)),
+        "torch.compile": fw.torch_impl(cfg, torch.compile(_mlp.plain_step), params, *_mlp.flatten_batch(x, y)),
         "jax.pmap": jax_pmap_step(params, x, y),
         "jax.vmap": jax_vmap_step(params, x, y),
         "torchpmap.jit": fw.torch_impl(cfg, _mlp.torchpmap_step(fw.torchpmap_devices(), jit=True), params, x, y),

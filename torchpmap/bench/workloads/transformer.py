@@ -62,13 +62,18 @@ def _torchpmap(cfg: Config, jit: bool) -> Callable[[], torch.Tensor]:
     return run
 
 
-def _plain(cfg: Config) -> Callable[[], torch.Tensor]:
+def _plain(cfg: Config, compiled: bool = False) -> Callable[[], torch.Tensor]:
     model = copy.deepcopy(_model(cfg.device))
     x, y = _batch(cfg.device)
 
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.stack([F.cross_entropy(model(x[i]), y[i]) for i in range(N)]).mean()
+
+    loss_fn = torch.compile(loss_of) if compiled else loss_of
+
     def run() -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        loss = torch.stack([F.cross_entropy(model(x[i]), y[i]) for i in range(N)]).mean()
+        loss = loss_fn(x, y)
         loss.backward()
         return loss.detach()
 
@@ -80,6 +85,7 @@ def build(cfg: Config) -> list[Case]:
         "torchpmap": fw.torch_impl(cfg, _torchpmap(cfg, jit=False)),
         "torchpmap.jit": fw.torch_impl(cfg, _torchpmap(cfg, jit=True)),
         "torch": fw.torch_impl(cfg, _plain(cfg)),
+        "torch.compile": fw.torch_impl(cfg, _plain(cfg, compiled=True)),
     }
     return [Case("transformer", f"transformer_step[{N}x{B}x{T}]", "step", columns, rtol=1e-4, atol=1e-5)]
 

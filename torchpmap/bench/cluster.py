@@ -1,0 +1,219 @@
+"""A simulated cluster: the data-parallel step across 2 or 3 "hosts" joined by a slow link.
+
+Each host is a Linux network namespace with one veth interface; the other ends sit on a
+bridge in the root namespace, so every host reaches every other through its own
+interface. Each interface's egress is rate-limited with ``tc qdisc ... tbf``, as a NIC
+caps what a host sends. One process runs in each namespace, with gloo bound to that
+interface (``GLOO_SOCKET_IFNAME``) and the rendezvous store at host 0's address. The
+processes then run :func:`torchpmap.bench.ddp.run_ddp_comparison`'s columns interleaved:
+
+* ``compute``: the step on the host's shard with no exchange (the network's floor);
+* ``allreduce``: one all-reduce of the gradients' size alone (the exchange's cost when
+  nothing hides it), and ``pmean``: torchpmap's pmean of the same, alone;
+* ``ddp``: ``DistributedDataParallel``, which all-reduces gradient buckets while the
+  backward still runs;
+* ``torchpmap`` and ``torchpmap.jit``: ``pmap`` with ``pmean`` of the gradients, eager and
+  compiled.
+
+It needs root and iproute2 (``ip``, ``tc``); without them it says why and does nothing.
+Everything it creates is named ``tp<pid>...`` and removed on exit, also after an error.
+The hosts share this machine's cores, so with 3 hosts on 2 cores the compute of one
+host slows the others: read the ratios, and the ``compute`` column, with that in mind.
+
+Run it: ``make bench-cluster`` or ``python -m torchpmap.bench.cluster --hosts 2 3
+--rates 1gbit 300mbit``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+from typing import Any, Optional, Sequence
+
+import torch
+
+from torchpmap._launch import Host
+from torchpmap.bench.ddp import COLUMNS, run_ddp_comparison
+
+#: The model of the issue that asked for this: compute and exchange of the same order at 1 Gbit/s.
+SIZES = (1024, 1024, 10)
+BATCH_PER_HOST = 256
+
+
+def why_unavailable() -> Optional[str]:
+    """None when this machine can build a simulated cluster, else the reason."""
+    if os.name != "posix" or platform.system() != "Linux":
+        return "needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "needs root (it creates network namespaces, veth pairs and tc rate limits); run it as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"needs iproute2 ({', '.join(missing)} not found)"
+    probe = f"tp{os.getpid()}probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@dataclasses.dataclass
+class SimulatedCluster:
+    """``hosts`` network namespaces on one bridge, each sending at most ``rate`` (tc's
+    syntax: ``1gbit``, ``300mbit``). A context manager: built on entry, removed on exit."""
+
+    hosts: int
+    rate: str
+    prefix: str = dataclasses.field(default_factory=lambda: f"tp{os.getpid() % 100000}")
+
+    def namespace(self, i: int) -> str:
+        return f"{self.prefix}h{i}"
+
+    def interface(self, i: int) -> str:
+        return f"{self.prefix}v{i}"
+
+    def address(self, i: int) -> str:
+        return f"10.231.0.{i + 1}"
+
+    def host(self, rank: int) -> Host:
+        """Where rank ``rank`` runs: in its namespace, gloo on its interface, one process per host."""
+        return Host(
+            command=("ip", "netns", "exec", self.namespace(rank)),
+            env={
+                "GLOO_SOCKET_IFNAME": self.interface(rank),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "GROUP_RANK": str(rank),
+            },
+        )
+
+    def __enter__(self) -> "SimulatedCluster":
+        try:
+            self._build()
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._remove()
+
+    def _build(self) -> None:
+        bridge = f"{self.prefix}br"
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("link", "set", bridge, "up")
+        for i in range(self.hosts):
+            ns, inside, outside = self.namespace(i), self.interface(i), f"{self.prefix}p{i}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", inside, "type", "veth", "peer", "name", outside)
+            _ip("link", "set", inside, "netns", ns)
+            _ip("link", "set", outside, "master", bridge)
+            _ip("link", "set", outside, "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", inside)
+            _ip("-n", ns, "link", "set", inside, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inside, "root", "tbf",
+                  "rate", self.rate, "burst", _burst(self.rate), "latency", "100ms"])
+
+    def _remove(self) -> None:
+        for i in range(self.hosts):  # deleting a namespace deletes its veth pair
+            subprocess.run(["ip", "netns", "del", self.namespace(i)], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{self.prefix}br"], capture_output=True)
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(cmd: Sequence[str]) -> None:
+    done = subprocess.run(list(cmd), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"simulated cluster: `{' '.join(cmd)}` failed: {done.stderr.strip()}")
+
+
+def _burst(rate: str) -> str:
+    """tbf's bucket: 4 ms at the rate, at least 256 KiB (a veth passes 64 KiB GSO packets,
+    which a smaller bucket would drop)."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    value = rate.lower()
+    for suffix, scale in units.items():
+        if value.endswith(suffix):
+            bits = float(value[: -len(suffix)]) * scale
+            return f"{max(256 * 1024, int(bits / 8 * 0.004))}b"
+    raise ValueError(f"simulated cluster: a rate like '1gbit' or '300mbit', got {rate!r}")
+
+
+def measure(hosts: int, rate: str, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    """One cell of the table: every column of ``COLUMNS`` on ``hosts`` hosts at ``rate``."""
+    with SimulatedCluster(hosts, rate) as cluster:
+        result = run_ddp_comparison(
+            hosts, steps, warmup=warmup, batch_per_process=BATCH_PER_HOST, timeout=timeout,
+            columns=COLUMNS, sizes=SIZES, hosts=cluster.host, master_addr=cluster.address(0),
+        )
+    columns = result["columns"]
+    compute, exchange = columns["compute"]["ms"], columns["allreduce"]["ms"]
+    result.update(hosts=hosts, rate=rate, exchange_share=exchange / (compute + exchange))
+    return result
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    """The results as a Markdown table."""
+    lines = [
+        "| hosts | link | compute alone | all-reduce alone | pmean alone | exchange share | DDP | torchpmap eager "
+        "| jit=True | eager / DDP | jit / DDP |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r["columns"]
+        ms = lambda name: f"{c[name]['ms']:.1f} ms"  # noqa: E731
+        lines.append(
+            f"| {r['hosts']} | {r['rate']} | {ms('compute')} | {ms('allreduce')} | {ms('pmean')} | {r['exchange_share']:.0%} | "
+            f"{ms('ddp')} | {ms('torchpmap')} | {ms('torchpmap.jit')} | {c['torchpmap']['ratio_to_ddp']:.2f} | "
+            f"{c['torchpmap.jit']['ratio_to_ddp']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="the data-parallel step on a simulated cluster (network namespaces)")
+    parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "300mbit"])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--json", default="bench-results/cluster.json")
+    args = parser.parse_args(argv)
+    reason = why_unavailable()
+    if reason is not None:
+        print(f"bench-cluster skipped: {reason}")
+        return 0
+    results = []
+    for hosts in args.hosts:
+        for rate in args.rates:
+            print(f"[cluster] {hosts} hosts at {rate} ...", flush=True)
+            results.append(measure(hosts, rate, args.steps, args.warmup, args.timeout))
+            print(table(results[-1:]).splitlines()[-1], flush=True)
+    meta = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "model": results[0]["model"] if results else None,
+        "batch_per_host": BATCH_PER_HOST,
+        "steps": args.steps,
+    }
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print()
+    print(table(results))
+    print(f"\n{meta['model']}, {BATCH_PER_HOST} samples per host; medians of {args.steps} steps; JSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
