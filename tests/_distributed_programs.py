@@ -139,12 +139,12 @@ def pytree_backward(d: dict) -> dict:
 
 
 def count_transfers(d: dict) -> dict:
-    """How many all-gathers and all-to-alls a pmean of a 6-leaf pytree and its backward make,
-    once the steps repeat."""
+    """How many all-gathers, all-to-alls and all-reduces a pmean of a 6-leaf pytree and its
+    backward make, once the steps repeat."""
     from torchpmap._engines import distributed as engine
 
-    counts = {"all_gather": 0, "all_to_all": 0, "all_gather_bytes": 0}
-    gather, all_to_all = engine._all_gather_flat, torch.distributed.all_to_all_single
+    counts = {"all_gather": 0, "all_to_all": 0, "all_gather_bytes": 0, "all_reduce": 0}
+    gather, all_to_all, all_reduce = engine._all_gather_flat, torch.distributed.all_to_all_single, torch.distributed.all_reduce
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -163,10 +163,12 @@ def count_transfers(d: dict) -> dict:
     step()
     engine._all_gather_flat = counted("all_gather", gather)
     torch.distributed.all_to_all_single = counted("all_to_all", all_to_all)
+    torch.distributed.all_reduce = counted("all_reduce", all_reduce)
     try:
         step()
     finally:
         engine._all_gather_flat, torch.distributed.all_to_all_single = gather, all_to_all
+        torch.distributed.all_reduce = all_reduce
     return counts
 
 

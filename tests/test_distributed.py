@@ -99,10 +99,17 @@ def reference():
 
 # 4 processes on 2 cores: 13-20 s, mostly importing torch. With one instance per process
 # the instance runs directly (no vmap): results agree with one process to rounding; with
-# TORCHPMAP_BITWISE_PLACEMENT=1 it runs through vmap and they are bitwise.
-@pytest.mark.parametrize("nproc, bitwise_placement", [(2, False), (4, False), (4, True)])
-def test_collectives_and_training_match_one_process(nproc, bitwise_placement, tmp_path, reference):
+# TORCHPMAP_BITWISE_PLACEMENT=1 it runs through vmap and they are bitwise. With
+# TORCHPMAP_ALL_REDUCE_BYTES=1 every psum/pmean across the processes is an all-reduce
+# (by default only those of 1 MiB or more; never with bitwise placement): the same
+# comparisons hold, and replicated results are still bitwise the same in every process.
+@pytest.mark.parametrize(
+    "nproc, bitwise_placement, all_reduce", [(2, False, False), (4, False, False), (4, True, False), (2, False, True), (4, False, True)]
+)
+def test_collectives_and_training_match_one_process(nproc, bitwise_placement, all_reduce, tmp_path, reference):
     env = {"TORCHPMAP_BITWISE_PLACEMENT": "1" if bitwise_placement else "0"}
+    if all_reduce:
+        env["TORCHPMAP_ALL_REDUCE_BYTES"] = "1"
     finished, results = _run("collectives", nproc, tmp_path, env=env)
     logs = _logs(finished)
     assert all(f.returncode == 0 for f in finished), logs
@@ -119,8 +126,11 @@ def test_collectives_and_training_match_one_process(nproc, bitwise_placement, tm
         # a pmean of 6 tensors in a repeated step: one all-gather forward, one all-to-all
         # backward (not 6 of each), each led by a 64-byte header (the agreement check, with
         # the local size); each process sends its own 6 sums of 3 float32, however many
-        # instances it holds
-        want = {"all_gather": 1, "all_to_all": 1, "all_gather_bytes": 64 + 6 * 3 * 4}
+        # instances it holds. As all-reduces: a header round, then one all-reduce of the 6
+        # sums (one dtype), each way.
+        want = {"all_gather": 1, "all_to_all": 1, "all_gather_bytes": 64 + 6 * 3 * 4, "all_reduce": 0}
+        if all_reduce:
+            want = {"all_gather": 2, "all_to_all": 0, "all_gather_bytes": 2 * 64, "all_reduce": 2}
         assert res["transfers"] == want, res["transfers"]
     one_each = nproc == progs.G and bitwise_placement  # one instance per process, through vmap
     programs = list(progs.collective_programs(progs.global_data())) + [
@@ -254,12 +264,14 @@ DISAGREEMENTS = {
 }
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(nproc, tmp_path):
+@pytest.mark.parametrize("nproc, all_reduce", [(2, False), (3, False), (3, True)])
+def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(nproc, all_reduce, tmp_path):
     """The issue's table of disagreements, eager and compiled, with the last process the odd
     one: every process raises ExchangeMismatch before any payload moves (no garbage, no
-    abort), naming what each side called, and the processes stay in step."""
-    finished, results = _run("disagree", nproc, tmp_path, timeout=20)
+    abort), naming what each side called, and the processes stay in step. Also when every
+    psum is an all-reduce (its headers then travel in a round of their own)."""
+    env = {"TORCHPMAP_ALL_REDUCE_BYTES": "1"} if all_reduce else {}
+    finished, results = _run("disagree", nproc, tmp_path, timeout=20, env=env)
     logs = _logs(finished)
     assert all(f.returncode == 0 for f in finished), logs
     last = nproc - 1

@@ -34,6 +34,12 @@ class Exchange(Protocol):
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, in axis order."""
         ...
 
+    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+        """For each ``ts[k]`` (this slice's partial sum): the sum over the slices, the same
+        bits in every slice; or None, and the caller gathers the partials instead (this
+        exchange does not sum on its own, or not tensors this small)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AxisFrame:

@@ -51,6 +51,12 @@ class Primitive:
         groups): ``compute`` of the slices' own results gives the result of the whole axis."""
         return False
 
+    @property
+    def sums(self) -> bool:
+        """True when that reduction is a plain sum (psum without groups): the slices' own
+        results can be added by an all-reduce."""
+        return False
+
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
         """All instances' values ``X`` -> (result, member dim of the result or None)."""
         raise NotImplementedError
@@ -239,7 +245,9 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     :attr:`Primitive.reduces` prims: a slice's instances are summed first, then the
     slices' sums, in the same order in every process (the replicas stay bitwise equal;
     against one process the float sums differ in rounding unless a slice holds one
-    instance).
+    instance). Large sums (:attr:`Primitive.sums`) go through the exchange's all-reduce
+    instead, when it has one (:meth:`Exchange.sum_many`): the same bits in every process
+    again, in the all-reduce's own order.
     """
     exchange = prims[0].frame.exchange
     if exchange is None:
@@ -248,6 +256,10 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
         # even a slice of one instance sends compute's result: its dtype (psum of bools
         # sends int64) must not depend on the local size, and the bits are those of one process
         Xs = [p.compute(X)[0].unsqueeze(0) for p, X in zip(prims, Xs)]
+        if all(p.sums for p in prims):  # large sums across processes: one all-reduce
+            summed = exchange.sum_many(Xs, _describe(prims))
+            if summed is not None:
+                return [(S[0], None) for S in summed]
         everyone = exchange.all_gather_many(Xs, _describe(prims), partial=True)
         return [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
     everyone = exchange.all_gather_many(Xs, _describe(prims))

@@ -49,6 +49,10 @@ class Psum(Primitive):
     def reduces(self) -> bool:
         return self.groups is None
 
+    @property
+    def sums(self) -> bool:
+        return self.groups is None
+
     def compute(self, X):
         X = X.to(_sum_dtype(X))
         if self.groups is not None:

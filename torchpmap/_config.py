@@ -11,6 +11,7 @@ that names the variable and what it accepts):
 | ``TORCHPMAP_DISABLE_VECTORIZATION`` | ``config.disable_vectorization`` | 1/0, true/false, yes/no, on/off | 0 |
 | ``TORCHPMAP_BITWISE_PLACEMENT`` | ``config.bitwise_placement`` | 1/0, true/false, yes/no, on/off | 0 |
 | ``TORCHPMAP_JIT_CACHE_SIZE`` | ``config.jit_cache_size`` | compiled programs kept per function, an integer >= 1 | 32 |
+| ``TORCHPMAP_ALL_REDUCE_BYTES`` | ``config.all_reduce_bytes`` | bytes from which a ``psum``/``pmean`` across processes runs as one all-reduce instead of gathering every process' partial sum, an integer >= 1 | 1048576 |
 | ``TORCHPMAP_WORKER_IDLE_TIMEOUT`` | ``config.worker_idle_timeout`` | seconds an idle device-thread worker waits for work before it exits, a number > 0 | 60 |
 | ``TORCHPMAP_HEARTBEAT_INTERVAL`` | (processes) | seconds between two heartbeats of a process, a number > 0 | 0.5 |
 | ``TORCHPMAP_STORE_LISTEN_ALL`` | (processes) | 1 keeps torch's rendezvous store server on every interface instead of the address ``MASTER_ADDR`` names (read by ``initialize``), 1/0, true/false, yes/no, on/off | 0 |
@@ -69,6 +70,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[Any], Any], str, Any]] = {
     "bitwise_placement": ("TORCHPMAP_BITWISE_PLACEMENT", _boolean, "one of 1/0, true/false, yes/no, on/off", False),
     "jit_cache_size": ("TORCHPMAP_JIT_CACHE_SIZE", _at_least_one, "an integer >= 1", 32),
     "worker_idle_timeout": ("TORCHPMAP_WORKER_IDLE_TIMEOUT", _positive_number, "a number > 0 (seconds)", 60.0),
+    "all_reduce_bytes": ("TORCHPMAP_ALL_REDUCE_BYTES", _at_least_one, "an integer >= 1 (bytes)", 1 << 20),
 }
 
 
@@ -114,6 +116,12 @@ class Config:
             recently used dropped first (environment: ``TORCHPMAP_JIT_CACHE_SIZE``, default 32).
         worker_idle_timeout: seconds an idle device-thread worker waits for work before it
             exits (environment: ``TORCHPMAP_WORKER_IDLE_TIMEOUT``, default 60).
+        all_reduce_bytes: a ``psum`` or ``pmean`` across processes of at least this many
+            bytes (all the tensors of one exchange) runs as one all-reduce per dtype, after
+            a header-only agreement round; a smaller one gathers every process' partial
+            sum in one collective with its header (environment:
+            ``TORCHPMAP_ALL_REDUCE_BYTES``, default 1 MiB). Set it alike in every process.
+            Under ``bitwise_placement`` sums always gather (in one device's order).
     """
 
     collective_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["collective_timeout"]))
@@ -121,6 +129,7 @@ class Config:
     bitwise_placement: bool = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["bitwise_placement"]))
     jit_cache_size: int = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["jit_cache_size"]))
     worker_idle_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["worker_idle_timeout"]))
+    all_reduce_bytes: int = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["all_reduce_bytes"]))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _SETTINGS:

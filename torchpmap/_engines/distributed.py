@@ -41,7 +41,7 @@ from torchpmap import _torch_private as private
 from torchpmap._mesh import ProcessMesh
 from torchpmap._engines import MappedCall, process_agreement as agreement, process_ops, vectorized
 from torchpmap._engines.multi_device import runs_directly as _runs_directly
-from torchpmap._engines.process_transpose import differentiable, transpose_gather
+from torchpmap._engines.process_transpose import differentiable, sums_by_all_reduce, transpose_gather
 from torchpmap._faults import ExchangeMismatch, SizeMismatch
 
 active = pg.active
@@ -108,6 +108,31 @@ class ProcessExchange:
         received = self._transfer("gather" if partial else "gather-all", what, layout, ts)
         return layout.unpack(received)
 
+    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+        """For each ``ts[k]`` (this process' partial sum): the sum over the processes, by one
+        all-reduce per dtype, the same bits in every process; None when ``ts`` is too small
+        for that to pay (see :func:`~torchpmap._engines.process_transpose.sums_by_all_reduce`):
+        the caller then gathers the partials. Differentiable: the gradient of a partial sum
+        is the sum of every process' cotangent (the same all-reduce)."""
+        if not sums_by_all_reduce(ts):
+            return None
+        return list(_SumProcesses.apply(self, what, *ts))
+
+    def sum_plain(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """:meth:`sum_many` without autograd. The headers travel first, alone (an all-reduce
+        cannot carry them), and are compared before the all-reduce starts."""
+        layout = _Layout.of(ts)
+        self._transfer("sum", what, layout, None)
+        label = f"{what} across {self.label}"
+        out: list[torch.Tensor] = [torch.empty(0)] * len(ts)
+        for dtype in dict.fromkeys(t.dtype for t in ts):
+            which = [k for k, t in enumerate(ts) if t.dtype == dtype]
+            flat = torch.cat([ts[k].reshape(-1) for k in which])  # a copy: the inputs stay as they were
+            pg.wait(dist.all_reduce(flat, group=self.group, async_op=True), label)
+            for k, piece in zip(which, flat.split([ts[k].numel() for k in which])):
+                out[k] = piece.view(ts[k].shape)
+        return out
+
     def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
         sum over processes of their entries for this process (the transpose of
@@ -123,11 +148,13 @@ class ProcessExchange:
     ) -> torch.Tensor:
         """Moves ``ts`` (packed by ``layout``; a scatter's have one row per process) once every
         process' header agrees (see :mod:`torchpmap._engines.process_agreement`); returns the
-        received rows, ``(size, layout.row)`` bytes, row ``p`` from process ``p``."""
+        received rows, ``(size, layout.row)`` bytes, row ``p`` from process ``p``. Without
+        ``ts`` only the headers travel (the digest still covers ``layout``'s tensors): the
+        caller then moves the data itself, knowing that every process agreed on it."""
         st = pg.state()
         chain = agreement.chain(st, self.group)
         self.transfers += 1
-        form = (agreement.KINDS[kind], 0 if layout is None else layout.row)
+        form = (agreement.KINDS[kind], 0 if ts is None else layout.row)
         shapes, dtypes = (None, None) if layout is None else (layout.shapes, layout.dtypes)
         digest = agreement.digest_of(kind, what, shapes, dtypes)
         mine = agreement.Header(digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest))
@@ -135,7 +162,7 @@ class ProcessExchange:
         label = f"{what} across {self.label}"
         if chain.announced is not None:  # one round: header and payload together
             if form == chain.announced:
-                headers, received = self._round(mine, layout, ts, form, device, label)
+                headers, received = self._round(mine, layout if ts is not None else None, ts, form, device, label)
             else:  # mine differs from the announced transfer: say so in its form, then two rounds
                 renegotiate = dataclasses.replace(mine, flag=agreement.RENEGOTIATE)
                 headers, received = self._round(renegotiate, None, None, chain.announced, device, label)
@@ -145,7 +172,7 @@ class ProcessExchange:
                 return received
         headers, _ = self._round(mine, None, None, (agreement.KINDS["end"], 0), device, label)
         self._check(headers, mine, chain, kind, what, layout)
-        received = self._payload(layout, ts, form, device, label)
+        received = self._payload(layout if ts is not None else None, ts, form, device, label)
         chain.completed(digest, form, headers)
         return received
 
@@ -337,6 +364,33 @@ class _Layout:
 def _bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` as a ``(rows, bytes per row)`` uint8 view (a copy only if ``t`` is not contiguous)."""
     return t.contiguous().reshape(rows, t.numel() // rows).view(torch.uint8)
+
+
+class _SumProcesses(torch.autograd.Function):
+    """Each process' partial sums -> their sums over the processes; the transpose is the
+    same sum of the cotangents (of the floating-point tensors; zeros where a result got
+    no gradient, so that every process sends the same layout)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(exchange.sum_plain(ts, what))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.exchange, ctx.what = inputs[0], inputs[1]
+        ctx.differentiable = [differentiable(t) for t in inputs[2:]]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        summed = lambda gs: ctx.exchange.sum_plain(gs, f"the gradient of {ctx.what}")  # noqa: E731
+        return None, None, *transpose_gather(grads, ctx.differentiable, summed)
+
+    @staticmethod
+    def vmap(info, in_dims, exchange: ProcessExchange, what: str, *ts: torch.Tensor):
+        # a sum across processes is elementwise: a batched tensor is summed as it lies
+        return _SumProcesses.apply(exchange, what, *ts), tuple(in_dims[2:])
 
 
 class _GatherProcesses(torch.autograd.Function):

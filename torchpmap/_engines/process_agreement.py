@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 #: The kinds of transfer, as header codes (the digest covers the kind too).
-KINDS = {"gather": 1, "gather-all": 2, "scatter": 3, "end": 4}
+KINDS = {"gather": 1, "gather-all": 2, "scatter": 3, "end": 4, "sum": 5}
 #: int64 fields of a header, and its size in bytes (a multiple of 16, so that a payload
 #: that follows it stays aligned for any dtype).
 HEADER_FIELDS = 8

@@ -8,6 +8,8 @@ op calls :meth:`ProcessExchange.gather_plain`, the very transfer of the eager en
 its waits watch for failed peers, and a compiled process meets an eager one (after a
 fallback) in the same collective. The op's gradient, for a ``.backward()`` outside
 the map, is ``torchpmap::scatter_sum_processes``, the transpose the eager engine uses.
+A large ``psum`` is ``torchpmap::sum_processes`` (:meth:`ProcessExchange.sum_plain`, an
+all-reduce), its own transpose.
 
 The ops take the exchange as a small integer (ops only take tensors and plain values):
 a key for the process group, this process' place in it and its size, under which
@@ -23,7 +25,7 @@ import torch
 
 from torchpmap import _context
 
-from torchpmap._engines.process_transpose import differentiable, transpose_gather
+from torchpmap._engines.process_transpose import differentiable, sums_by_all_reduce, transpose_gather
 
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
 _live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
@@ -40,6 +42,11 @@ class TracedExchange:
 
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         return list(torch.ops.torchpmap.gather_processes(list(ts), self.key, self.size, what, partial))
+
+    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+        if not sums_by_all_reduce(ts):  # decided as the eager exchange decides: they meet in the same collectives
+            return None
+        return list(torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
 
 
 def traced(exchange: Any) -> TracedExchange:
@@ -105,3 +112,33 @@ def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple
 
 
 _gather.register_autograd(_gather_backward, setup_context=_setup_gather)
+
+
+@torch.library.custom_op("torchpmap::sum_processes", mutates_args=())
+def _sum(ts: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
+    outs = _live[key].sum_plain(ts, what)
+    # tensors of one dtype come back as views of one buffer; an op's outputs must not alias
+    return [o.clone() for o in outs] if len(outs) > 1 else outs
+
+
+@_sum.register_fake
+def _(ts: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in ts]
+
+
+def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
+    ts, ctx.key, ctx.what = inputs
+    ctx.blanks = [(t.shape, t.dtype, t.device) for t in ts]
+    ctx.differentiable = [differentiable(t) for t in ts]
+
+
+def _sum_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+    given = [
+        torch.zeros(shape, dtype=dtype, device=device) if g is None and ok else g
+        for g, ok, (shape, dtype, device) in zip(grads, ctx.differentiable, ctx.blanks)
+    ]
+    summed = lambda gs: torch.ops.torchpmap.sum_processes(gs, ctx.key, f"the gradient of {ctx.what}")  # noqa: E731
+    return transpose_gather(given, ctx.differentiable, summed), None, None
+
+
+_sum.register_autograd(_sum_backward, setup_context=_setup_sum)

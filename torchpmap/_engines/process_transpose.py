@@ -1,11 +1,27 @@
-"""The transpose of gathering every process' slice, shared by the eager exchange
-(:mod:`torchpmap._engines.distributed`) and its op for compiled programs
-(:mod:`torchpmap._engines.process_ops`)."""
+"""What the eager exchange (:mod:`torchpmap._engines.distributed`) and its ops for compiled
+programs (:mod:`torchpmap._engines.process_ops`) must decide alike: the transpose of
+gathering every process' slice, and which sums go through an all-reduce (an eager process
+and a compiled one meet in the same collectives)."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from torchpmap._config import config
+
+#: The dtypes an all-reduce sums on every backend torchpmap runs on (gloo, NCCL); others gather.
+_ALL_REDUCE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+
+def sums_by_all_reduce(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether the partial sums ``ts`` cross the processes as an all-reduce (large enough,
+    see ``config.all_reduce_bytes``, and of dtypes every backend sums) rather than
+    gathered. Never under ``config.bitwise_placement``: the all-reduce adds in its own
+    order, the gather in one device's."""
+    if config.bitwise_placement or not all(t.dtype in _ALL_REDUCE_DTYPES for t in ts):
+        return False
+    return sum(t.numel() * t.element_size() for t in ts) >= config.all_reduce_bytes
 
 
 def differentiable(t: torch.Tensor) -> bool:

@@ -176,6 +176,9 @@ class ThreadExchange:
 
     reduces_locally = False  # device threads gather every instance's value: bitwise those of one device
 
+    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> None:
+        return None  # never asked (reduces_locally is False): the threads gather every value
+
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, on this slice's
         device. All tensors travel in one meeting (one wait per collective, not per tensor).
