@@ -606,10 +606,11 @@ Checked: torch 2.13.0, 2.14.1 (``torch._C._dispatch_has_kernel_for_dispatch_key`
 
 
 def op_schema(op: Any) -> Any:
-    """The schema (``torch._C.FunctionSchema``: ``.arguments``, each with ``.name`` and
-    ``.alias_info.is_write``) of an ``OpOverload``, None for anything else.
+    """The schema (``torch._C.FunctionSchema``: ``.is_mutable``, ``.arguments``, each with
+    ``.name`` and ``.alias_info.is_write``) of an ``OpOverload``, None for anything else.
 
-    For: which arguments an op writes in place, when ``pmap(jit=True)`` audits a trace.
+    For: which arguments an op writes in place, when ``pmap(jit=True)`` audits a trace and
+    when an in-place op on a ShardedTensor writes back into its shards.
     Public replacement: none (``OpOverload._schema``; what we'd need: a public schema
     attribute). Checked: torch 2.13.0, 2.14.1.
     """
@@ -949,6 +950,7 @@ def _probe_op_schema() -> None:
     schema = op_schema(torch.ops.aten.add_.Tensor)
     arguments = [(a.name, bool(a.alias_info and a.alias_info.is_write)) for a in schema.arguments]
     _expect(arguments == [("self", True), ("other", False), ("alpha", False)], f"add_'s arguments (got {arguments})")
+    _expect(schema.is_mutable and not op_schema(torch.ops.aten.add.Tensor).is_mutable, "add_ mutates, add does not")
     _expect(op_schema(torch.add) is None, "None for a torch function")
 
 

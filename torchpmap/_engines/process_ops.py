@@ -101,12 +101,16 @@ def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.differentiable = [differentiable(t) for t in ts]
 
 
-def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
-    # a float output that got no gradient sends zeros: every process packs the same layout
-    given = [
+def _zeros_where_none(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    """A float output that got no gradient sends zeros: every process packs the same layout."""
+    return [
         torch.zeros(shape, dtype=dtype, device=device) if g is None and ok else g
         for g, ok, (shape, dtype, device) in zip(grads, ctx.differentiable, ctx.blanks)
     ]
+
+
+def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+    given = _zeros_where_none(ctx, grads)
     scatter = lambda gs: torch.ops.torchpmap.scatter_sum_processes(gs, ctx.key, ctx.what)  # noqa: E731
     return transpose_gather(given, ctx.differentiable, scatter), None, None, None, None
 
@@ -133,10 +137,7 @@ def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
 
 
 def _sum_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
-    given = [
-        torch.zeros(shape, dtype=dtype, device=device) if g is None and ok else g
-        for g, ok, (shape, dtype, device) in zip(grads, ctx.differentiable, ctx.blanks)
-    ]
+    given = _zeros_where_none(ctx, grads)
     summed = lambda gs: torch.ops.torchpmap.sum_processes(gs, ctx.key, f"the gradient of {ctx.what}")  # noqa: E731
     return transpose_gather(given, ctx.differentiable, summed), None, None
 
