@@ -97,6 +97,21 @@ def test_transformer_encoder(devices):
 
 
 @pytest.mark.parametrize("devices", _devices(), ids=["one", "all"])
+def test_cnn_with_batch_norm(devices):
+    # batch statistics per shard, as DDP computes them: the plain step runs shard by shard too
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(8, 3),
+    ).double()
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(N * B, 3, 8, 8, generator=g, dtype=torch.float64), "y": torch.randint(0, 3, (N * B,), generator=g)}
+    fell_back = _train_both(model, batch, lambda out, b: F.cross_entropy(out, b["y"]), lambda b: b["x"], devices, 1e-10)
+    assert not fell_back  # vectorized
+
+
+@pytest.mark.parametrize("devices", _devices(), ids=["one", "all"])
 def test_embedding_models(devices):
     torch.manual_seed(0)
 
