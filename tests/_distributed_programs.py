@@ -515,6 +515,87 @@ def _failure_of(fn) -> dict | None:
     return None
 
 
+def bucket_data(nproc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of the gradient-bucket scenario: one instance per process."""
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(nproc, 8, 16, generator=g), torch.randn(nproc, 8, 4, generator=g)
+
+
+def train_in_buckets(x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, steps: int = 3) -> dict:
+    """A 4-layer MLP trained by data_parallel_step (or the same step written as
+    pmean(grad(...)), whose exchange starts after the backward); returns the parameters
+    and losses."""
+    from torch.func import functional_call, grad_and_value
+
+    from torchpmap.training import data_parallel_step
+
+    torch.manual_seed(3)
+    sizes = [16, 64, 64, 64, 4]
+    layers = [m for a, b in zip(sizes, sizes[1:]) for m in (torch.nn.Linear(a, b), torch.nn.Tanh())][:-1]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if not by_hand:
+        step = data_parallel_step(model, torch.nn.functional.mse_loss, opt)
+    else:
+        def instance(params, xb, yb):
+            loss = lambda p: torch.nn.functional.mse_loss(functional_call(model, p, (xb,)), yb)  # noqa: E731
+            return tp.pmean(grad_and_value(loss)(params), "batch")
+
+        p_step = tp.pmap(instance, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
+
+        def step(batch):
+            grads, loss = p_step({k: p.detach() for k, p in model.named_parameters()}, *batch)
+            for k, p in model.named_parameters():
+                p.grad = grads[k]
+            opt.step()
+            return loss
+
+    losses = [step((x, y)) for _ in range(steps)]
+    return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
+
+
+def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
+    """data_parallel_step across processes with its all-reduce started bucket by bucket in
+    the backward: when the buckets start, the trained model against the same step written
+    by hand, and processes whose buckets differ."""
+    import torchpmap.training
+
+    x, y = (t[rank : rank + 1] for t in bucket_data(nproc))
+    tp.config.all_reduce_bytes = 1  # this little MLP's gradients go through all-reduces
+    tp.config.bucket_bytes = 16 << 10  # and several buckets
+    events: list[str] = []
+    all_reduce, grad_and_value = torch.distributed.all_reduce, torchpmap.training.grad_and_value
+
+    def counted_all_reduce(t, *args, **kwargs):
+        events.append(f"all_reduce {t.numel()}")
+        return all_reduce(t, *args, **kwargs)
+
+    def logged_grad_and_value(*args, **kwargs):
+        inner = grad_and_value(*args, **kwargs)
+
+        def call(*a, **k):
+            out = inner(*a, **k)
+            events.append("backward done")
+            return out
+
+        return call
+
+    torch.distributed.all_reduce, torchpmap.training.grad_and_value = counted_all_reduce, logged_grad_and_value
+    try:
+        out = {"overlapped": train_in_buckets(x, y, steps=1)}
+    finally:
+        torch.distributed.all_reduce, torchpmap.training.grad_and_value = all_reduce, grad_and_value
+    out["events"] = events
+    out["overlapped"] = train_in_buckets(x, y)
+    out["by_hand"] = train_in_buckets(x, y, by_hand=True)
+    # every process must make the same buckets: a different bucket size is an error everywhere
+    tp.config.bucket_bytes = (16 << 10) if rank < nproc - 1 else (32 << 10)
+    out["disagree"] = _failure_of(lambda: train_in_buckets(x, y, steps=1))
+    tp.config.bucket_bytes = 16 << 10
+    out["after"] = train_in_buckets(x, y, steps=1)["losses"]
+    return out
+
+
 def _expect_failure(fn) -> dict:
     t = time.monotonic()
     try:

@@ -341,3 +341,32 @@ def test_example_under_torchrun(tmp_path):
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "matches the single-process step: True" in done.stdout, done.stdout[-3000:]
+
+
+# data_parallel_step with one instance per process starts its all-reduce bucket by bucket
+# inside the backward (as DDP does; torchpmap._gradient_mean). 2 processes: the sum of two
+# partials is the same in any grouping, so the model is bitwise the one that the same
+# step written as pmean(grad(...)) trains; 3: each bucket's all-reduce adds in its own
+# order (equal to rounding), while every process still holds the same bits.
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, tmp_path):
+    finished, results = _run("gradient_buckets", nproc, tmp_path)
+    logs = _logs(finished)
+    assert all(f.returncode == 0 for f in finished), logs
+    with _on_one_device():
+        reference = progs.train_in_buckets(*progs.bucket_data(nproc))  # one process, all instances
+    for r in range(nproc):
+        res = results[r]
+        assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
+        # 3 buckets (16 KiB each, the first capped alike), then the loss' own all-reduce
+        events = res["events"]
+        assert [e.startswith("all_reduce") for e in events].count(True) == 4, events
+        assert events.index("backward done") >= 2, f"the buckets did not start during the backward: {events}"
+        _assert_same(f"rank {r} overlapped vs rank 0", res["overlapped"], results[0]["overlapped"], bitwise=True)
+        _assert_same(f"rank {r} vs by hand", res["overlapped"], res["by_hand"], bitwise=nproc == 2)
+        _assert_same(f"rank {r} vs one process", res["overlapped"], reference, bitwise=False)
+        failure = res["disagree"]
+        assert failure and failure["error"] == "ExchangeMismatch", failure
+        assert "3 parts" in failure["message"] and "2 parts" in failure["message"], failure["message"]
+        assert "still in step" in failure["message"]
+        torch.testing.assert_close(res["after"], res["overlapped"]["losses"][:1])

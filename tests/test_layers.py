@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     "torchpmap.training": 0, "torchpmap.distributed": 0, "torchpmap.data": 0, "torchpmap.checkpoint": 0,
     "torchpmap._launch": 0,
     "torchpmap._collectives": 1,
-    "torchpmap._collective_math": 1, "torchpmap._collective_binding": 1,
+    "torchpmap._collective_math": 1, "torchpmap._collective_binding": 1, "torchpmap._gradient_mean": 1,
     "torchpmap._devices": 3, "torchpmap._mesh": 3, "torchpmap._sharded": 3,
     "torchpmap._process_group": 4, "torchpmap._context": 4, "torchpmap._config": 4, "torchpmap._axis_env": 4,
     "torchpmap._log": 4, "torchpmap._torch_private": 4,

@@ -19,6 +19,22 @@ from torchpmap import _context
 AxisName = Hashable
 
 
+class OrderedSums(Protocol):
+    """Sums over the slices, agreed on beforehand, that start as their values arrive
+    (always in order, in every slice) and are waited for where they are used."""
+
+    def start(self, k: int, ts: Sequence[torch.Tensor]) -> None:
+        """Part ``k``'s values (plain tensors) are ready; it starts once every part before it has."""
+        ...
+
+    def is_started(self, k: int) -> bool:
+        ...
+
+    def wait(self, k: int) -> list[torch.Tensor]:
+        """Part ``k``'s sums, once complete (it must have started)."""
+        ...
+
+
 class Exchange(Protocol):
     """How the slices of a split axis talk: one per slice (device thread or process).
 
@@ -30,6 +46,9 @@ class Exchange(Protocol):
     #: instance's value (across processes: traffic independent of the local size).
     reduces_locally: bool
 
+    #: True when sums can start and run while computation goes on (:meth:`sums_in_order`).
+    starts_sums: bool
+
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, in axis order."""
         ...
@@ -38,6 +57,12 @@ class Exchange(Protocol):
         """For each ``ts[k]`` (this slice's partial sum): the sum over the slices, the same
         bits in every slice; or None, and the caller gathers the partials instead (this
         exchange does not sum on its own, or not tensors this small)."""
+        ...
+
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> OrderedSums:
+        """Agrees now with the other slices on sums that start later, one per group of
+        tensors (only shapes and dtypes are read), so that computation can go on while
+        the values travel. Only where :attr:`starts_sums` is True."""
         ...
 
 

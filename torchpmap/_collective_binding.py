@@ -66,6 +66,11 @@ class Primitive:
         n = self.frame.local_size
         return self.compute(x.unsqueeze(0).expand(n, *x.shape))
 
+    def partial(self, X: torch.Tensor) -> torch.Tensor:
+        """This slice's own reduction of its instances ``X`` (a :attr:`reduces` prim), shaped
+        ``(1, ...)``: what it sends to the other slices."""
+        return self.compute(X)[0].unsqueeze(0)
+
     def transpose(self) -> "Primitive":
         raise NotImplementedError(f"{self.name} has no transpose")
 
@@ -255,7 +260,7 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     if exchange.reduces_locally and all(p.reduces for p in prims):
         # even a slice of one instance sends compute's result: its dtype (psum of bools
         # sends int64) must not depend on the local size, and the bits are those of one process
-        Xs = [p.compute(X)[0].unsqueeze(0) for p, X in zip(prims, Xs)]
+        Xs = [p.partial(X) for p, X in zip(prims, Xs)]
         if all(p.sums for p in prims):  # large sums across processes: one all-reduce
             summed = exchange.sum_many(Xs, _describe(prims))
             if summed is not None:

@@ -12,6 +12,7 @@ that names the variable and what it accepts):
 | ``TORCHPMAP_BITWISE_PLACEMENT`` | ``config.bitwise_placement`` | 1/0, true/false, yes/no, on/off | 0 |
 | ``TORCHPMAP_JIT_CACHE_SIZE`` | ``config.jit_cache_size`` | compiled programs kept per function, an integer >= 1 | 32 |
 | ``TORCHPMAP_ALL_REDUCE_BYTES`` | ``config.all_reduce_bytes`` | bytes from which a ``psum``/``pmean`` across processes runs as one all-reduce instead of gathering every process' partial sum, an integer >= 1 | 1048576 |
+| ``TORCHPMAP_BUCKET_BYTES`` | ``config.bucket_bytes`` | bytes of gradients a data-parallel step sends together while the backward runs (after a first bucket of 1 MiB), an integer >= 1 | 26214400 |
 | ``TORCHPMAP_WORKER_IDLE_TIMEOUT`` | ``config.worker_idle_timeout`` | seconds an idle device-thread worker waits for work before it exits, a number > 0 | 60 |
 | ``TORCHPMAP_HEARTBEAT_INTERVAL`` | (processes) | seconds between two heartbeats of a process, a number > 0 | 0.5 |
 | ``TORCHPMAP_STORE_LISTEN_ALL`` | (processes) | 1 keeps torch's rendezvous store server on every interface instead of the address ``MASTER_ADDR`` names (read by ``initialize``), 1/0, true/false, yes/no, on/off | 0 |
@@ -71,6 +72,7 @@ _SETTINGS: dict[str, tuple[str, Callable[[Any], Any], str, Any]] = {
     "jit_cache_size": ("TORCHPMAP_JIT_CACHE_SIZE", _at_least_one, "an integer >= 1", 32),
     "worker_idle_timeout": ("TORCHPMAP_WORKER_IDLE_TIMEOUT", _positive_number, "a number > 0 (seconds)", 60.0),
     "all_reduce_bytes": ("TORCHPMAP_ALL_REDUCE_BYTES", _at_least_one, "an integer >= 1 (bytes)", 1 << 20),
+    "bucket_bytes": ("TORCHPMAP_BUCKET_BYTES", _at_least_one, "an integer >= 1 (bytes)", 25 << 20),
 }
 
 
@@ -122,6 +124,11 @@ class Config:
             sum in one collective with its header (environment:
             ``TORCHPMAP_ALL_REDUCE_BYTES``, default 1 MiB). Set it alike in every process.
             Under ``bitwise_placement`` sums always gather (in one device's order).
+        bucket_bytes: across processes with one instance each, ``data_parallel_step``
+            starts the all-reduce of its gradients bucket by bucket while the backward
+            still runs, as DDP does: a first bucket of about 1 MiB, then buckets of this
+            many bytes (environment: ``TORCHPMAP_BUCKET_BYTES``, default 25 MiB, DDP's
+            ``bucket_cap_mb``). Set it alike in every process.
     """
 
     collective_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["collective_timeout"]))
@@ -130,6 +137,7 @@ class Config:
     jit_cache_size: int = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["jit_cache_size"]))
     worker_idle_timeout: float = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["worker_idle_timeout"]))
     all_reduce_bytes: int = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["all_reduce_bytes"]))
+    bucket_bytes: int = dataclasses.field(default_factory=lambda: env_value(*_SETTINGS["bucket_bytes"]))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _SETTINGS:

@@ -113,6 +113,27 @@ same (value, in_dim) pairs; torchpmap uses it (``_Bind``) wherever a transform s
 between the collective and its axis, but it costs about 150 us per collective.
 Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._unwrap_batched``)."""
 
+_get_unwrapped = _bind("functorch_value", lambda: torch._C._functorch.get_unwrapped)
+_is_wrapped = _bind("functorch_value", lambda: torch._C._functorch.is_functorch_wrapped_tensor)
+
+
+def functorch_value(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind ``t`` under every torch.func wrapper (grad, vmap levels);
+    ``t`` itself when it is plain. Not differentiable: what it returns is outside the
+    transforms.
+
+    For: a gradient bucket's all-reduce starts inside the backward of ``torch.func.grad``
+    (:mod:`torchpmap._gradient_mean`), where the gradients are wrapped at the grad level
+    and a collective needs their storage.
+    Public replacement: none inside ``torch.func``; plain autograd's tensor hooks (what
+    DDP uses) see plain tensors.
+    Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.get_unwrapped``,
+    ``is_functorch_wrapped_tensor``)."""
+    while _is_wrapped(t):
+        t = _get_unwrapped(t)
+    return t
+
+
 add_batch_dim = _bind("add_batch_dim", lambda: torch._C._functorch._add_batch_dim)
 """``add_batch_dim(tensor, dim, level) -> tensor``: wraps ``tensor`` as batched along
 ``dim`` at ``level`` (what torch.func.vmap does to each input).
@@ -670,6 +691,18 @@ def _probe_current_vmap_level() -> None:
     _expect(isinstance(seen[0], int), "grad opens a level too")
 
 
+def _probe_functorch_value() -> None:
+    seen = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append(functorch_value(x))
+        return (x * 2).sum()
+
+    torch.func.grad(f)(torch.ones(3))
+    _expect(type(seen[0]) is torch.Tensor and not _is_wrapped(seen[0]), "the value under a grad wrapper is a plain tensor")
+    _expect(seen[0].data_ptr() != 0, "the plain value has storage")
+
+
 def _probe_vmap_level_of() -> None:
     x = torch.ones(2, 3)
     _expect(vmap_level_of(x) == -1, "a plain tensor is at level -1")
@@ -1079,6 +1112,11 @@ ENTRIES: dict[str, Entry] = {
             "batching_excluded",
             "torch._C._ExcludeDispatchKeyGuard, DispatchKeySet, DispatchKey.FuncTorchBatched",
             _probe_batching_excluded,
+        ),
+        Entry(
+            "functorch_value",
+            "torch._C._functorch.get_unwrapped, is_functorch_wrapped_tensor",
+            _probe_functorch_value,
         ),
         Entry("make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass", _probe_wrapper_subclass),
         Entry("disabled_torch_function", "torch._C._disabled_torch_function_impl", _probe_wrapper_subclass),

@@ -65,6 +65,7 @@ from torchpmap._torch_private import pytree
 from torchpmap._sharded import ShardedTensor
 from torchpmap._api import pmap
 from torchpmap._collectives import pmean
+from torchpmap._gradient_mean import GradientMean
 
 __all__ = [
     "replicate",
@@ -511,19 +512,26 @@ def data_parallel_step(
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors]:
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
 
+        # Across processes (one instance each), the gradients' all-reduce starts bucket by
+        # bucket while the backward runs, as DDP's; elsewhere this is pmean.
+        grad_mean = GradientMean(axis_name)
+
         def loss_of(params: Tensors) -> tuple[torch.Tensor, tuple[Tensors, torch.Tensor]]:
             # This instance's own copy of the buffers, created inside the transform so
             # that modules may update it in place (batch norm does).
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
-            output = _functional_call(model, {**params, **frozen, **state}, inputs)
+            output = _functional_call(model, {**grad_mean.watch(params), **frozen, **state}, inputs)
             loss = loss_fn(output, seen_by_loss)
             return (loss if scale is None else loss * scale), (state, loss)
 
         grads, (_, (state, loss)) = grad_and_value(loss_of, has_aux=True)(params)
         buffer_change = {k: state[k] - floating[k] for k in floating}
         counters = {k: state[k] for k in other}
-        # One pmean of everything: across devices or processes, one exchange instead of three.
-        grads, loss, buffer_change = pmean((grads, loss, buffer_change), axis_name)
+        if grad_mean.buckets:  # the gradients are on their way already, bucket by bucket
+            grads = grad_mean(grads)
+            loss, buffer_change = pmean((loss, buffer_change), axis_name)
+        else:  # one pmean of everything: across devices or processes, one exchange instead of three
+            grads, loss, buffer_change = pmean((grads, loss, buffer_change), axis_name)
         return grads, loss, buffer_change, counters
 
     # Floating buffers are mapped (one copy per instance, updated separately); the

@@ -41,7 +41,7 @@ from torchpmap import _torch_private as private
 from torchpmap._mesh import ProcessMesh
 from torchpmap._engines import MappedCall, process_agreement as agreement, process_ops, vectorized
 from torchpmap._engines.multi_device import runs_directly as _runs_directly
-from torchpmap._engines.process_transpose import differentiable, sums_by_all_reduce, transpose_gather
+from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
 from torchpmap._faults import ExchangeMismatch, SizeMismatch
 
 active = pg.active
@@ -86,6 +86,9 @@ class ProcessExchange:
     #: (see torchpmap._collective_binding.run_owning): traffic independent of the local size.
     reduces_locally = True
 
+    #: :meth:`sums_in_order` sums start and run while computation goes on (gradient buckets, in the backward).
+    starts_sums = True
+
     def settle(self) -> None:
         """At the end of a call that made no transfer: the processes compare headers
         (local sizes, and that none of them made a transfer this one did not)."""
@@ -119,19 +122,28 @@ class ProcessExchange:
         return list(_SumProcesses.apply(self, what, *ts))
 
     def sum_plain(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """:meth:`sum_many` without autograd. The headers travel first, alone (an all-reduce
-        cannot carry them), and are compared before the all-reduce starts."""
-        layout = _Layout.of(ts)
-        self._transfer("sum", what, layout, None)
-        label = f"{what} across {self.label}"
-        out: list[torch.Tensor] = [torch.empty(0)] * len(ts)
-        for dtype in dict.fromkeys(t.dtype for t in ts):
-            which = [k for k, t in enumerate(ts) if t.dtype == dtype]
-            flat = torch.cat([ts[k].reshape(-1) for k in which])  # a copy: the inputs stay as they were
-            pg.wait(dist.all_reduce(flat, group=self.group, async_op=True), label)
-            for k, piece in zip(which, flat.split([ts[k].numel() for k in which])):
-                out[k] = piece.view(ts[k].shape)
-        return out
+        """:meth:`sum_many` without autograd."""
+        return split_flat(ts, self.sum_flat(ts, what))
+
+    def sum_flat(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """The sums of :meth:`sum_plain` as the flat buffers the all-reduces filled, one per
+        dtype (:func:`~torchpmap._engines.process_transpose.by_dtype`). The headers travel
+        first, alone (an all-reduce cannot carry them), and are compared before the
+        all-reduce starts."""
+        self._transfer("sum", what, _Layout.of(ts), None)
+        return _start_all_reduce(ts, self.group, f"{what} across {self.label}").wait_flat()
+
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> "OrderedSums":
+        """Agrees now, in one header round, on sums over the processes that start later:
+        one per group of tensors (only their shapes and dtypes are read here), each as
+        soon as its values exist, always in group order (see :class:`OrderedSums`). A
+        process whose groups differ (another model, another bucket size) raises here, on
+        every process alike, before any sum starts."""
+        sizes = ", ".join(str(len(g)) for g in groups)
+        flat = [t for g in groups for t in g]
+        self._transfer("sum", f"{what} (in {len(groups)} parts of {sizes} tensors)", _Layout.of(flat), None)
+        expected = [[(t.shape, t.dtype) for t in g] for g in groups]
+        return OrderedSums(self.group, expected, f"{what} across {self.label}")
 
     def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
@@ -288,6 +300,88 @@ class ProcessExchange:
 
     def _ranks(self) -> Sequence[int]:
         return range(self.size) if self.group is None else dist.get_process_group_ranks(self.group)
+
+
+@dataclasses.dataclass(eq=False)
+class PendingSum:
+    """Sums over the processes that have started (:func:`_start_all_reduce`).
+
+    Attributes:
+        ts: the tensors summed (their shapes and dtypes).
+        started: for each dtype, the flat buffer being summed in place and the
+            collective's work.
+        label: how a wait names the sum.
+    """
+
+    ts: list[torch.Tensor]
+    started: list[tuple[torch.Tensor, Any]]
+    label: str
+
+    def wait_flat(self) -> list[torch.Tensor]:
+        """The flat buffers, once every all-reduce finished (they belong to the caller). A
+        failed or dead process raises here (see :func:`torchpmap._process_group.wait`)."""
+        for _, work in self.started:
+            pg.wait(work, self.label)
+        return [flat for flat, _ in self.started]
+
+    def wait(self) -> list[torch.Tensor]:
+        """The sums, shaped as the tensors summed (views of the flat buffers)."""
+        return split_flat(self.ts, self.wait_flat())
+
+
+def _start_all_reduce(ts: Sequence[torch.Tensor], group: Any, label: str) -> PendingSum:
+    """Starts one all-reduce (sum) per dtype of ``ts``, on a copy (the inputs stay as they
+    were), and returns without waiting. Only once every process agreed on ``ts``' shapes
+    and dtypes: a collective of other byte counts would abort the process."""
+    started = []
+    for which in by_dtype(ts):
+        flat = torch.cat([ts[k].reshape(-1) for k in which])
+        started.append((flat, dist.all_reduce(flat, group=group, async_op=True)))
+    return PendingSum(list(ts), started, label)
+
+
+@dataclasses.dataclass(eq=False)
+class OrderedSums:
+    """Sums over the processes that every process agreed on beforehand
+    (:meth:`ProcessExchange.sums_in_order`) and that start as their values arrive.
+
+    Group ``k`` starts once its values and those of every group before it exist: the
+    all-reduces start in group order in every process whatever order the values come in
+    (a collective pairs with the other processes' collective of the same rank in their
+    sequence), as DDP reduces its buckets in order.
+
+    Attributes:
+        group: the process group.
+        expected: each group's shapes and dtypes, as agreed.
+        label: how waits and errors name the sums.
+        started: the started groups' sums, in order.
+        ready: values that arrived before an earlier group's, by group.
+    """
+
+    group: Any
+    expected: list[list[tuple[torch.Size, torch.dtype]]]
+    label: str
+    started: list[PendingSum] = dataclasses.field(default_factory=list)
+    ready: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    def start(self, k: int, ts: Sequence[torch.Tensor]) -> None:
+        """Group ``k``'s values (plain tensors) are ready: starts it if every group before
+        it has started, and then the groups after it that were waiting."""
+        if k < len(self.started) or k in self.ready:
+            return
+        if [(t.shape, t.dtype) for t in ts] != self.expected[k]:
+            raise RuntimeError(f"torchpmap: internal error: part {k + 1} of {self.label} is not what the processes agreed on")
+        self.ready[k] = list(ts)
+        while len(self.started) in self.ready:
+            n = len(self.started)
+            self.started.append(_start_all_reduce(self.ready.pop(n), self.group, f"{self.label}, part {n + 1}"))
+
+    def is_started(self, k: int) -> bool:
+        return k < len(self.started)
+
+    def wait(self, k: int) -> list[torch.Tensor]:
+        """Group ``k``'s sums (it must have started)."""
+        return self.started[k].wait()
 
 
 def _explain(header: agreement.Header, kind: str, what: str, layout: Optional[_Layout]) -> str:

@@ -25,7 +25,7 @@ import torch
 
 from torchpmap import _context
 
-from torchpmap._engines.process_transpose import differentiable, sums_by_all_reduce, transpose_gather
+from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
 
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
 _live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
@@ -38,6 +38,7 @@ class TracedExchange:
     key: int
     size: int
 
+    starts_sums = False  # a traced program's sums are ops of its graph, placed where they are used
     reduces_locally = True  # as the ProcessExchange it stands in for
 
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
@@ -46,7 +47,10 @@ class TracedExchange:
     def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
         if not sums_by_all_reduce(ts):  # decided as the eager exchange decides: they meet in the same collectives
             return None
-        return list(torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
+        return split_flat(ts, torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
+
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> None:
+        raise NotImplementedError("a traced program's sums are ops of its graph, placed where they are used")
 
 
 def traced(exchange: Any) -> TracedExchange:
@@ -120,14 +124,14 @@ _gather.register_autograd(_gather_backward, setup_context=_setup_gather)
 
 @torch.library.custom_op("torchpmap::sum_processes", mutates_args=())
 def _sum(ts: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
-    outs = _live[key].sum_plain(ts, what)
-    # tensors of one dtype come back as views of one buffer; an op's outputs must not alias
-    return [o.clone() for o in outs] if len(outs) > 1 else outs
+    # the all-reduces' own flat buffers, one per dtype: the program views them as the
+    # tensors (an op's outputs must not alias each other, and a copy would cost a pass)
+    return _live[key].sum_flat(ts, what)
 
 
 @_sum.register_fake
 def _(ts: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
-    return [torch.empty_like(t) for t in ts]
+    return [ts[which[0]].new_empty(sum(ts[k].numel() for k in which)) for which in by_dtype(ts)]
 
 
 def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -136,9 +140,19 @@ def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.differentiable = [differentiable(t) for t in ts]
 
 
-def _sum_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
-    given = _zeros_where_none(ctx, grads)
-    summed = lambda gs: torch.ops.torchpmap.sum_processes(gs, ctx.key, f"the gradient of {ctx.what}")  # noqa: E731
+def _sum_backward(ctx: Any, flat_grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+    blanks = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.blanks]
+    groups = by_dtype(blanks)
+    flat_grads = [  # an output that got no gradient sends zeros: every process sums the same layout
+        g if g is not None else torch.zeros(sum(blanks[k].numel() for k in which), dtype=blanks[which[0]].dtype,
+                                            device=blanks[which[0]].device)
+        for g, which in zip(flat_grads, groups)
+    ]
+    given = split_flat(blanks, flat_grads)
+
+    def summed(gs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return split_flat(gs, torch.ops.torchpmap.sum_processes(gs, ctx.key, f"the gradient of {ctx.what}"))
+
     return transpose_gather(given, ctx.differentiable, summed), None, None
 
 

@@ -24,6 +24,25 @@ def sums_by_all_reduce(ts: Sequence[torch.Tensor]) -> bool:
     return sum(t.numel() * t.element_size() for t in ts) >= config.all_reduce_bytes
 
 
+def by_dtype(ts: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The positions of ``ts``' tensors, grouped by dtype (in order of first appearance):
+    an all-reduce sums one flat buffer per group."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for k, t in enumerate(ts):
+        groups.setdefault(t.dtype, []).append(k)
+    return list(groups.values())
+
+
+def split_flat(ts: Sequence[torch.Tensor], flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the flat buffers ``flats`` (one per group of :func:`by_dtype`) shaped as
+    the tensors ``ts`` they were packed from."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(ts)
+    for which, flat in zip(by_dtype(ts), flats):
+        for k, piece in zip(which, flat.split([ts[k].numel() for k in which])):
+            out[k] = piece.view(ts[k].shape)
+    return out
+
+
 def differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 

@@ -174,10 +174,14 @@ class ThreadExchange:
     group: Hashable
     seq: int = 0
 
+    starts_sums = False  # the threads take turns: a sum completes when they meet, not in the background
     reduces_locally = False  # device threads gather every instance's value: bitwise those of one device
 
     def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> None:
         return None  # never asked (reduces_locally is False): the threads gather every value
+
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> None:
+        raise NotImplementedError("the threads take turns: a sum completes when they meet, not in the background")
 
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, on this slice's

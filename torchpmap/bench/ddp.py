@@ -5,10 +5,16 @@ per process; local by default, or one per simulated host, see
 :mod:`torchpmap.bench.cluster`), builds the same MLP in each column (same initial
 parameters), and runs the columns interleaved on the same data:
 
-* ``torchpmap``: ``pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0),
-  out_axes=None)`` with ``torch.func.grad`` per instance and ``pmean`` of the gradients
-  over all processes' instances, then ``optimizer.step()``;
-* ``torchpmap.jit``: the same with ``jit=True``;
+* ``torchpmap``: :func:`torchpmap.training.data_parallel_step` (``torch.func.grad`` per
+  instance inside a pmap over all processes' instances, the ``pmean`` of the gradients,
+  ``optimizer.step()``); with one instance per process its all-reduce starts bucket by
+  bucket during the backward, as DDP's;
+* ``torchpmap.jit``: the same with ``jit=True`` (one all-reduce after the backward);
+* ``torchpmap.by_hand``: the step written by hand, ``pmap(instance_step, axis_name="batch",
+  in_axes=(None, 0, 0), out_axes=None)`` with ``torch.func.grad`` per instance and
+  ``pmean`` of the gradients, then ``optimizer.step()``: the same math, its exchange
+  started only once ``grad`` has returned every gradient (against ``torchpmap``: what
+  the overlap gains);
 * ``ddp``: ``DistributedDataParallel(model)``, ``loss.backward()`` (bucketed all-reduce
   of the gradients, overlapped with the backward), ``optimizer.step()``;
 * ``compute``: the same step on the process' shard with no exchange at all (what a step
@@ -46,8 +52,8 @@ from torchpmap._launch import Host, launch
 #: The default model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
 FEATURES, HIDDEN, CLASSES = 64, 256, 10
 #: The columns a comparison can time (see the module docstring).
-COLUMNS = ("torchpmap", "torchpmap.jit", "ddp", "compute", "allreduce", "pmean")
-_TRAINING = ("torchpmap", "torchpmap.jit", "ddp", "compute")
+COLUMNS = ("torchpmap", "torchpmap.jit", "torchpmap.by_hand", "ddp", "compute", "allreduce", "pmean")
+_TRAINING = ("torchpmap", "torchpmap.jit", "torchpmap.by_hand", "ddp", "compute")
 
 
 def run_ddp_comparison(
@@ -157,7 +163,7 @@ def _worker(
 
     import torchpmap as tp
     import torchpmap.distributed as tpd
-    from torchpmap.training import shard
+    from torchpmap.training import data_parallel_step, shard
 
     tpd.initialize(timeout=datetime.timedelta(seconds=timeout))
     rank, nproc = tp.process_index(), tp.process_count()
@@ -169,15 +175,21 @@ def _worker(
     def torchpmap_column(jit: bool) -> Callable[[torch.Tensor, torch.Tensor], Any]:
         model = models["torchpmap.jit" if jit else "torchpmap"]
         opt = torch.optim.SGD(model.parameters(), lr=lr)
+        step = data_parallel_step(model, F.cross_entropy, opt, jit=jit)
+        return lambda x, y: step(shard((x, y), instances))
+
+    def by_hand_column() -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        model = models["torchpmap.by_hand"]
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
 
         def loss_fn(params, x, y):
             return F.cross_entropy(functional_call(model, params, (x,)), y)
 
         def instance_step(params, x, y):
             grads, loss = grad_and_value(loss_fn)(params, x, y)
-            return tp.pmean((grads, loss), "batch")  # one exchange, as DDP's bucketed all-reduce
+            return tp.pmean((grads, loss), "batch")  # one exchange, after the backward
 
-        p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None, jit=jit)
+        p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
 
         def step(x, y):
             params = {k: p.detach() for k, p in model.named_parameters()}
@@ -218,6 +230,7 @@ def _worker(
 
     builders = {
         "torchpmap": lambda: torchpmap_column(False), "torchpmap.jit": lambda: torchpmap_column(True),
+        "torchpmap.by_hand": by_hand_column,
         "ddp": lambda: plain_column("ddp"), "compute": lambda: plain_column("compute"), "allreduce": lambda: allreduce,
         "pmean": lambda: pmean,
     }

@@ -1,0 +1,151 @@
+"""The mean of a gradient over a named axis, its exchange started while the backward runs.
+
+``pmean(grad(f)(params), axis)`` cannot send anything before ``grad`` has returned every
+gradient. DDP does better: it all-reduces the gradients bucket by bucket, each as soon
+as the backward has produced it, and the backward goes on while the bytes travel.
+:class:`GradientMean` gives a data-parallel step the same overlap with the same result:
+
+    >>> import torch, torchpmap
+    >>> from torch.func import grad
+    >>> from torchpmap._gradient_mean import GradientMean
+    >>> def step(w, x):
+    ...     mean = GradientMean("i")
+    ...     g = grad(lambda w: (mean.watch({"w": w})["w"] * x).sum())(w)
+    ...     return mean({"w": g})["w"]            # what pmean({"w": g}, "i")["w"] returns
+    >>> torchpmap.pmap(step, axis_name="i", in_axes=(None, 0))(torch.ones(2), torch.arange(8.).view(4, 2))
+    tensor([[3., 4.],
+            [3., 4.],
+            [3., 4.],
+            [3., 4.]])
+
+``watch(params)`` agrees with the other processes on the buckets (one header round, in
+the forward: a process whose parameters or buckets differ raises there, before anything
+is summed) and puts a gradient hook on each parameter. Once the backward has produced
+the gradients of every parameter in a bucket, the hooks start its all-reduce and return
+at once (:meth:`~torchpmap._axis_env.Exchange.sums_in_order`; buckets start in order,
+in every process). Hooks, as DDP's, rather than an identity node per bucket: autograd
+runs a node created before the forward after every other ready node, i.e. at the very
+end of the backward. Calling the object with the gradients waits for those sums and
+divides by the axis size, as ``pmean`` does. Buckets follow DDP: parameters in
+reverse order of the dict (the order a backward usually produces them), a first bucket
+of about 1 MiB so that the first exchange starts early, then ``config.bucket_bytes``.
+
+It overlaps only where that pays and keeps the result ``pmean`` would give: across
+processes, one instance per process (run without vmap), eager, for gradients large
+enough that ``pmean`` would all-reduce them (``config.all_reduce_bytes``, not under
+``bitwise_placement``). Everywhere else (one device, device threads, a compiled program,
+small gradients) the call is exactly ``pmean(grads, axis_name)``. With two processes the
+bits are those of ``pmean``'s all-reduce; with more, each bucket's all-reduce adds in
+its own order, so the last bits may differ from one all-reduce of everything, while
+every process still gets the same bits. Every process must watch the same parameters
+(the buckets' headers are compared, as for any exchange).
+"""
+from __future__ import annotations
+
+from typing import Callable, Hashable, Optional, Sequence
+
+import torch
+
+from torchpmap import _axis_env
+from torchpmap import _torch_private as private
+from torchpmap._axis_env import Exchange, OrderedSums
+from torchpmap._collectives import pmean
+from torchpmap._config import config
+from torchpmap._engines.process_transpose import sums_by_all_reduce
+
+Tensors = dict[str, torch.Tensor]
+
+#: DDP's first bucket: small, so that the first exchange starts early in the backward.
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+def buckets_of(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Names grouped into buckets, last name first: each bucket closes once it holds at
+    least its limit (``FIRST_BUCKET_BYTES`` for the first, capped by ``bucket_bytes``;
+    ``bucket_bytes`` after).
+
+    >>> buckets_of([("a", 3 << 20), ("b", 10), ("c", 2 << 20), ("d", 10)], bucket_bytes=4 << 20)
+    [['d', 'c'], ['b', 'a']]
+    """
+    out: list[list[str]] = []
+    current: list[str] = []
+    held = 0
+    for name, size in reversed(sizes):
+        current.append(name)
+        held += size
+        if held >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not out else bucket_bytes):
+            out.append(current)
+            current, held = [], 0
+    if current:
+        out.append(current)
+    return out
+
+
+class GradientMean:
+    """``pmean`` of the gradients of watched parameters over ``axis_name``, each bucket's
+    exchange started during the backward where the placement allows it (see the module
+    docstring). Make one per call of the mapped function.
+
+    Args:
+        axis_name: the axis to average over; it must be bound (inside the pmap).
+        bucket_bytes: the size of a bucket after the first (default ``config.bucket_bytes``).
+    """
+
+    def __init__(self, axis_name: Hashable, bucket_bytes: Optional[int] = None):
+        self.axis_name = axis_name
+        self.bucket_bytes = config.bucket_bytes if bucket_bytes is None else bucket_bytes
+        #: the buckets, once watched across processes: names, in the order they start
+        self.buckets: list[list[str]] = []
+        self._sums: Optional[OrderedSums] = None
+        self._arrived: list[dict[str, torch.Tensor]] = []
+        frame = _axis_env.lookup(axis_name)
+        exchange = frame.exchange
+        overlaps = exchange is not None and exchange.starts_sums and not frame.vectorized and frame.local_size == 1
+        self._exchange: Optional[Exchange] = exchange if overlaps else None
+
+    def watch(self, params: Tensors) -> Tensors:
+        """``params``, each with a gradient hook (call it inside the function that
+        ``torch.func.grad`` differentiates, on the tensors it differentiates by)."""
+        exchange = self._exchange
+        if exchange is None or self._sums is not None or not torch.is_grad_enabled():
+            return params
+        if not params or not all(t.requires_grad for t in params.values()):
+            return params  # not under the gradient transform: nothing to hook
+        if not sums_by_all_reduce(list(params.values())):
+            return params  # small enough that pmean gathers the partial sums: its bits, its way
+        sizes = [(k, t.numel() * t.element_size()) for k, t in params.items()]
+        self.buckets = buckets_of(sizes, self.bucket_bytes)
+        what = f"pmean of the gradient over axis {self.axis_name!r}"
+        self._sums = exchange.sums_in_order([[params[k] for k in names] for names in self.buckets], what)
+        self._arrived = [{} for _ in self.buckets]
+        for i, names in enumerate(self.buckets):
+            for k in names:
+                params[k].register_hook(self._hook(i, k))
+        return params
+
+    def _hook(self, bucket: int, name: str) -> Callable[[torch.Tensor], None]:
+        """Parameter ``name``'s gradient hook: the bucket starts once all its parameters'
+        gradients have arrived (each arrives once, summed over its uses)."""
+
+        def arrived(grad: torch.Tensor) -> None:
+            got = self._arrived[bucket]
+            got[name] = private.functorch_value(grad)
+            if len(got) == len(self.buckets[bucket]):
+                self._sums.start(bucket, [got.pop(k) for k in self.buckets[bucket]])
+
+        return arrived
+
+    def __call__(self, grads: Tensors) -> Tensors:
+        """The mean of ``grads`` (the gradients of the watched parameters, same keys) over
+        the axis: the sums started in the backward, waited for; ``pmean`` without them."""
+        sums = self._sums
+        if sums is None:
+            return pmean(grads, self.axis_name)
+        size = _axis_env.lookup(self.axis_name).size
+        out: Tensors = {}
+        for i, names in enumerate(self.buckets):
+            # a bucket the backward never completed (a parameter it did not reach) starts now
+            sums.start(i, [private.functorch_value(grads[k]) for k in names])
+            for k, total in zip(names, sums.wait(i)):
+                out[k] = total.div_(size)  # in the all-reduce's own buffer: the bits of pmean's total / size
+        return {k: out[k] for k in grads}
