@@ -107,7 +107,7 @@ class MappedFunction:
             raise TypeError(f"{opts.kind}: the first argument must be a callable, got {fun!r}")
         check_options(opts)
         self.fun, self.opts = fun, opts
-        self._layouts: dict[Any, list[tuple[Any, str]]] = {}  # argument structure -> leaf axes
+        self._layouts: dict[Any, tuple[list[tuple[Any, str]], int]] = {}  # argument structure -> (leaf axes, its number)
         self._out_layouts: dict[Any, list[tuple[Any, str]]] = {}  # output structure -> out axes
         self._memory = _engines.FunctionMemory()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
@@ -235,11 +235,16 @@ class MappedFunction:
             # A leaf's axis depends only on the arguments' structure: match the in_axes
             # prefix once per structure, so that a repeated call skips it.
             key = (spec, tuple(statics), len(args))
-        layout = self._layouts.get(key)
-        if layout is None:
-            layout = self._leaf_axes(args, statics, dyn_args, kwargs)
+        known = self._layouts.get(key)
+        if known is None:
+            layout, structure = self._leaf_axes(args, statics, dyn_args, kwargs), key
             if len(self._layouts) < _MAX_CACHED_LAYOUTS:
-                self._layouts[key] = layout
+                # a small number stands for the structure from now on: a compiled program's
+                # cache hashes and compares it on every call (a pytree spec, recursively)
+                structure = len(self._layouts)
+                self._layouts[key] = (layout, structure)
+        else:
+            layout, structure = known
         mapped_slots, in_dims, sizes = [], [], []
         for k, (leaf, (axis, label)) in enumerate(zip(leaves, layout)):
             if type(leaf) is not torch.Tensor and (
@@ -253,7 +258,7 @@ class MappedFunction:
             sizes.append(leaf.shape[axis])
         if len(set(sizes)) > 1:
             self._raise_inconsistent(leaves, layout, mapped_slots)
-        return _Flat(leaves, spec, key, mapped_slots, in_dims, self._common_size(sizes))
+        return _Flat(leaves, spec, structure, mapped_slots, in_dims, self._common_size(sizes))
 
     def _leaf_axes(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> list[tuple[Any, str]]:
         """(axis, label for messages) of every argument leaf, in flatten order."""

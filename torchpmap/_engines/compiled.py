@@ -39,7 +39,7 @@ from torchpmap import _context, _devices
 from torchpmap import _torch_private as private
 from torchpmap._torch_private import TorchDispatchMode
 from torchpmap._config import config
-from torchpmap._engines import MappedCall, OutputLayout, vectorized
+from torchpmap._engines import MappedCall, OutputLayout, graph_rewrites, vectorized
 from torchpmap._log import logger
 from torchpmap._sharded import ShardedTensor, as_local
 
@@ -292,6 +292,7 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
         *_graph_inputs(call, tensor_slots)
     )
     graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses
+    graph_rewrites.fold_instance_sums(graph)  # per-instance products summed over instances -> one product
     constants = _lift_constants(graph)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **{"fullgraph": True, "dynamic": False, **options})

@@ -1,0 +1,115 @@
+"""Rewrites of a traced vectorized program before it is compiled (``pmap(jit=True)``).
+
+The vectorized program says "per instance, then across instances" where a plain
+batched program says it once. The commonest case is a data-parallel step: each
+instance's weight gradient is a product over its own samples, and ``pmean`` then adds
+the instances' gradients. Traced, that is one ``bmm`` of ``n`` small products followed
+by a ``sum`` over ``n``, where plain PyTorch (and ``torch.compile`` of it) computes one
+``mm`` over all ``n * b`` samples: the same math, a bigger and faster product, and no
+``(n, out, in)`` intermediate. :func:`fold_instance_sums` rewrites the first into the
+second:
+
+    sum_n bmm(A, B)[n] == mm(A.permute(1, 0, 2).reshape(o, n * b), B.reshape(n * b, i))
+
+for ``A`` of shape ``(n, o, b)`` and ``B`` of shape ``(n, b, i)``. The result equals the
+traced one to rounding (the products add in another order), as anything
+``torch.compile`` fuses does.
+
+    >>> import torch
+    >>> from torch.fx.experimental.proxy_tensor import make_fx
+    >>> def per_instance_then_sum(a, b):
+    ...     return torch.bmm(a, b).transpose(1, 2).sum(0)
+    >>> a, b = torch.randn(8, 3, 5), torch.randn(8, 5, 4)
+    >>> graph = make_fx(per_instance_then_sum)(a, b)
+    >>> fold_instance_sums(graph)
+    1
+    >>> [n.target.__name__ for n in graph.graph.nodes if n.op == "call_function"]
+    ['permute.default', 'reshape.default', 'reshape.default', 'mm.default', 'transpose.int']
+    >>> torch.allclose(graph(a, b), per_instance_then_sum(a, b), atol=1e-5)
+    True
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+#: View ops that may sit between the ``bmm`` and the ``sum`` (each checked to keep the
+#: instance dim first and apart): a no-op reshape, a transpose or permute of the others.
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.permute.default)
+
+
+def fold_instance_sums(graph: torch.fx.GraphModule) -> int:
+    """Rewrites every ``sum`` over dim 0 of a ``bmm`` (through views that leave dim 0
+    alone, and used nowhere else) into one ``mm``; returns how many it rewrote."""
+    rewritten = 0
+    for node in list(graph.graph.nodes):
+        chain = _summed_bmm(node)
+        if chain is None:
+            continue
+        bmm, views = chain
+        a, b = bmm.args
+        n, o, k = _shape(a)
+        i = _shape(b)[2]
+        g = graph.graph
+        with g.inserting_before(node):
+            lhs = g.call_function(aten.reshape.default, (g.call_function(aten.permute.default, (a, [1, 0, 2])), [o, n * k]))
+            rhs = g.call_function(aten.reshape.default, (b, [n * k, i]))
+            out = g.call_function(aten.mm.default, (lhs, rhs))
+            for view in views:  # the same views, on the result without its instance dim
+                out = _replay(g, view, out)
+        node.replace_all_uses_with(out)
+        rewritten += 1
+    if rewritten:
+        graph.graph.eliminate_dead_code()
+        graph.recompile()
+    return rewritten
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def _summed_bmm(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """(the bmm, the views from it to ``node``) when ``node`` is a plain sum over dim 0 of
+    a bmm's result; None otherwise."""
+    if node.op != "call_function" or node.target is not aten.sum.dim_IntList:
+        return None
+    if list(node.args[1]) != [0] or len(node.args) > 2 or node.kwargs.get("keepdim") or "val" not in node.meta:
+        return None
+    if node.kwargs.get("dtype", node.meta["val"].dtype) != node.meta["val"].dtype:
+        return None  # a sum into another dtype
+    views: list[torch.fx.Node] = []
+    source = node.args[0]
+    while isinstance(source, torch.fx.Node) and source.target in _VIEWS:
+        if len(source.users) != 1 or not _keeps_instance_dim(source):
+            return None
+        views.append(source)
+        source = source.args[0]
+    if not isinstance(source, torch.fx.Node) or source.target is not aten.bmm.default or len(source.users) != 1:
+        return None
+    if any("val" not in n.meta for n in (source, *source.args)) or source.meta["val"].dtype != node.meta["val"].dtype:
+        return None
+    return source, views[::-1]
+
+
+def _keeps_instance_dim(view: torch.fx.Node) -> bool:
+    if view.target is aten.transpose.int:
+        return all(d % len(_shape(view)) >= 1 for d in view.args[1:3])
+    if view.target is aten.permute.default:
+        return view.args[1][0] % len(_shape(view)) == 0
+    return _shape(view.args[0]) == _shape(view)  # a reshape to the same shape
+
+
+def _replay(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
+    """``view``, applied to ``value``, which lacks the instance dim that ``view`` had first."""
+    rank = len(_shape(view))
+    if view.target is aten.transpose.int:
+        d1, d2 = (d % rank - 1 for d in view.args[1:3])
+        return g.call_function(aten.transpose.int, (value, d1, d2))
+    if view.target is aten.permute.default:
+        return g.call_function(aten.permute.default, (value, [d % rank - 1 for d in view.args[1][1:]]))
+    return value  # a reshape to the same shape
