@@ -521,7 +521,7 @@ def bucket_data(nproc: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(nproc, 8, 16, generator=g), torch.randn(nproc, 8, 4, generator=g)
 
 
-def train_in_buckets(x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, steps: int = 3) -> dict:
+def train_in_buckets(x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, steps: int = 3, jit: bool = False) -> dict:
     """A 4-layer MLP trained by data_parallel_step (or the same step written as
     pmean(grad(...)), whose exchange starts after the backward); returns the parameters
     and losses."""
@@ -535,7 +535,7 @@ def train_in_buckets(x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, st
     model = torch.nn.Sequential(*layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if not by_hand:
-        step = data_parallel_step(model, torch.nn.functional.mse_loss, opt)
+        step = data_parallel_step(model, torch.nn.functional.mse_loss, opt, jit=JIT if jit else False)
     else:
         def instance(params, xb, yb):
             loss = lambda p: torch.nn.functional.mse_loss(functional_call(model, p, (xb,)), yb)  # noqa: E731
@@ -587,6 +587,18 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
         torch.distributed.all_reduce, torchpmap.training.grad_and_value = all_reduce, grad_and_value
     out["events"] = events
     out["overlapped"] = train_in_buckets(x, y)
+    # compiled: the buckets are ops of the program (no fallback to eager allowed)
+    import warnings
+
+    calls: list[int] = []
+    torch.distributed.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), all_reduce(t, *a, **k))[1]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tp.JitFallbackWarning)
+            out["compiled"] = train_in_buckets(x, y, jit=True)
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    out["compiled_all_reduces"] = calls
     out["by_hand"] = train_in_buckets(x, y, by_hand=True)
     # every process must make the same buckets: a different bucket size is an error everywhere
     tp.config.bucket_bytes = (16 << 10) if rank < nproc - 1 else (32 << 10)

@@ -348,6 +348,10 @@ def test_example_under_torchrun(tmp_path):
 # partials is the same in any grouping, so the model is bitwise the one that the same
 # step written as pmean(grad(...)) trains; 3: each bucket's all-reduce adds in its own
 # order (equal to rounding), while every process still holds the same bits.
+def events_sizes(events: list) -> list:
+    return [int(e.split()[1]) for e in events if e.startswith("all_reduce")]
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, tmp_path):
     finished, results = _run("gradient_buckets", nproc, tmp_path)
@@ -365,6 +369,10 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
         _assert_same(f"rank {r} overlapped vs rank 0", res["overlapped"], results[0]["overlapped"], bitwise=True)
         _assert_same(f"rank {r} vs by hand", res["overlapped"], res["by_hand"], bitwise=nproc == 2)
         _assert_same(f"rank {r} vs one process", res["overlapped"], reference, bitwise=False)
+        # compiled, the same buckets as ops of the program: 3 steps of 3 buckets and the loss
+        assert res["compiled_all_reduces"] == events_sizes(events) * 3, res["compiled_all_reduces"]
+        _assert_same(f"rank {r} compiled vs rank 0", res["compiled"], results[0]["compiled"], bitwise=True)
+        _assert_same(f"rank {r} compiled vs eager", res["compiled"], res["overlapped"], bitwise=False)
         failure = res["disagree"]
         assert failure and failure["error"] == "ExchangeMismatch", failure
         assert "3 parts" in failure["message"] and "2 parts" in failure["message"], failure["message"]

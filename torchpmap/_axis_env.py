@@ -59,10 +59,11 @@ class Exchange(Protocol):
         exchange does not sum on its own, or not tensors this small)."""
         ...
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> OrderedSums:
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional[OrderedSums]:
         """Agrees now with the other slices on sums that start later, one per group of
         tensors (only shapes and dtypes are read), so that computation can go on while
-        the values travel. Only where :attr:`starts_sums` is True."""
+        the values travel; None when it cannot sum these. Only where :attr:`starts_sums`
+        is True."""
         ...
 
 

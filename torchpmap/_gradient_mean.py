@@ -31,10 +31,11 @@ reverse order of the dict (the order a backward usually produces them), a first 
 of about 1 MiB so that the first exchange starts early, then ``config.bucket_bytes``.
 
 It overlaps only where that pays and keeps the result ``pmean`` would give: across
-processes, one instance per process (run without vmap), eager, for gradients large
-enough that ``pmean`` would all-reduce them (``config.all_reduce_bytes``, not under
-``bitwise_placement``). Everywhere else (one device, device threads, a compiled program,
-small gradients) the call is exactly ``pmean(grads, axis_name)``. With two processes the
+processes (each process sends the sum of its own instances' gradients, as ``pmean``
+does), eager or compiled, for gradients large enough that ``pmean`` would all-reduce
+them (``config.all_reduce_bytes``, not under ``bitwise_placement``). Everywhere else
+(one device, device threads, small gradients) the call is exactly ``pmean(grads,
+axis_name)``. With two processes the
 bits are those of ``pmean``'s all-reduce; with more, each bucket's all-reduce adds in
 its own order, so the last bits may differ from one all-reduce of everything, while
 every process still gets the same bits. Every process must watch the same parameters
@@ -99,29 +100,42 @@ class GradientMean:
         self._sums: Optional[OrderedSums] = None
         self._arrived: list[dict[str, torch.Tensor]] = []
         frame = _axis_env.lookup(axis_name)
-        exchange = frame.exchange
-        overlaps = exchange is not None and exchange.starts_sums and not frame.vectorized and frame.local_size == 1
-        self._exchange: Optional[Exchange] = exchange if overlaps else None
+        self._frame = frame
+        #: the vmap level of the axis in this slice (None: a lone instance, run directly)
+        self._level = private.vmap_level_of(frame.token) if frame.vectorized else None
 
     def watch(self, params: Tensors) -> Tensors:
         """``params``, each with a gradient hook (call it inside the function that
         ``torch.func.grad`` differentiates, on the tensors it differentiates by)."""
-        exchange = self._exchange
-        if exchange is None or self._sums is not None or not torch.is_grad_enabled():
+        exchange = self._frame.exchange
+        if exchange is None or not exchange.starts_sums or self._sums is not None or not torch.is_grad_enabled():
             return params
         if not params or not all(t.requires_grad for t in params.values()):
             return params  # not under the gradient transform: nothing to hook
+        if self._level is not None and self._level != private.innermost_vmap_level():
+            return params  # another vmap inside the instance: its gradients are not the instance's
         if not sums_by_all_reduce(list(params.values())):
             return params  # small enough that pmean gathers the partial sums: its bits, its way
         sizes = [(k, t.numel() * t.element_size()) for k, t in params.items()]
-        self.buckets = buckets_of(sizes, self.bucket_bytes)
+        buckets = buckets_of(sizes, self.bucket_bytes)
         what = f"pmean of the gradient over axis {self.axis_name!r}"
-        self._sums = exchange.sums_in_order([[params[k] for k in names] for names in self.buckets], what)
-        self._arrived = [{} for _ in self.buckets]
-        for i, names in enumerate(self.buckets):
+        sums = exchange.sums_in_order([[params[k] for k in names] for names in buckets], what)
+        if sums is None:
+            return params
+        self.buckets, self._sums = buckets, sums
+        self._arrived = [{} for _ in buckets]
+        for i, names in enumerate(buckets):
             for k in names:
                 params[k].register_hook(self._hook(i, k))
         return params
+
+    def _partial(self, grad: torch.Tensor) -> torch.Tensor:
+        """This slice's sum of its instances' gradients (what pmean sends, too)."""
+        value, dim = private.functorch_value(grad, self._level)
+        if dim is None:  # the same gradient on every instance of the slice
+            n = self._frame.local_size
+            return value if n == 1 else value * n
+        return value.select(dim, 0) if value.shape[dim] == 1 else value.sum(dim)
 
     def _hook(self, bucket: int, name: str) -> Callable[[torch.Tensor], None]:
         """Parameter ``name``'s gradient hook: the bucket starts once all its parameters'
@@ -129,7 +143,7 @@ class GradientMean:
 
         def arrived(grad: torch.Tensor) -> None:
             got = self._arrived[bucket]
-            got[name] = private.functorch_value(grad)
+            got[name] = self._partial(grad)
             if len(got) == len(self.buckets[bucket]):
                 self._sums.start(bucket, [got.pop(k) for k in self.buckets[bucket]])
 
@@ -141,11 +155,10 @@ class GradientMean:
         sums = self._sums
         if sums is None:
             return pmean(grads, self.axis_name)
-        size = _axis_env.lookup(self.axis_name).size
         out: Tensors = {}
         for i, names in enumerate(self.buckets):
             # a bucket the backward never completed (a parameter it did not reach) starts now
-            sums.start(i, [private.functorch_value(grads[k]) for k in names])
+            sums.start(i, [self._partial(grads[k]) for k in names])
             for k, total in zip(names, sums.wait(i)):
-                out[k] = total.div_(size)  # in the all-reduce's own buffer: the bits of pmean's total / size
+                out[k] = total.div_(self._frame.size)  # in the sum's own buffer: the bits of pmean's total / size
         return {k: out[k] for k in grads}

@@ -115,23 +115,30 @@ Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._unwrap_batched``)."""
 
 _get_unwrapped = _bind("functorch_value", lambda: torch._C._functorch.get_unwrapped)
 _is_wrapped = _bind("functorch_value", lambda: torch._C._functorch.is_functorch_wrapped_tensor)
+_is_batched = _bind("functorch_value", lambda: torch._C._functorch.is_batchedtensor)
 
 
-def functorch_value(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor behind ``t`` under every torch.func wrapper (grad, vmap levels);
-    ``t`` itself when it is plain. Not differentiable: what it returns is outside the
+def functorch_value(t: torch.Tensor, vmap_level: Optional[int] = None) -> tuple[torch.Tensor, Optional[int]]:
+    """``(value, dim)``: the plain tensor behind ``t``, under its grad wrappers and, when
+    ``vmap_level`` is given, the batching of that vmap level (``dim`` its batch dim, None
+    when ``t`` is not batched there). Not differentiable: the value is outside the
     transforms.
 
     For: a gradient bucket's all-reduce starts inside the backward of ``torch.func.grad``
     (:mod:`torchpmap._gradient_mean`), where the gradients are wrapped at the grad level
-    and a collective needs their storage.
+    (and batched at the pmap's own level) and a collective needs their storage.
     Public replacement: none inside ``torch.func``; plain autograd's tensor hooks (what
     DDP uses) see plain tensors.
     Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.get_unwrapped``,
-    ``is_functorch_wrapped_tensor``)."""
-    while _is_wrapped(t):
+    ``is_functorch_wrapped_tensor``, ``is_batchedtensor``, with :data:`unwrap_batched`)."""
+    while _is_wrapped(t) and not _is_batched(t):
         t = _get_unwrapped(t)
-    return t
+    dim = None
+    if vmap_level is not None and _is_batched(t):
+        t, dim = unwrap_batched(t, vmap_level)
+    if _is_wrapped(t):
+        raise TorchPrivateError("functorch_value", f"found a tensor wrapped at another level than {vmap_level}")
+    return t, dim
 
 
 add_batch_dim = _bind("add_batch_dim", lambda: torch._C._functorch._add_batch_dim)
@@ -699,8 +706,22 @@ def _probe_functorch_value() -> None:
         return (x * 2).sum()
 
     torch.func.grad(f)(torch.ones(3))
-    _expect(type(seen[0]) is torch.Tensor and not _is_wrapped(seen[0]), "the value under a grad wrapper is a plain tensor")
-    _expect(seen[0].data_ptr() != 0, "the plain value has storage")
+    value, dim = seen[0]
+    _expect(type(value) is torch.Tensor and not _is_wrapped(value) and dim is None, "under a grad wrapper: a plain tensor")
+    _expect(value.data_ptr() != 0, "the plain value has storage")
+
+    def g(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.grad(lambda w: (hook(w), (w * x).sum())[1])(w)
+
+    def hook(w: torch.Tensor) -> None:
+        level = innermost_vmap_level()
+        w.register_hook(lambda grad: seen.append(functorch_value(grad, level)))
+
+    seen.clear()
+    torch.func.vmap(g, in_dims=(None, 0))(torch.ones(2), torch.arange(6.0).view(3, 2))
+    value, dim = seen[0]
+    _expect(type(value) is torch.Tensor and dim is not None, "under grad and vmap: the physical value and its dim")
+    _expect(torch.equal(value.movedim(dim, 0), torch.arange(6.0).view(3, 2)), "every instance's gradient")
 
 
 def _probe_vmap_level_of() -> None:

@@ -411,7 +411,10 @@ def data_parallel_step(
        ``i`` inside :func:`torchpmap.pmap`, through ``torch.func.functional_call`` and
        ``torch.func.grad_and_value`` (only parameters with ``requires_grad`` get one);
     2. averages gradients and losses over ``axis_name`` with :func:`torchpmap.pmean`
-       (``out_axes=None``: they come back once);
+       (``out_axes=None``: they come back once); across processes, large gradients are
+       all-reduced bucket by bucket while the backward still runs, as DDP does
+       (``torchpmap.config.bucket_bytes``; same result as ``pmean``, see
+       ``docs/multiprocess.md``);
     3. with an optimizer, writes the averaged gradients into ``p.grad`` (replacing what
        was there, so no ``zero_grad()`` is needed) and calls ``optimizer.step()``: the
        optimizer and its state (momentum, Adam moments, schedulers) work unchanged.

@@ -383,6 +383,10 @@ class OrderedSums:
         """Group ``k``'s sums (it must have started)."""
         return self.started[k].wait()
 
+    def wait_flat(self, k: int) -> list[torch.Tensor]:
+        """Group ``k``'s sums as the flat buffers the all-reduces filled, one per dtype."""
+        return self.started[k].wait_flat()
+
 
 def _explain(header: agreement.Header, kind: str, what: str, layout: Optional[_Layout]) -> str:
     """How an error names one side: the collective, the tensors, the call."""

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from torchpmap import _context
+from torchpmap import _torch_private as private
 
 from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
 
@@ -38,7 +39,7 @@ class TracedExchange:
     key: int
     size: int
 
-    starts_sums = False  # a traced program's sums are ops of its graph, placed where they are used
+    starts_sums = True  # as ops of the graph, where the trace met them (gradient buckets: in the backward)
     reduces_locally = True  # as the ProcessExchange it stands in for
 
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
@@ -49,8 +50,45 @@ class TracedExchange:
             return None
         return split_flat(ts, torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> None:
-        raise NotImplementedError("a traced program's sums are ops of its graph, placed where they are used")
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional["TracedOrderedSums"]:
+        """The ops of :meth:`ProcessExchange.sums_in_order`: agreeing now, each group's sum
+        where the trace starts it, its wait where the trace waits. Groups of one dtype
+        each (None otherwise: the caller sums another way)."""
+        if any(len({t.dtype for t in g}) != 1 for g in groups):
+            return None
+        plain = [private.functorch_value(t)[0] for g in groups for t in g]
+        with private.functorch_layers_cleared():
+            token = torch.ops.torchpmap.agree_sums(plain, self.key, what, [len(g) for g in groups])
+        return TracedOrderedSums(self.key, token, [[(t.shape, t.dtype) for t in g] for g in groups])
+
+
+@dataclasses.dataclass(eq=False)
+class TracedOrderedSums:
+    """What a traced program's gradient buckets see in place of an :class:`OrderedSums`:
+    each call records an op (``torchpmap::start_sums``, ``torchpmap::wait_sums``); the
+    tokens they pass on keep them in order in the graph."""
+
+    key: int
+    token: torch.Tensor
+    expected: list[list[tuple[torch.Size, torch.dtype]]]
+    started: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def start(self, k: int, ts: Sequence[torch.Tensor]) -> None:
+        if k in self.started:
+            return
+        with private.functorch_layers_cleared():
+            self.started[k] = torch.ops.torchpmap.start_sums(list(ts), self.token, self.key, k)
+
+    def is_started(self, k: int) -> bool:
+        return k in self.started
+
+    def wait(self, k: int) -> list[torch.Tensor]:
+        shapes = self.expected[k]
+        with private.functorch_layers_cleared():
+            (flat,) = torch.ops.torchpmap.wait_sums(
+                self.started[k], self.key, k, sum(shape.numel() for shape, _ in shapes), shapes[0][1]
+            )
+        return [piece.view(shape) for piece, (shape, _) in zip(flat.split([s.numel() for s, _ in shapes]), shapes)]
 
 
 def traced(exchange: Any) -> TracedExchange:
@@ -157,3 +195,46 @@ def _sum_backward(ctx: Any, flat_grads: Sequence[Optional[torch.Tensor]]) -> tup
 
 
 _sum.register_autograd(_sum_backward, setup_context=_setup_sum)
+
+
+# Gradient buckets (torchpmap._gradient_mean): the processes agree on every bucket up
+# front; each bucket's all-reduce starts where the trace met its last gradient and is
+# waited for where the trace waited. The eager OrderedSums of the running call does the
+# work; it is filed under the exchange's key between the ops.
+_ordered: dict[int, Any] = {}
+
+
+@torch.library.custom_op("torchpmap::agree_sums", mutates_args=())
+def _agree_sums(ts: list[torch.Tensor], key: int, what: str, parts: list[int]) -> torch.Tensor:
+    groups, start = [], 0
+    for n in parts:
+        groups.append(ts[start : start + n])
+        start += n
+    _ordered[key] = _live[key].sums_in_order(groups, what)
+    return ts[0].new_empty(0)
+
+
+@_agree_sums.register_fake
+def _(ts: list[torch.Tensor], key: int, what: str, parts: list[int]) -> torch.Tensor:
+    return ts[0].new_empty(0)
+
+
+@torch.library.custom_op("torchpmap::start_sums", mutates_args=())
+def _start_sums(ts: list[torch.Tensor], token: torch.Tensor, key: int, part: int) -> torch.Tensor:
+    _ordered[key].start(part, ts)
+    return token.new_empty(0)
+
+
+@_start_sums.register_fake
+def _(ts: list[torch.Tensor], token: torch.Tensor, key: int, part: int) -> torch.Tensor:
+    return token.new_empty(0)
+
+
+@torch.library.custom_op("torchpmap::wait_sums", mutates_args=())
+def _wait_sums(token: torch.Tensor, key: int, part: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return _ordered[key].wait_flat(part)
+
+
+@_wait_sums.register_fake
+def _(token: torch.Tensor, key: int, part: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [token.new_empty(numel, dtype=dtype)]
