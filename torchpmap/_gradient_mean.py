@@ -49,7 +49,7 @@ import torch
 
 from torchpmap import _axis_env
 from torchpmap import _torch_private as private
-from torchpmap._axis_env import Exchange, OrderedSums
+from torchpmap._axis_env import OrderedSums
 from torchpmap._collectives import pmean
 from torchpmap._config import config
 from torchpmap._engines.process_transpose import sums_by_all_reduce
