@@ -1,7 +1,7 @@
 """Programs run by tests/test_distributed.py, in several processes and in one.
 
 ``python tests/_distributed_programs.py SCENARIO OUTDIR`` runs in every process of a
-multi-process launch (the environment comes from torchpmap._launch, like torchrun's),
+multi-process launch (the environment comes from torchpmap._frontend.launch, like torchrun's),
 and saves what the process computed to ``OUTDIR/rank<r>.pt``. The test runs the same
 programs on the whole global data in one process (:func:`reference`) and compares.
 """
@@ -645,7 +645,7 @@ def main() -> None:
         # The group is out of step: skip waiting for its collectives at exit, but let rank 0
         # (the store's host) stay as long as torchpmap's own exit hook would.
         if rank == 0:
-            from torchpmap._process_group import linger_seconds
+            from torchpmap._state.process_group import linger_seconds
 
             time.sleep(linger_seconds())
         os._exit(0)

@@ -1,4 +1,4 @@
-"""Programs that tests/test_store_exposure.py runs in several processes (torchpmap._launch).
+"""Programs that tests/test_store_exposure.py runs in several processes (torchpmap._frontend.launch).
 
 Usage: ``python _store_programs.py SCENARIO OUT_DIR``; each rank writes what it saw to
 ``OUT_DIR/rank<r>.json``.
@@ -23,7 +23,7 @@ import torch
 
 import torchpmap as tp
 import torchpmap.distributed as tpd
-from torchpmap import _process_group
+from torchpmap._state import process_group as _process_group
 
 
 def _psum() -> float:

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import torchpmap as tp
-from torchpmap import _torch_private as private
 from torchpmap._engines import batching_rules
+from torchpmap._state import torch_private as private
 
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
 

@@ -1,4 +1,4 @@
-"""How a collective is bound (torchpmap/_collective_binding.py): the direct path at its own vmap
+"""How a collective is bound (torchpmap/_collectives/binding.py): the direct path at its own vmap
 level, ``_Bind`` (an autograd.Function with a vmap rule) under inner transforms."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torchpmap as tp
-from torchpmap import _collective_binding as _primitive
+from torchpmap._collectives import binding as _primitive
 
 ONE_DEVICE = tp.devices()[:1]
 

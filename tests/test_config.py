@@ -36,7 +36,7 @@ def test_booleans_accept_the_usual_spellings(monkeypatch):
     spellings = {"1": True, "true": True, "YES": True, "on": True, "0": False, "false": False, "no": False, "Off": False}
     for value, expected in spellings.items():
         monkeypatch.setenv("TORCHPMAP_DISABLE_VECTORIZATION", value)
-        assert tp._config.Config().disable_vectorization is expected, value
+        assert tp._state.config.Config().disable_vectorization is expected, value
     proc = _import_with(TORCHPMAP_DISABLE_VECTORIZATION="true")  # the import reads it (once, end to end)
     assert proc.returncode == 0 and "disable_vectorization=True" in proc.stdout, proc.stderr
 

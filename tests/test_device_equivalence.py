@@ -18,7 +18,7 @@ import torch
 from torch.func import functional_call, grad, jacfwd, jacrev, jvp, vjp, vmap
 
 import torchpmap as tp
-from torchpmap import _devices
+from torchpmap._placement import devices as _devices
 
 Program = Callable[[list], Any]  # devices -> a pytree of results
 
@@ -486,13 +486,13 @@ def test_mesh_contexts_nest_and_restore_on_error(eight_devices):
     with outer:
         with pytest.raises(KeyError):
             with inner:
-                assert tp._mesh.current() is inner
+                assert tp._placement.mesh.current() is inner
                 raise KeyError("boom")
-        assert tp._mesh.current() is outer
+        assert tp._placement.mesh.current() is outer
         with outer:  # re-entrant
-            assert tp._mesh.current() is outer
-        assert tp._mesh.current() is outer
-    assert tp._mesh.current() is None
+            assert tp._placement.mesh.current() is outer
+        assert tp._placement.mesh.current() is outer
+    assert tp._placement.mesh.current() is None
 
 
 def test_debug_mode_is_per_thread_and_overlapping_contexts_restore(eight_devices):
@@ -511,20 +511,20 @@ def test_debug_mode_is_per_thread_and_overlapping_contexts_restore(eight_devices
     t.start()
     try:
         inside.wait(10)
-        assert not tp._config.vectorization_disabled()  # another thread's block does not leak here
+        assert not tp._state.config.vectorization_disabled()  # another thread's block does not leak here
         where.threads = set()
         tp.pmap(where, devices=eight_devices[:1])(torch.ones(2))
         assert where.threads == {threading.current_thread().name}
         with tp.disable_vectorization():
             with tp.disable_vectorization():  # nested: re-entrant
-                assert tp._config.vectorization_disabled()
+                assert tp._state.config.vectorization_disabled()
             where.threads = set()
             tp.pmap(where, devices=eight_devices[:1])(torch.ones(2))
             assert where.threads == {"torchpmap-device"}  # one instance thread at a time
     finally:
         release.set()
         t.join()
-    assert not tp._config.vectorization_disabled()
+    assert not tp._state.config.vectorization_disabled()
 
 
 def test_a_collective_inside_no_grad_inside_the_function(eight_devices):

@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import torchpmap as tp
-from torchpmap._launch import free_port, launch
+from torchpmap._frontend.launch import free_port, launch
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -81,7 +81,7 @@ def _assert_same(name: str, got, want, bitwise: bool) -> None:
 def _on_one_device():
     """Runs this process' reference pmaps on one device, also under TORCHPMAP_NUM_CPU_DEVICES=4
     (a torch.func transform around a pmap needs it; the numbers are the same either way)."""
-    from torchpmap import _devices
+    from torchpmap._placement import devices as _devices
 
     previous = _devices.current_default()
     _devices.set_current_default((tp.local_devices()[0],))
@@ -344,7 +344,7 @@ def test_example_under_torchrun(tmp_path):
 
 
 # data_parallel_step with one instance per process starts its all-reduce bucket by bucket
-# inside the backward (as DDP does; torchpmap._gradient_mean). 2 processes: the sum of two
+# inside the backward (as DDP does; torchpmap._collectives.gradient_mean). 2 processes: the sum of two
 # partials is the same in any grouping, so the model is bitwise the one that the same
 # step written as pmean(grad(...)) trains; 3: each bucket's all-reduce adds in its own
 # order (equal to rounding), while every process still holds the same bits.

@@ -1,4 +1,4 @@
-"""torchpmap._gradient_mean: the pmean of a gradient, started bucket by bucket in the backward.
+"""torchpmap._collectives.gradient_mean: the pmean of a gradient, started bucket by bucket in the backward.
 
 Across processes the buckets are tested in tests/test_distributed.py (they start during
 the backward; the trained model is that of pmean). Here: the buckets, and that on one
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.func import grad
 
 import torchpmap as tp
-from torchpmap._gradient_mean import FIRST_BUCKET_BYTES, GradientMean, buckets_of
+from torchpmap._collectives.gradient_mean import FIRST_BUCKET_BYTES, GradientMean, buckets_of
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,14 +1,23 @@
-"""The house has no loops: the import graph of ``torchpmap/`` (every import statement,
-module-level or inside a function) has no cycle, and no import runs up the layers.
+"""The house has no loops, and its folders are its layers.
 
-Layers, top to bottom (a module may import from its own layer or any layer below):
+The import graph of ``torchpmap/`` (every import statement, module-level or inside a
+function) has no cycle, and no import runs up the layers. A module's layer is the layer of
+the folder it sits in; a module may import from its own layer or any layer below:
 
-0. front end: the public modules and the call record (``torchpmap``, ``_api``, ``_front``, ...)
-1. collectives: ``_collectives``, the math of each collective and its autograd/vmap rules
-2. engines: ``_engines.*``
-3. devices and mesh: ``_devices``, ``_mesh``, ``_sharded``
-4. process state and values: ``_process_group``, ``_context``, ``_config``, ``_axis_env``,
-   ``_log``, the private-torch door, ``_compile_guard``, the ``Device`` record, ``_faults``
+0. front end: the public modules at the top of the package (``torchpmap``, ``training``,
+   ``data``, ``checkpoint``, ``distributed``) and ``_frontend/`` (the signatures of
+   ``pmap``/``vmap``, the call record, pytree prefix matching, the local launcher)
+1. collectives: ``_collectives/`` (the public collectives, the math of each collective and
+   its autograd/vmap binding)
+2. engines: ``_engines/``
+3. devices and mesh: ``_placement/`` (devices, meshes, sharded tensors)
+4. process state and values: ``_state/`` (the process group and its store, the per-call
+   context, config, the axis environment, the logger, the private-torch door, the compile
+   guard, the ``Device`` record, faults)
+
+Every private module sits in a layer folder: a private module at the top of the package
+(``torchpmap/_x.py``), or a private folder that is not a layer, fails here.
+``torchpmap/bench/`` sits on top of everything and is not checked.
 """
 from __future__ import annotations
 
@@ -18,17 +27,9 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "torchpmap"
 
-LAYERS: dict[str, int] = {
-    "torchpmap": 0, "torchpmap._api": 0, "torchpmap._front": 0, "torchpmap._tree_prefix": 0,
-    "torchpmap.training": 0, "torchpmap.distributed": 0, "torchpmap.data": 0, "torchpmap.checkpoint": 0,
-    "torchpmap._launch": 0,
-    "torchpmap._collectives": 1,
-    "torchpmap._collective_math": 1, "torchpmap._collective_binding": 1, "torchpmap._gradient_mean": 1,
-    "torchpmap._devices": 3, "torchpmap._mesh": 3, "torchpmap._sharded": 3,
-    "torchpmap._process_group": 4, "torchpmap._context": 4, "torchpmap._config": 4, "torchpmap._axis_env": 4,
-    "torchpmap._log": 4, "torchpmap._torch_private": 4,
-    "torchpmap._compile_guard": 4, "torchpmap._device_record": 4, "torchpmap._faults": 4, "torchpmap._store": 4,
-}
+#: The layer of each folder of ``torchpmap/``; the public modules at the top are layer 0.
+FOLDERS: dict[str, int] = {"_frontend": 0, "_collectives": 1, "_engines": 2, "_placement": 3, "_state": 4}
+PUBLIC = 0
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -42,10 +43,16 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _layer(module: str) -> int:
-    if module.startswith("torchpmap._engines"):
-        return 2
-    return LAYERS[module]
+def _layer(module: str) -> int | None:
+    """The layer of ``module`` (a dotted name) by where it sits; None where that is no layer."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return PUBLIC  # torchpmap/__init__.py
+    if parts[0] in FOLDERS:
+        return FOLDERS[parts[0]]
+    if len(parts) == 1 and not parts[0].startswith("_"):
+        return PUBLIC  # a public module at the top: training, data, checkpoint, distributed
+    return None
 
 
 def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
@@ -71,8 +78,21 @@ def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
 
 
 def test_every_module_has_a_layer():
-    unknown = [m for m in _modules() if not m.startswith("torchpmap._engines") and m not in LAYERS]
-    assert not unknown, f"give these modules a layer in tests/test_layers.py: {unknown}"
+    unknown = sorted(m for m in _modules() if _layer(m) is None)
+    assert not unknown, f"put these modules in a layer folder ({', '.join(FOLDERS)}): {unknown}"
+
+
+def test_every_private_module_sits_in_a_layer_folder():
+    stray = sorted(
+        p.name
+        for p in ROOT.iterdir()
+        if p.name.startswith("_")
+        and p.name not in ("__init__.py", "__pycache__")
+        and (p.suffix == ".py" or (p.is_dir() and p.name not in FOLDERS))
+    )
+    assert not stray, f"private modules outside the layer folders ({', '.join(FOLDERS)}): {stray}"
+    missing = sorted(f for f in FOLDERS if not (ROOT / f / "__init__.py").is_file())
+    assert not missing, f"layer folders that are not packages: {missing}"
 
 
 def test_no_import_loops():
@@ -97,5 +117,11 @@ def test_no_import_loops():
 
 def test_no_import_runs_up_the_layers():
     graph = _imports(_modules())
-    up = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})" for m in sorted(graph) for t in sorted(graph[m]) if _layer(t) < _layer(m)]
+    layer = {m: _layer(m) for m in _modules()}
+    up = [
+        f"{m} (layer {layer[m]}) imports {t} (layer {layer[t]})"
+        for m in sorted(graph)
+        for t in sorted(graph[m])
+        if layer[m] is not None and layer[t] is not None and layer[t] < layer[m]
+    ]
     assert not up, "imports running up the layers:\n" + "\n".join(up)

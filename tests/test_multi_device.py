@@ -11,7 +11,7 @@ import torch
 from torch.func import grad
 
 import torchpmap as tp
-from torchpmap import _devices
+from torchpmap._placement import devices as _devices
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""torchpmap._process_group: waiting on a collective, in one process with a fake work."""
+"""torchpmap._state.process_group: waiting on a collective, in one process with a fake work."""
 from __future__ import annotations
 
 import datetime
@@ -6,8 +6,8 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from torchpmap import _process_group as pg
-from torchpmap._devices import Device
+from torchpmap._placement.devices import Device
+from torchpmap._state import process_group as pg
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

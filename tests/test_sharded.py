@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import torchpmap as tp
-from torchpmap import Device, ShardedTensor, _devices
+from torchpmap import Device, ShardedTensor
+from torchpmap._placement import devices as _devices
 
 
 @pytest.fixture

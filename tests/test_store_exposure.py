@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from torchpmap import _process_group as pg
-from torchpmap import _store
-from torchpmap._launch import Finished, free_port, launch
+from torchpmap._frontend.launch import Finished, free_port, launch
+from torchpmap._state import process_group as pg
+from torchpmap._state import store as _store
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -119,7 +119,7 @@ def _listening_addresses(port: int) -> set[str]:
 
 @pytest.fixture
 def fresh_store(monkeypatch):
-    """Runs :func:`torchpmap._store.rendezvous` as rank 0 of a one-process job on a free port."""
+    """Runs :func:`torchpmap._state.store.rendezvous` as rank 0 of a one-process job on a free port."""
     if not Path("/proc/net/tcp").exists():
         pytest.skip("reads the listening sockets from Linux' /proc/net/tcp")
     monkeypatch.setattr(_store, "_kept", None)

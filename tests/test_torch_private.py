@@ -1,4 +1,4 @@
-"""torchpmap._torch_private: every private torch API torchpmap uses, checked on the running torch.
+"""torchpmap._state.torch_private: every private torch API torchpmap uses, checked on the running torch.
 
 One test per entry, so that on a new torch release the failing test names the entry
 (and ``docs/torch-internals.md`` says what that entry is for and what replaces it).
@@ -15,10 +15,10 @@ import warnings
 import pytest
 import torch
 
-from torchpmap import _torch_private as private
+from torchpmap._state import torch_private as private
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCE = ROOT / "torchpmap" / "_torch_private.py"
+SOURCE = ROOT / "torchpmap" / "_state" / "torch_private.py"
 
 
 @pytest.mark.parametrize("name", list(private.ENTRIES))
@@ -72,12 +72,12 @@ def test_no_private_torch_outside_the_door():
     found = []
     for path in sorted((ROOT / "torchpmap").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel == "torchpmap/_torch_private.py":
+        if rel == "torchpmap/_state/torch_private.py":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             if _PRIVATE.search(line) and not any(p in line for p in _PENDING.get(rel, ())):
                 found.append(f"{rel}:{number}: {line.strip()}")
-    assert not found, "private torch outside torchpmap/_torch_private.py:\n" + "\n".join(found)
+    assert not found, "private torch outside torchpmap/_state/torch_private.py:\n" + "\n".join(found)
 
 
 def test_check_names_the_failing_entry(monkeypatch):
@@ -87,14 +87,14 @@ def test_check_names_the_failing_entry(monkeypatch):
     monkeypatch.setitem(
         private.ENTRIES, "add_batch_dim", private.Entry("add_batch_dim", "torch._C._functorch._add_batch_dim", broken)
     )
-    with pytest.raises(private.TorchPrivateError, match=r"torchpmap\._torch_private\.add_batch_dim .*gone") as info:
+    with pytest.raises(private.TorchPrivateError, match=r"torchpmap\._state\.torch_private\.add_batch_dim .*gone") as info:
         private.check("add_batch_dim", "current_vmap_level")
     assert info.value.entry == "add_batch_dim"
 
 
 def test_a_missing_api_raises_when_used_not_at_import():
     stand_in = private._bind("vmap_level_of", lambda: torch._C._functorch.no_such_function)
-    with pytest.raises(private.TorchPrivateError, match=r"_torch_private\.vmap_level_of is missing"):
+    with pytest.raises(private.TorchPrivateError, match=r"_state\.torch_private\.vmap_level_of is missing"):
         stand_in(torch.ones(1))
 
 
@@ -122,7 +122,7 @@ def test_import_loads_no_new_private_torch_module():
 def test_default_store_failure_warns_that_fault_watching_is_off(monkeypatch):
     import torch.distributed as dist
 
-    from torchpmap import _process_group as pg
+    from torchpmap._state import process_group as pg
 
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed, not yet initialized")
@@ -133,7 +133,7 @@ def test_default_store_failure_warns_that_fault_watching_is_off(monkeypatch):
     monkeypatch.setattr(private, "default_store", gone)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.warns(private.TorchPrivateWarning, match=r"_torch_private\.default_store.*fault watching is off"):
+        with pytest.warns(private.TorchPrivateWarning, match=r"_state\.torch_private\.default_store.*fault watching is off"):
             st = pg._adopt_existing_group()
         assert st.store is None
     finally:
@@ -143,7 +143,7 @@ def test_default_store_failure_warns_that_fault_watching_is_off(monkeypatch):
 def test_default_store_adopted_when_present():
     import torch.distributed as dist
 
-    from torchpmap import _process_group as pg
+    from torchpmap._state import process_group as pg
 
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed, not yet initialized")

@@ -1,6 +1,6 @@
 """torchpmap: JAX-style ``pmap`` for PyTorch, with named-axis collectives."""
-from torchpmap._api import pmap, vmap
-from torchpmap._collectives import (
+from torchpmap._frontend.api import pmap, vmap
+from torchpmap._collectives.public import (
     all_gather,
     all_to_all,
     axis_index,
@@ -14,12 +14,12 @@ from torchpmap._collectives import (
     psum_scatter,
     pswapaxes,
 )
-from torchpmap._config import config, disable_vectorization
+from torchpmap._state.config import config, disable_vectorization
 from torchpmap._engines import VectorizationFallbackWarning
 from torchpmap._engines.compiled import JitFallbackWarning, JitRecompileWarning
-from torchpmap._mesh import Mesh
-from torchpmap._sharded import ShardedTensor
-from torchpmap._devices import (
+from torchpmap._placement.mesh import Mesh
+from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._placement.devices import (
     Device,
     device_count,
     devices,

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from torchpmap import _devices
+from torchpmap._placement import devices as _devices
 from torchpmap.training import _instances, prefetch_to_device
 
 __all__ = ["ShardedLoader"]

@@ -95,12 +95,12 @@ from typing import Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchpmap import _process_group as _pg
-from torchpmap import _store
-from torchpmap._devices import Device, devices, local_devices, process_count, process_index
-from torchpmap._mesh import ProcessMesh
-from torchpmap._faults import ExchangeMismatch, SizeMismatch
-from torchpmap._process_group import RankFailed
+from torchpmap._state import process_group as _pg
+from torchpmap._state import store as _store
+from torchpmap._placement.devices import Device, devices, local_devices, process_count, process_index
+from torchpmap._placement.mesh import ProcessMesh
+from torchpmap._state.faults import ExchangeMismatch, SizeMismatch
+from torchpmap._state.process_group import RankFailed
 
 __all__ = [
     "initialize",

@@ -60,12 +60,12 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad_and_value
 
-from torchpmap import _devices
-from torchpmap._torch_private import pytree
-from torchpmap._sharded import ShardedTensor
-from torchpmap._api import pmap
-from torchpmap._collectives import pmean
-from torchpmap._gradient_mean import GradientMean
+from torchpmap._placement import devices as _devices
+from torchpmap._state.torch_private import pytree
+from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._frontend.api import pmap
+from torchpmap._collectives.public import pmean
+from torchpmap._collectives.gradient_mean import GradientMean
 
 __all__ = [
     "replicate",

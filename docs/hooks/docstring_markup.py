@@ -104,7 +104,8 @@ class DocstringMarkup(griffe.Extension):
 
     def _resolve(self, name: str, obj: Any) -> str | None:
         """The documented identifier that ``name``, written in ``obj``'s docstring, means."""
-        public = lambda path: re.sub(r"\._\w+", "", path)  # torchpmap._collectives.psum -> torchpmap.psum
+        # torchpmap._collectives.public.psum -> torchpmap.psum: a layer folder goes with its module
+        public = lambda path: re.sub(r"\._(?:frontend|collectives|placement|state)\.\w+|\._\w+", "", path)
         module = obj.path if obj.is_module else obj.module.path
         candidates = [name, public(name), f"{public(module)}.{name}", f"torchpmap.{name}",
                       f"torchpmap.training.{name}", f"torchpmap.distributed.{name}"]

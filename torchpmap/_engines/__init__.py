@@ -1,6 +1,6 @@
 """Engines: what runs the instances of a mapped call.
 
-The front end (:mod:`torchpmap._front`) turns a call into a :class:`MappedCall`, a flat,
+The front end (:mod:`torchpmap._frontend.call`) turns a call into a :class:`MappedCall`, a flat,
 engine-neutral description, and hands it to :func:`run`. An engine returns every output
 leaf with the mapped axis at dim 0; it never sees pytrees, in_axes or out_axes.
 """
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
-from torchpmap._devices import Device
-from torchpmap._mesh import Mesh
+from torchpmap._placement.devices import Device
+from torchpmap._placement.mesh import Mesh
 
 if TYPE_CHECKING:
     from torchpmap._engines.compiled import ProgramCache
@@ -197,9 +197,9 @@ def _warn_not_compiled(call: MappedCall, why: str) -> None:
 
 
 # The engines import MappedCall from here, so they come after it (imported once, not per call).
-from torchpmap import _axis_env  # noqa: E402
-from torchpmap._log import logger  # noqa: E402
-from torchpmap import _torch_private as private  # noqa: E402
-from torchpmap._config import vectorization_disabled  # noqa: E402
+from torchpmap._state import axis_env as _axis_env  # noqa: E402
+from torchpmap._state.log import logger  # noqa: E402
+from torchpmap._state import torch_private as private  # noqa: E402
+from torchpmap._state.config import vectorization_disabled  # noqa: E402
 from torchpmap._engines import batching_fixes, distributed, multi_device, threaded, vectorized  # noqa: E402
 from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from torchpmap import _context
+from torchpmap._state import context as _context
 
 _REDUCED = (torch.bfloat16, torch.float16)
 _BATCH_NORMS = (F.batch_norm, torch.batch_norm)

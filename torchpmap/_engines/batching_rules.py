@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from torchpmap import _torch_private as private
+from torchpmap._state import torch_private as private
 
 _library: torch.library.Library | None = None
 

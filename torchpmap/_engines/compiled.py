@@ -1,7 +1,7 @@
 """``jit=True``: the vectorized program traced once per input signature, then compiled.
 
 ``torch.compile`` cannot compile a pmap directly: dynamo ignores the custom batching
-rules that implement collectives (see :mod:`torchpmap._compile_guard`). So the order is
+rules that implement collectives (see :mod:`torchpmap._state.compile_guard`). So the order is
 reversed. First ``make_fx`` traces the *vectorized* engine on fake tensors: functorch
 runs every batching rule, collectives included, and the trace records only the plain
 batched aten ops that result (a ``psum`` becomes a ``sum`` over the batch dim). Then
@@ -35,13 +35,14 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Seque
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from torchpmap import _context, _devices
-from torchpmap import _torch_private as private
-from torchpmap._torch_private import TorchDispatchMode
-from torchpmap._config import config
+from torchpmap._state import context as _context
+from torchpmap._placement import devices as _devices
+from torchpmap._state import torch_private as private
+from torchpmap._state.torch_private import TorchDispatchMode
+from torchpmap._state.config import config
 from torchpmap._engines import MappedCall, OutputLayout, graph_rewrites, vectorized
-from torchpmap._log import logger
-from torchpmap._sharded import ShardedTensor, as_local
+from torchpmap._state.log import logger
+from torchpmap._placement.sharded import ShardedTensor, as_local
 
 #: Runs a mapped call: the vectorized engine, or one slice of a split axis.
 Engine = Callable[[MappedCall], list[torch.Tensor]]

@@ -7,7 +7,7 @@ axis has ``n_local * group_size`` instances; process ``r`` of the group holds in
 ``r*n_local .. r*n_local + n_local - 1``. The local slice runs through the vectorized
 engine with ``offset``/``axis_size`` set accordingly, so ``axis_index`` is global, and a
 :class:`ProcessExchange` gathers every process' slice for a collective
-(:func:`torchpmap._collective_binding.run_owning` then runs the same math as a single process
+(:func:`torchpmap._collectives.binding.run_owning` then runs the same math as a single process
 would on the whole axis, so forward results are bitwise those of one process).
 
 Which processes form the axis:
@@ -24,7 +24,7 @@ slice, summed, via all_to_all), so ``.backward()`` across processes and the grad
 conventions of the collectives (psum transposes to psum, ...) hold. A collective over a
 pytree moves all its leaves in one transfer each way (packed as bytes): a data-parallel
 step makes one all-gather for the ``pmean`` of its gradients, not one per parameter.
-Every wait goes through :func:`torchpmap._process_group.wait`, which turns a failed or
+Every wait goes through :func:`torchpmap._state.process_group.wait`, which turns a failed or
 dead peer into an error naming its rank instead of a hang.
 """
 from __future__ import annotations
@@ -35,14 +35,14 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchpmap import _context
-from torchpmap import _process_group as pg
-from torchpmap import _torch_private as private
-from torchpmap._mesh import ProcessMesh
+from torchpmap._state import context as _context
+from torchpmap._state import process_group as pg
+from torchpmap._state import torch_private as private
+from torchpmap._placement.mesh import ProcessMesh
 from torchpmap._engines import MappedCall, process_agreement as agreement, process_ops, vectorized
 from torchpmap._engines.multi_device import runs_directly as _runs_directly
 from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
-from torchpmap._faults import ExchangeMismatch, SizeMismatch
+from torchpmap._state.faults import ExchangeMismatch, SizeMismatch
 
 active = pg.active
 
@@ -83,7 +83,7 @@ class ProcessExchange:
     transfers: int = 0
 
     #: A reduction sends each process' own partial result, not all its instances' values
-    #: (see torchpmap._collective_binding.run_owning): traffic independent of the local size.
+    #: (see torchpmap._collectives.binding.run_owning): traffic independent of the local size.
     reduces_locally = True
 
     #: :meth:`sums_in_order` sums start and run while computation goes on (gradient buckets, in the backward).
@@ -319,7 +319,7 @@ class PendingSum:
 
     def wait_flat(self) -> list[torch.Tensor]:
         """The flat buffers, once every all-reduce finished (they belong to the caller). A
-        failed or dead process raises here (see :func:`torchpmap._process_group.wait`)."""
+        failed or dead process raises here (see :func:`torchpmap._state.process_group.wait`)."""
         for _, work in self.started:
             pg.wait(work, self.label)
         return [flat for flat, _ in self.started]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from torchpmap import _torch_private as private
+from torchpmap._state import torch_private as private
 
 _MIX = 0x9E3779B97F4A7C15  # an odd 64-bit constant: instance seeds far apart for close indices
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from torchpmap import _context
+from torchpmap._state import context as _context
 
 _lock = threading.Lock()
 _installed: list[Any] = []  # the hook handles while any multi-device call runs

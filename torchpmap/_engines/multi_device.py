@@ -3,7 +3,7 @@
 Instances ``d*k .. d*k + k - 1`` run on device ``d`` through the vectorized engine;
 collectives over the mapped axis meet across the device threads through a
 :class:`~torchpmap._engines.rendezvous.Rendezvous`. Outputs stay where they were
-computed, as :class:`~torchpmap._sharded.ShardedTensor`.
+computed, as :class:`~torchpmap._placement.sharded.ShardedTensor`.
 """
 from __future__ import annotations
 
@@ -16,15 +16,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchpmap import _context, _devices
-from torchpmap import _torch_private as private
-from torchpmap._config import config
-from torchpmap._devices import Device
+from torchpmap._state import context as _context
+from torchpmap._placement import devices as _devices
+from torchpmap._state import torch_private as private
+from torchpmap._state.config import config
+from torchpmap._placement.devices import Device
 from torchpmap._engines import MappedCall, module_guard, vectorized
 from torchpmap._engines.thread_mode import call_seed, device_thread_mode
 from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
-from torchpmap._sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor
 
 
 def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.Tensor:
@@ -100,7 +101,7 @@ def run_threads(
     nested: bool = False,
 ) -> list[list[torch.Tensor]]:
     """Runs each body in a device thread that sees its caller's state (see
-    :mod:`torchpmap._context`), taking turns on ``rendezvous``' baton; waits for all.
+    :mod:`torchpmap._state.context`), taking turns on ``rendezvous``' baton; waits for all.
     ``nested``: the caller is itself a thread holding that baton, which it passes on.
 
     The threads take turns: only the baton's holder runs, and it passes the baton on when

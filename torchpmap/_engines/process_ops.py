@@ -23,8 +23,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from torchpmap import _context
-from torchpmap import _torch_private as private
+from torchpmap._state import context as _context
+from torchpmap._state import torch_private as private
 
 from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
 
@@ -197,7 +197,7 @@ def _sum_backward(ctx: Any, flat_grads: Sequence[Optional[torch.Tensor]]) -> tup
 _sum.register_autograd(_sum_backward, setup_context=_setup_sum)
 
 
-# Gradient buckets (torchpmap._gradient_mean): the processes agree on every bucket up
+# Gradient buckets (torchpmap._collectives.gradient_mean): the processes agree on every bucket up
 # front; each bucket's all-reduce starts where the trace met its last gradient and is
 # waited for where the trace waited. The eager OrderedSums of the running call does the
 # work; it is filed under the exchange's key between the ops.

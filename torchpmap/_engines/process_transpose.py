@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from torchpmap._config import config
+from torchpmap._state.config import config
 
 #: The dtypes an all-reduce sums on every backend torchpmap runs on (gloo, NCCL); others gather.
 _ALL_REDUCE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)

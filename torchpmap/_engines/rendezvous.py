@@ -18,7 +18,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
-from torchpmap._faults import PeerFailed
+from torchpmap._state.faults import PeerFailed
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ A thread-local TorchFunctionMode sees every torch call of a device thread. Devic
   a whole pmap reproducible); the mode swaps the thread's state into the default
   generator around each random op, under a lock. Other ops pass straight through and run
 concurrently. (Forward-mode AD, which PyTorch keeps per process, is shared by the
-device threads of a call: see :func:`torchpmap._context.shared_forward_ad`.)
+device threads of a call: see :func:`torchpmap._state.context.shared_forward_ad`.)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from torchpmap._engines.instance_streams import instance_seed
-from torchpmap._torch_private import functorch_layers_cleared
+from torchpmap._state.torch_private import functorch_layers_cleared
 
 _DRAWING_OPS = frozenset(
     """rand randn randint randperm rand_like randn_like randint_like bernoulli multinomial normal poisson

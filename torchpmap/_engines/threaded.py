@@ -21,15 +21,18 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from torchpmap import _axis_env, _context, _devices, _mesh
-from torchpmap import _torch_private as private
-from torchpmap._config import config
-from torchpmap._devices import Device
+from torchpmap._state import axis_env as _axis_env
+from torchpmap._state import context as _context
+from torchpmap._placement import devices as _devices
+from torchpmap._placement import mesh as _mesh
+from torchpmap._state import torch_private as private
+from torchpmap._state.config import config
+from torchpmap._placement.devices import Device
 from torchpmap._engines import MappedCall, vectorized
 from torchpmap._engines.multi_device import device_thread, run_threads
 from torchpmap._engines.thread_mode import call_seed
 from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
-from torchpmap._sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor
 
 # For an axis, the device of each participant given the caller's coordinates.
 Along = Callable[[dict], Sequence[Device]]

@@ -1,7 +1,7 @@
 """The vectorized engine: all instances of a mapped axis in one ``torch.func.vmap``.
 
 The axis token (``arange(size)``) of a named axis is passed as an extra vmap input so
-that collectives can find this axis' vmap level (see :mod:`torchpmap._collective_binding`).
+that collectives can find this axis' vmap level (see :mod:`torchpmap._collectives.binding`).
 ``chunk_size`` is never used: a chunked vmap would show each collective only its chunk.
 """
 from __future__ import annotations
@@ -11,12 +11,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from torchpmap import _axis_env, _devices
-from torchpmap import _torch_private as private
 from torchpmap._engines import MappedCall, batching_rules
 from torchpmap._engines.instance_streams import InstanceStreams
 from torchpmap._engines.thread_mode import call_seed
-from torchpmap._sharded import ShardedTensor, as_local
+from torchpmap._placement import devices as _devices
+from torchpmap._placement.sharded import ShardedTensor, as_local
+from torchpmap._state import axis_env as _axis_env
+from torchpmap._state import torch_private as private
 
 
 def place(value: Any, device: torch.device | None) -> Any:
@@ -47,7 +48,7 @@ def run(
     mapped = [place(t, device) for t in call.mapped]
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else (mapped[0].device if mapped else None)
-    # the axis token is an extra vmap input (see _collective_binding); an unnamed axis needs
+    # the axis token is an extra vmap input (see torchpmap._collectives.binding); an unnamed axis needs
     # none, unless each instance draws from its own random stream (it tells which instance)
     per_instance = call.randomness == "per_instance"
     if per_instance and seed is None:
@@ -166,7 +167,7 @@ def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[
 
     The same functorch calls torch.func.vmap makes, without its pytree handling: the front
     end has already flattened the arguments and checked the axes, and this is the hot path.
-    Every private call goes through :mod:`torchpmap._torch_private`, whose entries say why
+    Every private call goes through :mod:`torchpmap._state.torch_private`, whose entries say why
     the public ``torch.func.vmap`` (about 95 us more per call) and
     ``torch.autograd.graph.disable_saved_tensors_hooks`` (about 1.2 us more) are not used.
     """

@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from torchpmap._config import config
+from torchpmap._state.config import config
 
 
 class _Worker(threading.Thread):

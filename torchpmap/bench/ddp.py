@@ -47,7 +47,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from torchpmap._launch import Host, launch
+from torchpmap._frontend.launch import Host, launch
 
 #: The default model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
 FEATURES, HIDDEN, CLASSES = 64, 256, 10
@@ -87,7 +87,7 @@ def run_ddp_comparison(
         columns: which of :data:`COLUMNS` to time (default: ``torchpmap`` or
             ``torchpmap.jit``, and ``ddp``).
         sizes: the MLP's (features, hidden, classes).
-        hosts: where each rank runs (:class:`torchpmap._launch.Host`); default: here.
+        hosts: where each rank runs (:class:`torchpmap._frontend.launch.Host`); default: here.
         master_addr: rank 0's address, where the others meet it.
 
     Returns:

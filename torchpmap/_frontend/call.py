@@ -14,12 +14,14 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from torchpmap import _devices, _engines, _mesh
-from torchpmap._compile_guard import refuse_under_compile
+from torchpmap import _engines
 from torchpmap._engines.compiled import ProgramCache, signature_of
-from torchpmap._sharded import ShardedTensor
-from torchpmap._torch_private import pytree
-from torchpmap._tree_prefix import broadcast_prefix, check_axis_spec
+from torchpmap._frontend.tree_prefix import broadcast_prefix, check_axis_spec
+from torchpmap._placement import devices as _devices
+from torchpmap._placement import mesh as _mesh
+from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state.compile_guard import refuse_under_compile
+from torchpmap._state.torch_private import pytree
 
 _RANDOMNESS = ("error", "different", "same", "per_instance")
 _MAX_CACHED_LAYOUTS = 64  # argument structures remembered per mapped function

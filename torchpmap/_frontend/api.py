@@ -1,6 +1,6 @@
 """The public transforms ``pmap`` and ``vmap``: signatures and documentation.
 
-The machinery is in :mod:`torchpmap._front` (arguments and axes) and
+The machinery is in :mod:`torchpmap._frontend.call` (arguments and axes) and
 :mod:`torchpmap._engines` (running the instances).
 """
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
-from torchpmap._front import MapOptions, MappedFunction, _as_int_tuple
+from torchpmap._frontend.call import MapOptions, MappedFunction, _as_int_tuple
 
 
 def pmap(

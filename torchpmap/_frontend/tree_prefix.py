@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from torchpmap._torch_private import pytree
+from torchpmap._state.torch_private import pytree
 
 
 def is_axis_spec_leaf(x: Any) -> bool:

@@ -1,8 +1,8 @@
 """The math of each collective over one named axis, on all instances at once.
 
-Each class turns ``X`` (shape ``(n, *lead, *instance_shape)``, see :mod:`_collective_binding`) into
+Each class turns ``X`` (shape ``(n, *lead, *instance_shape)``, see :mod:`torchpmap._collectives.binding`) into
 the result every instance receives, and names its transpose. Tuple axis names and the
-user-facing argument checks live in :mod:`torchpmap._collectives`.
+user-facing argument checks live in :mod:`torchpmap._collectives.public`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from torchpmap._collective_binding import Primitive
+from torchpmap._collectives.binding import Primitive
 
 Groups = Optional[tuple[tuple[int, ...], ...]]
 

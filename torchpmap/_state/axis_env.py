@@ -2,7 +2,7 @@
 
 Every running ``pmap``/``vmap`` that has an ``axis_name`` pushes an :class:`AxisFrame`.
 Collectives look their axis names up here; the innermost binding of a name wins, as in
-JAX. The stack lives in :mod:`torchpmap._context` (a context variable): each engine thread
+JAX. The stack lives in :mod:`torchpmap._state.context` (a context variable): each engine thread
 runs its own slice of the program with its own vmap levels, in a copy of its caller's
 context.
 """
@@ -14,7 +14,7 @@ from typing import Hashable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from torchpmap import _context
+from torchpmap._state import context as _context
 
 AxisName = Hashable
 

@@ -7,7 +7,7 @@ as the backward has produced it, and the backward goes on while the bytes travel
 
     >>> import torch, torchpmap
     >>> from torch.func import grad
-    >>> from torchpmap._gradient_mean import GradientMean
+    >>> from torchpmap._collectives.gradient_mean import GradientMean
     >>> def step(w, x):
     ...     mean = GradientMean("i")
     ...     g = grad(lambda w: (mean.watch({"w": w})["w"] * x).sum())(w)
@@ -22,7 +22,7 @@ as the backward has produced it, and the backward goes on while the bytes travel
 the forward: a process whose parameters or buckets differ raises there, before anything
 is summed) and puts a gradient hook on each parameter. Once the backward has produced
 the gradients of every parameter in a bucket, the hooks start its all-reduce and return
-at once (:meth:`~torchpmap._axis_env.Exchange.sums_in_order`; buckets start in order,
+at once (:meth:`~torchpmap._state.axis_env.Exchange.sums_in_order`; buckets start in order,
 in every process). Hooks, as DDP's, rather than an identity node per bucket: autograd
 runs a node created before the forward after every other ready node, i.e. at the very
 end of the backward. Calling the object with the gradients waits for those sums and
@@ -47,12 +47,12 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-from torchpmap import _axis_env
-from torchpmap import _torch_private as private
-from torchpmap._axis_env import OrderedSums
-from torchpmap._collectives import pmean
-from torchpmap._config import config
+from torchpmap._collectives.public import pmean
 from torchpmap._engines.process_transpose import sums_by_all_reduce
+from torchpmap._state import axis_env as _axis_env
+from torchpmap._state import torch_private as private
+from torchpmap._state.axis_env import OrderedSums
+from torchpmap._state.config import config
 
 Tensors = dict[str, torch.Tensor]
 

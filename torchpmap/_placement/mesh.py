@@ -11,7 +11,9 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from torchpmap import _context, _devices, _process_group
+from torchpmap._placement import devices as _devices
+from torchpmap._state import context as _context
+from torchpmap._state import process_group as _process_group
 
 
 class Mesh:

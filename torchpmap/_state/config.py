@@ -35,7 +35,7 @@ import math
 import os
 from typing import Any, Callable, Iterator
 
-from torchpmap import _context
+from torchpmap._state import context as _context
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 

@@ -47,7 +47,7 @@ class TorchPrivateError(RuntimeError):
     def __init__(self, entry: str, problem: str):
         self.entry = entry
         super().__init__(
-            f"torchpmap: the private torch API behind torchpmap._torch_private.{entry} {problem} (torch "
+            f"torchpmap: the private torch API behind torchpmap._state.torch_private.{entry} {problem} (torch "
             f"{torch.__version__}; torchpmap was checked on torch {', '.join(CHECKED)}). This torch release "
             f"changed an internal that torchpmap relies on; see {_DOCS} (entry {entry!r}) and please report it."
         )
@@ -87,7 +87,7 @@ current_vmap_level = _bind("current_vmap_level", lambda: torch._C._functorch.may
 (vmap, grad, jvp, ...) active in this thread, None outside every transform.
 
 For: finding whether a collective runs directly under the vmap level of its axis
-(:mod:`torchpmap._collective_binding`), refusing transforms that cannot follow a call into device
+(:mod:`torchpmap._collectives.binding`), refusing transforms that cannot follow a call into device
 threads, and choosing between a compiled program and the eager engine.
 Public replacement: none; torch.func has no "which transform am I in" query (what we'd
 need: ``torch.func.current_level()`` or an interpreter-stack view).
@@ -107,7 +107,7 @@ unwrap_batched = _bind("unwrap_batched", lambda: torch._C._functorch._unwrap_bat
 behind a tensor batched at ``level``.
 
 For: a collective directly under its axis' level sees every instance's value at once
-without going through an ``autograd.Function`` (:func:`torchpmap._collective_binding.bind_many`).
+without going through an ``autograd.Function`` (:func:`torchpmap._collectives.binding.bind_many`).
 Public replacement: the ``vmap`` staticmethod of ``torch.autograd.Function`` receives the
 same (value, in_dim) pairs; torchpmap uses it (``_Bind``) wherever a transform sits
 between the collective and its axis, but it costs about 150 us per collective.
@@ -125,7 +125,7 @@ def functorch_value(t: torch.Tensor, vmap_level: Optional[int] = None) -> tuple[
     transforms.
 
     For: a gradient bucket's all-reduce starts inside the backward of ``torch.func.grad``
-    (:mod:`torchpmap._gradient_mean`), where the gradients are wrapped at the grad level
+    (:mod:`torchpmap._collectives.gradient_mean`), where the gradients are wrapped at the grad level
     (and batched at the pmap's own level) and a collective needs their storage.
     Public replacement: none inside ``torch.func``; plain autograd's tensor hooks (what
     DDP uses) see plain tensors.
@@ -381,7 +381,7 @@ def default_store() -> Any:
     For: adopting a process group someone else initialized: torchpmap's fault watching
     (heartbeats, failure reports naming the rank) lives in that store, under its own prefix.
     Raises :class:`TorchPrivateError` when the API is gone or fails; the caller
-    (:mod:`torchpmap._process_group`) then warns with :class:`TorchPrivateWarning` that
+    (:mod:`torchpmap._state.process_group`) then warns with :class:`TorchPrivateWarning` that
     fault watching is off, never silently.
     Public replacement: none (``init_process_group(store=...)`` takes a store but there is
     no public getter; what we'd need: ``torch.distributed.get_default_store()``).
@@ -399,7 +399,7 @@ def default_store() -> Any:
 
 # ======================================================================= torch's state, carried into device threads
 # A pmap over several devices runs one thread per device; each must see its caller's
-# torch state (see :mod:`torchpmap._context`). PyTorch keeps that state per thread and
+# torch state (see :mod:`torchpmap._state.context`). PyTorch keeps that state per thread and
 # offers no public way to read it out of one thread and into another.
 
 

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 
-from torchpmap import _torch_private as private
+from torchpmap._state import torch_private as private
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ T = TypeVar("T")
 active_meshes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_meshes", default=())
 #: Inside an instance running on a device: that device, as a 1-tuple (nested pmaps stay on it).
 default_devices: contextvars.ContextVar[Optional[tuple[Any, ...]]] = contextvars.ContextVar("torchpmap_devices", default=None)
-#: The named axes bound here, innermost last (:mod:`torchpmap._axis_env` reads them).
+#: The named axes bound here, innermost last (:mod:`torchpmap._state.axis_env` reads them).
 axis_frames: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_axis_frames", default=())
 #: The state of a threaded-engine instance thread (a mesh pmap or debug mode), else None.
 instance_thread: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_instance", default=None)

@@ -1,7 +1,7 @@
 """The state of a multi-process run, and how its collectives fail instead of hanging.
 
 :mod:`torchpmap.distributed` is the public face; this module holds what the distributed
-engine (:mod:`torchpmap._engines.distributed`) and :mod:`torchpmap._devices` need:
+engine (:mod:`torchpmap._engines.distributed`) and :mod:`torchpmap._placement.devices` need:
 
 * :func:`active` / :func:`state`: whether torch.distributed runs with more than one
   process, and this process' :class:`ProcessState` (rank, devices, the rendezvous store).
@@ -43,10 +43,10 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchpmap import _torch_private as private
-from torchpmap._device_record import Device
-from torchpmap._faults import PeerFailed
-from torchpmap._log import logger
+from torchpmap._state import torch_private as private
+from torchpmap._state.device_record import Device
+from torchpmap._state.faults import PeerFailed
+from torchpmap._state.log import logger
 
 #: Seconds between two heartbeats of a process (environment: ``TORCHPMAP_HEARTBEAT_INTERVAL``).
 HEARTBEAT_INTERVAL = float(os.environ.get("TORCHPMAP_HEARTBEAT_INTERVAL", "0.5"))
@@ -144,7 +144,7 @@ def active() -> bool:
 
 
 def view() -> Optional[ProcessState]:
-    """This process' state when :func:`active`, else None (what :mod:`_devices` consults)."""
+    """This process' state when :func:`active`, else None (what :mod:`torchpmap._placement.devices` consults)."""
     return state() if active() else None
 
 
@@ -185,7 +185,7 @@ def _adopt_existing_group() -> ProcessState:
             stacklevel=3,
         )
         base = None
-    from torchpmap._config import config
+    from torchpmap._state.config import config
 
     return _make_state(
         base,

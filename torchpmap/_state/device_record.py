@@ -1,5 +1,5 @@
 """The Device record: which device an instance runs on (a value, at the bottom of the
-layers so that process state can name devices; :mod:`torchpmap._devices` lists them)."""
+layers so that process state can name devices; :mod:`torchpmap._placement.devices` lists them)."""
 from __future__ import annotations
 
 import dataclasses

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from torchpmap import _torch_private as private
-from torchpmap._axis_env import AxisFrame
+from torchpmap._state import torch_private as private
+from torchpmap._state.axis_env import AxisFrame
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -26,7 +26,7 @@ delete every key (``list_keys`` lists them). This module creates that store the 
 
 Example (what rank 0 would do for ``MASTER_ADDR=127.0.0.1``; a free port, one process)::
 
-    >>> from torchpmap import _store
+    >>> from torchpmap._state import store as _store
     >>> sock = _store.listen_socket("127.0.0.1", 0, single_node=True)
     >>> sock.getsockname()[0]
     '127.0.0.1'
@@ -49,8 +49,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torchpmap._config import _boolean, env_value
-from torchpmap._log import logger
+from torchpmap._state.config import _boolean, env_value
+from torchpmap._state.log import logger
 
 #: Seconds between the first two tries of a rank waiting for rank 0's server to listen
 #: (doubling up to :data:`_MAX_PAUSE`).

@@ -13,9 +13,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from torchpmap import _context, _process_group
-from torchpmap._config import at_least_one
-from torchpmap._device_record import Device
+from torchpmap._state import context as _context
+from torchpmap._state import process_group as _process_group
+from torchpmap._state.config import at_least_one
+from torchpmap._state.device_record import Device
 
 
 @functools.lru_cache(maxsize=1)

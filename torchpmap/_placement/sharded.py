@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchpmap import _torch_private as private
-from torchpmap._devices import Device
-from torchpmap._torch_private import pytree
+from torchpmap._placement.devices import Device
+from torchpmap._state import torch_private as private
+from torchpmap._state.torch_private import pytree
 
 
 class Shard(NamedTuple):

@@ -5,9 +5,9 @@ leaves) and an ``axis_name`` that is one name or a tuple of names. A tuple addre
 product of those axes in row-major order: the first name is the most significant, so
 ``axis_index(("i", "j")) == i * axis_size("j") + j``.
 
-The math of each collective is in :mod:`torchpmap._collective_math`; this module checks the
+The math of each collective is in :mod:`torchpmap._collectives.math`; this module checks the
 arguments, splits tuple names into per-axis steps and maps over the pytree. The leaves of
-a pytree are bound together (:func:`~torchpmap._collective_binding.bind_many`): each keeps its own
+a pytree are bound together (:func:`~torchpmap._collectives.binding.bind_many`): each keeps its own
 math, but across devices or processes they travel in one exchange per axis.
 """
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchpmap import _axis_env
-from torchpmap._axis_env import AxisFrame
-from torchpmap._compile_guard import refuse_under_compile
-from torchpmap._collective_binding import bind_many
-from torchpmap._collective_math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
-from torchpmap._torch_private import pytree
+from torchpmap._state import axis_env as _axis_env
+from torchpmap._state.axis_env import AxisFrame
+from torchpmap._state.compile_guard import refuse_under_compile
+from torchpmap._collectives.binding import bind_many
+from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
+from torchpmap._state.torch_private import pytree
 
 AxisNames = Any  # a name or a tuple of names
 
