@@ -533,7 +533,7 @@ _WORLD = object()  # the key of a pmap over all processes in _context.process_ax
 def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
     """The exchange for this call and its key in the running stack; None to run locally."""
     st = pg.state()
-    mesh, name, enclosing = getattr(call, "mesh", None), call.axis_name, _context.process_axes.get()
+    mesh, name, enclosing = call.mesh, call.axis_name, _context.process_axes.get()
     if mesh is not None:
         if not isinstance(mesh, ProcessMesh):
             raise NotImplementedError(
