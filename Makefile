@@ -134,6 +134,11 @@ test-gpu: require-cuda
 		'NCCL across processes needs 2 CUDA devices (one per process); this machine has 1')"
 	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_VENV)/bin/torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py
 	env -u TORCHPMAP_NUM_CPU_DEVICES $(GPU_VENV)/bin/torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py --jit
+	# every gradient all-reduced in small buckets during the backward (NCCL), eager and compiled
+	env -u TORCHPMAP_NUM_CPU_DEVICES TORCHPMAP_ALL_REDUCE_BYTES=1 TORCHPMAP_BUCKET_BYTES=4096 \
+		$(GPU_VENV)/bin/torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py
+	env -u TORCHPMAP_NUM_CPU_DEVICES TORCHPMAP_ALL_REDUCE_BYTES=1 TORCHPMAP_BUCKET_BYTES=4096 \
+		$(GPU_VENV)/bin/torchrun --nproc-per-node=2 examples/multiprocess_data_parallel.py --jit
 
 # The benchmark on the first CUDA device; results beside the CPU ones, not over them.
 bench-gpu: require-cuda
