@@ -608,6 +608,45 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
     return out
 
 
+class _BoomInBackward(torch.autograd.Function):
+    """Identity whose backward raises on rank 1: after the buckets of the layers above it
+    have started, before the first layer's gradient exists."""
+
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        if int(os.environ["RANK"]) == 1:
+            raise ValueError("boom on purpose in rank 1's backward")
+        return grad
+
+
+def scenario_raise_in_backward(rank: int, nproc: int) -> dict:
+    """data_parallel_step with gradient buckets; rank 1 raises in the middle of the
+    backward, when some buckets' all-reduces are running: every other process must raise
+    RankFailed naming it, none may hang."""
+    from torchpmap.training import data_parallel_step
+
+    class Boom(torch.nn.Module):
+        def forward(self, x):
+            return _BoomInBackward.apply(x)
+
+    tp.config.all_reduce_bytes, tp.config.bucket_bytes = 1, 16 << 10
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), Boom(), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)
+    )
+    step = data_parallel_step(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(1, 8, 16), torch.randn(1, 8, 64)
+    return _expect_failure(lambda: step((x, y)))
+
+
 def _expect_failure(fn) -> dict:
     t = time.monotonic()
     try:
@@ -641,7 +680,7 @@ def main() -> None:
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)  # complete when it appears
     sys.stdout.flush()
-    if scenario in ("raise", "raise_jit", "die", "die_jit", "absent", "disagree", "sigkill", "sleep"):
+    if scenario in ("raise", "raise_jit", "die", "die_jit", "absent", "disagree", "sigkill", "sleep", "raise_in_backward"):
         # The group is out of step: skip waiting for its collectives at exit, but let rank 0
         # (the store's host) stay as long as torchpmap's own exit hook would.
         if rank == 0:

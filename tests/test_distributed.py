@@ -378,3 +378,16 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
         assert "3 parts" in failure["message"] and "2 parts" in failure["message"], failure["message"]
         assert "still in step" in failure["message"]
         torch.testing.assert_close(res["after"], res["overlapped"]["losses"][:1])
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_process_raising_while_its_buckets_travel_is_named_by_every_other(nproc, tmp_path):
+    finished, results = _run("raise_in_backward", nproc, tmp_path, timeout=30)
+    logs = _logs(finished)
+    assert results[1]["error"] == "ValueError" and "boom on purpose" in results[1]["message"], logs
+    for r in set(range(nproc)) - {1}:
+        res = results[r]
+        assert res["error"] == "RankFailed", logs
+        assert "rank 1" in res["message"] and "boom on purpose" in res["message"], res["message"]
+        assert res["seconds"] < 15, res  # well within the 30 s timeout
+        assert "out of step" in res["after"]
