@@ -35,11 +35,11 @@ processes (each process sends the sum of its own instances' gradients, as ``pmea
 does), eager or compiled, for gradients large enough that ``pmean`` would all-reduce
 them (``config.all_reduce_bytes``, not under ``bitwise_placement``). Everywhere else
 (one device, device threads, small gradients) the call is exactly ``pmean(grads,
-axis_name)``. With two processes the
-bits are those of ``pmean``'s all-reduce; with more, each bucket's all-reduce adds in
-its own order, so the last bits may differ from one all-reduce of everything, while
-every process still gets the same bits. Every process must watch the same parameters
-(the buckets' headers are compared, as for any exchange).
+axis_name)``. With two processes the bits are those of ``pmean``'s all-reduce; with
+more, each bucket's all-reduce adds in its own order, so the last bits may differ from
+one all-reduce of everything, while every process still gets the same bits. Every
+process must watch the same parameters (the buckets' headers are compared, as for any
+exchange).
 """
 from __future__ import annotations
 

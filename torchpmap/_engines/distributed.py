@@ -376,9 +376,6 @@ class OrderedSums:
             n = len(self.started)
             self.started.append(_start_all_reduce(self.ready.pop(n), self.group, f"{self.label}, part {n + 1}"))
 
-    def is_started(self, k: int) -> bool:
-        return k < len(self.started)
-
     def wait(self, k: int) -> list[torch.Tensor]:
         """Group ``k``'s sums (it must have started)."""
         return self.started[k].wait()

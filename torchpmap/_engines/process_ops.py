@@ -79,9 +79,6 @@ class TracedOrderedSums:
         with private.functorch_layers_cleared():
             self.started[k] = torch.ops.torchpmap.start_sums(list(ts), self.token, self.key, k)
 
-    def is_started(self, k: int) -> bool:
-        return k in self.started
-
     def wait(self, k: int) -> list[torch.Tensor]:
         shapes = self.expected[k]
         with private.functorch_layers_cleared():

@@ -27,9 +27,6 @@ class OrderedSums(Protocol):
         """Part ``k``'s values (plain tensors) are ready; it starts once every part before it has."""
         ...
 
-    def is_started(self, k: int) -> bool:
-        ...
-
     def wait(self, k: int) -> list[torch.Tensor]:
         """Part ``k``'s sums, once complete (it must have started)."""
         ...
