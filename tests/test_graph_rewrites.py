@@ -71,7 +71,9 @@ def test_a_compiled_data_parallel_step_runs_one_product_per_weight_and_matches_e
     original = compiled.graph_rewrites.fold_instance_sums
     compiled.graph_rewrites.fold_instance_sums = lambda g: seen.append(original(g)) or seen[-1]
     try:
-        got = tp.pmap(step, axis_name="i", in_axes=(None, 0, 0), out_axes=None, jit=True)(params, x, y)
+        # on one device: across devices in one process, jit=True runs eagerly (nothing to trace)
+        one = tp.devices()[:1]
+        got = tp.pmap(step, axis_name="i", in_axes=(None, 0, 0), out_axes=None, jit=True, devices=one)(params, x, y)
     finally:
         compiled.graph_rewrites.fold_instance_sums = original
     want = tp.pmap(step, axis_name="i", in_axes=(None, 0, 0), out_axes=None)(params, x, y)
