@@ -176,12 +176,12 @@ def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
 
 
 def _sum_backward(ctx: Any, flat_grads: Sequence[Optional[torch.Tensor]]) -> tuple:
-    blanks = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.blanks]
-    groups = by_dtype(blanks)
+    # the inputs' shapes and dtypes, without their memory: all that by_dtype and split_flat read
+    blanks = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in ctx.blanks]
     flat_grads = [  # an output that got no gradient sends zeros: every process sums the same layout
         g if g is not None else torch.zeros(sum(blanks[k].numel() for k in which), dtype=blanks[which[0]].dtype,
-                                            device=blanks[which[0]].device)
-        for g, which in zip(flat_grads, groups)
+                                            device=ctx.blanks[which[0]][2])
+        for g, which in zip(flat_grads, by_dtype(blanks))
     ]
     given = split_flat(blanks, flat_grads)
 
