@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -294,6 +295,11 @@ def _worker(
         with open(report + ".tmp", "w") as f:
             json.dump(result, f)
         os.replace(report + ".tmp", report)
+    # DistributedDataParallel sits in reference cycles: collect it while its process group
+    # lives, or the interpreter's exit may destroy its reducer after the group and abort
+    # the process (see torchpmap/bench/workloads/distributed.py).
+    del columns, builders
+    gc.collect()
     tpd.shutdown()
 
 
