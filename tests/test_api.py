@@ -194,6 +194,44 @@ def test_nested_dict_list_tuple_pytrees_in_and_out():
     assert_same(out["list"][0], loop(lambda cc, aa: cc * aa, c, a, in_axes=(1, 0)))
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_dicts_of_tensors_keep_their_keys_whatever_the_order(jit):
+    """Dicts of tensors (a model's parameters) take a fast path around pytree: the same
+    keys in another insertion order, other keys, non-string keys and mixed values must all
+    still reach the function as given, with their own in_axes prefixes."""
+    f = tp.pmap(lambda d, x: {k: v * x for k, v in d.items()}, in_axes=(None, 0), jit=jit)
+    x = torch.arange(4.0)
+    for d in (
+        {"a": torch.tensor(1.0), "b": torch.tensor(10.0)},
+        {"b": torch.tensor(10.0), "a": torch.tensor(1.0)},  # same keys, other order
+        {"a": torch.tensor(2.0), "c": torch.tensor(3.0)},
+        {1: torch.tensor(5.0), "1": torch.tensor(7.0)},  # keys that are no strings: pytree
+        {"a": torch.tensor(1.0), "n": 3.0},  # a value that is no tensor: pytree
+    ):
+        out = f(d, x)
+        assert list(out) == list(d)
+        for k, v in d.items():
+            assert_same(out[k], torch.as_tensor(v) * x)
+    # a mapped dict, its keys in two orders, with a per-key prefix
+    g = tp.pmap(lambda d: d["m"] - d["s"], in_axes=({"m": 0, "s": None},))
+    m, s = torch.arange(4.0), torch.tensor(1.5)
+    assert_same(g({"m": m, "s": s}), m - s)
+    assert_same(g({"s": s, "m": m}), m - s)
+
+
+def test_dict_outputs_keep_their_keys_and_out_axes():
+    x = torch.arange(8.0).reshape(4, 2)
+    f = tp.pmap(lambda r: {"b": r, "a": r.sum()}, out_axes={"b": 1, "a": None})
+    for _ in range(2):  # the second call reuses the stacking plan of the first
+        out = f(x)
+        assert list(out) == ["b", "a"]
+        assert_same(out["b"], x.T)
+        assert_same(out["a"], x[0].sum())
+    nested = tp.pmap(lambda r: {"a": {"in": r}, "b": r})(x)  # not a flat dict: pytree
+    assert_same(nested["a"]["in"], x)
+    assert_same(nested["b"], x)
+
+
 def test_dict_prefix_with_none_broadcasts_a_subtree():
     d = {"a": torch.arange(4.0), "b": torch.tensor([10.0, 20.0])}
     out = tp.pmap(lambda d: d["a"] * d["b"], in_axes=({"a": 0, "b": None},))(d)

@@ -411,6 +411,10 @@ def test_dict_in_axes_prefix(jax_kind):
         in_axes=({"a": 1, "b": (0, 1)},),
     )
     check(prog, (nested,), jax_kind=jax_kind)
+    # a dict prefix matches by key, whatever the order of the value's keys (JAX sorts them)
+    reordered = {"b": sample((5,), seed=2), "a": sample((4, 3), seed=1)}
+    prog = mapped(lambda B, t: {"s": t["a"] * t["b"].sum(), "t": B.psum(t["a"], "i")}, in_axes=({"a": 0, "b": None},))
+    check(prog, (reordered,), jax_kind=jax_kind)
 
 
 @jax_param

@@ -89,6 +89,47 @@ def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
     return items
 
 
+@dataclasses.dataclass(frozen=True)
+class _OutPlan:
+    """How the outputs of one output structure are stacked: each leaf's out axis (with
+    its key path, for messages), and the keys when the output is a plain dict of leaves."""
+
+    axes: list[tuple[Optional[int], str]]
+    dict_keys: Optional[tuple[Any, ...]]
+
+
+def _keys_of_flat_dict(tree: Any) -> Optional[tuple[Any, ...]]:
+    """The keys of ``tree`` when it is a plain dict whose values are leaves, else None."""
+    if type(tree) is not dict or any(not pytree.tree_is_leaf(v) for v in tree.values()):
+        return None
+    return tuple(tree)
+
+
+def _shallow_flatten(args: tuple) -> Optional[tuple[list[torch.Tensor], tuple[Optional[tuple[str, ...]], ...]]]:
+    """Positional arguments that are tensors, or dicts of tensors keyed by strings (a
+    model's parameters), flattened without a pytree pass, in pytree's order: the leaves
+    and the structure (``None`` for a tensor, a dict's keys in order). None for anything
+    else. A call's own cost, paid on every call: pytree's pass takes several times longer.
+    """
+    leaves: list[torch.Tensor] = []
+    shape: list[Optional[tuple[str, ...]]] = []
+    for arg in args:
+        kind = type(arg)
+        if kind is torch.Tensor:
+            leaves.append(arg)
+            shape.append(None)
+        elif kind is dict:
+            keys = tuple(arg)
+            values = arg.values()
+            if not all(type(k) is str for k in keys) or not all(type(v) is torch.Tensor for v in values):
+                return None
+            leaves.extend(values)
+            shape.append(keys)
+        else:
+            return None
+    return leaves, tuple(shape)
+
+
 @dataclasses.dataclass(slots=True)
 class _Flat:
     """The flattened positional and keyword arguments of one call."""
@@ -109,8 +150,10 @@ class MappedFunction:
             raise TypeError(f"{opts.kind}: the first argument must be a callable, got {fun!r}")
         check_options(opts)
         self.fun, self.opts = fun, opts
-        self._layouts: dict[Any, tuple[list[tuple[Any, str]], int]] = {}  # argument structure -> (leaf axes, its number)
-        self._out_layouts: dict[Any, list[tuple[Any, str]]] = {}  # output structure -> out axes
+        # argument structure -> (leaf axes, the structure's number, its pytree spec)
+        self._layouts: dict[Any, tuple[list[tuple[Any, str]], int, Optional[pytree.TreeSpec]]] = {}
+        self._out_layouts: dict[Any, _OutPlan] = {}  # output structure -> how to stack it
+        self._last_out_plan: Optional[tuple[Any, _OutPlan]] = None  # the last one, by identity
         self._memory = _engines.FunctionMemory()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
         functools.update_wrapper(self, fun, updated=())
@@ -229,9 +272,11 @@ class MappedFunction:
         return [a for i, a in enumerate(in_axes) if i not in statics]
 
     def _flatten(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> _Flat:
-        if not kwargs and all(type(a) is torch.Tensor for a in dyn_args):
-            leaves, spec = list(dyn_args), None  # the common case needs no pytree pass
-            key: Any = ("tensors", tuple(statics), len(args))
+        shallow = None if kwargs else _shallow_flatten(dyn_args)
+        spec: Optional[pytree.TreeSpec]
+        if shallow is not None:  # the common cases need no pytree pass
+            leaves, shape = shallow
+            key: Any = ("shallow", shape, tuple(statics), len(args))
         else:
             leaves, spec = pytree.tree_flatten((dyn_args, kwargs))
             # A leaf's axis depends only on the arguments' structure: match the in_axes
@@ -240,13 +285,15 @@ class MappedFunction:
         known = self._layouts.get(key)
         if known is None:
             layout, structure = self._leaf_axes(args, statics, dyn_args, kwargs), key
+            if shallow is not None:  # positional tensors only: body passes the slices on as they are
+                spec = None if all(part is None for part in shallow[1]) else pytree.tree_flatten((dyn_args, kwargs))[1]
             if len(self._layouts) < _MAX_CACHED_LAYOUTS:
                 # a small number stands for the structure from now on: a compiled program's
                 # cache hashes and compares it on every call (a pytree spec, recursively)
                 structure = len(self._layouts)
-                self._layouts[key] = (layout, structure)
+                self._layouts[key] = (layout, structure, spec)
         else:
-            layout, structure = known
+            layout, structure, spec = known
         mapped_slots, in_dims, sizes = [], [], []
         for k, (leaf, (axis, label)) in enumerate(zip(leaves, layout)):
             if type(leaf) is not torch.Tensor and (
@@ -367,32 +414,40 @@ class MappedFunction:
         layout.record(spec, len(leaves), constants)
         return tensors
 
-    def _out_axes(self, layout: _engines.OutputLayout) -> list[tuple[Optional[int], str]]:
+    def _out_plan(self, layout: _engines.OutputLayout) -> _OutPlan:
         spec = layout.spec
-        axes = self._out_layouts.get(spec)
-        if axes is None:
+        last = self._last_out_plan
+        if last is not None and last[0] is spec:  # a compiled program hands back the same spec object
+            return last[1]
+        plan = self._out_layouts.get(spec)
+        if plan is None:
             tree = pytree.tree_unflatten([None] * layout.leaves, spec)
             axes = list(broadcast_prefix(self.opts.out_axes, tree, f"{self.opts.kind} out_axes"))
+            plan = _OutPlan(axes, _keys_of_flat_dict(tree))
             if len(self._out_layouts) < _MAX_CACHED_LAYOUTS:
-                self._out_layouts[spec] = axes
-        return axes
+                self._out_layouts[spec] = plan
+        self._last_out_plan = (spec, plan)
+        return plan
 
     def _replicated_outputs(self, layout: _engines.OutputLayout) -> dict[int, str]:
         """Tensor-output positions whose out axis is None, with their key paths."""
-        tensor_axes = [a for k, a in enumerate(self._out_axes(layout)) if k not in layout.none_leaves]
+        tensor_axes = [a for k, a in enumerate(self._out_plan(layout).axes) if k not in layout.none_leaves]
         return {k: path for k, (axis, path) in enumerate(tensor_axes) if axis is None}
 
     def _stack_outputs(self, outputs: list[torch.Tensor], layout: _engines.OutputLayout) -> Any:
         spec, constants = layout.spec, layout.none_leaves
         if spec is _LEAF_SPEC and self.opts.out_axes == 0:  # one tensor, stacked where the engine put it
             return outputs[0]
+        plan = self._out_plan(layout)
         result, it = [], iter(outputs)
-        for k, (axis, path) in enumerate(self._out_axes(layout)):
+        for k, (axis, path) in enumerate(plan.axes):
             if k in constants:
                 result.append(constants[k])
                 continue
             t = next(it)
             result.append(self._place_out_axis(t, axis, path))
+        if plan.dict_keys is not None:  # a flat dict (parameters, say): no pytree pass
+            return dict(zip(plan.dict_keys, result))
         return pytree.tree_unflatten(result, spec)
 
     def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: Optional[int], path: str) -> Any:

@@ -66,6 +66,10 @@ def broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> Itera
         for sub, _ in pytree.tree_leaves_with_path(tree):
             yield prefix, path + pytree.keystr(sub)
         return
+    if type(prefix) is dict and type(tree) is dict and prefix.keys() == tree.keys():
+        # a dict prefix matches by key, as in JAX (whose dicts flatten in sorted key order);
+        # torch's pytree keeps insertion order, so the prefix follows the value's order
+        prefix = {k: prefix[k] for k in tree}
     same_kind = not pytree.tree_is_leaf(tree)
     if same_kind:
         p_children, p_context, _ = _children(prefix)
