@@ -119,8 +119,6 @@ __all__ = [
 ]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: Seconds ``shutdown`` leaves the GIL to torch's threads after destroying the group.
-_THREADS_SETTLE_SECONDS = 0.01
 
 
 def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
@@ -229,7 +227,7 @@ def shutdown() -> None:
         # them) after the collective has completed, and need the GIL for it. Let them have
         # it now: a thread that asks for the GIL while the interpreter exits aborts the
         # process ("terminate called without an active exception"), in about one run in 20.
-        time.sleep(_THREADS_SETTLE_SECONDS)
+        time.sleep(_pg.THREADS_SETTLE_SECONDS)
 
 
 def is_initialized() -> bool:
