@@ -89,7 +89,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import time
 from typing import Hashable, Optional, Sequence
 
 import torch
@@ -222,12 +221,9 @@ def shutdown() -> None:
                 dist.barrier()
             except Exception:  # a peer is gone: nothing to wait for
                 pass
-        dist.destroy_process_group()
-        # gloo's worker threads drop the last collectives' tensors (the barrier holds on to
-        # them) after the collective has completed, and need the GIL for it. Let them have
-        # it now: a thread that asks for the GIL while the interpreter exits aborts the
-        # process ("terminate called without an active exception"), in about one run in 20.
-        time.sleep(_pg.THREADS_SETTLE_SECONDS)
+        # gloo's threads then drop the last collectives' tensors (the barrier's included)
+        # while the interpreter lives: otherwise about one exit in 20 aborts
+        _pg.destroy_default_group()
 
 
 def is_initialized() -> bool:

@@ -387,10 +387,18 @@ def _at_exit() -> None:
         # 100 of the uncaught-mismatch test program). Destroying the group is local for
         # gloo. Not after a failure: the collectives in flight would hold it up.
         try:
-            dist.destroy_process_group()
+            destroy_default_group()
         except Exception:  # noqa: BLE001 - the process is exiting anyway
             pass
-        time.sleep(THREADS_SETTLE_SECONDS)
+
+
+def destroy_default_group() -> None:
+    """Destroys torch.distributed's default group, then leaves the GIL to gloo's worker
+    threads for :data:`THREADS_SETTLE_SECONDS`: they drop the last collectives' tensors
+    after the collective completed, and a thread that asks for the GIL while the
+    interpreter exits aborts the process ("terminate called without an active exception")."""
+    dist.destroy_process_group()
+    time.sleep(THREADS_SETTLE_SECONDS)
 
 
 def _read_alive(st: ProcessState, r: int) -> tuple[str, str, str]:
