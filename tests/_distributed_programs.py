@@ -521,10 +521,12 @@ def bucket_data(nproc: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(nproc, 8, 16, generator=g), torch.randn(nproc, 8, 4, generator=g)
 
 
-def train_in_buckets(x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, steps: int = 3, jit: bool = False) -> dict:
-    """A 4-layer MLP trained by data_parallel_step (or the same step written as
-    pmean(grad(...)), whose exchange starts after the backward); returns the parameters
-    and losses."""
+def train_in_buckets(
+    x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, steps: int = 3, jit: bool = False, batch_norm: bool = False
+) -> dict:
+    """A 4-layer MLP (with a BatchNorm1d after its first layer if ``batch_norm``) trained
+    by data_parallel_step (or the same step written as pmean(grad(...)), whose exchange
+    starts after the backward); returns the parameters, buffers and losses."""
     from torch.func import functional_call, grad_and_value
 
     from torchpmap.training import data_parallel_step
@@ -532,6 +534,8 @@ def train_in_buckets(x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, st
     torch.manual_seed(3)
     sizes = [16, 64, 64, 64, 4]
     layers = [m for a, b in zip(sizes, sizes[1:]) for m in (torch.nn.Linear(a, b), torch.nn.Tanh())][:-1]
+    if batch_norm:
+        layers.insert(1, torch.nn.BatchNorm1d(sizes[1]))
     model = torch.nn.Sequential(*layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if not by_hand:
@@ -551,7 +555,8 @@ def train_in_buckets(x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, st
             return loss
 
     losses = [step((x, y)) for _ in range(steps)]
-    return {**{k: p.detach().clone() for k, p in model.named_parameters()}, "losses": torch.stack(losses)}
+    state = {k: t.detach().clone() for k, t in (*model.named_parameters(), *model.named_buffers())}
+    return {**state, "losses": torch.stack(losses)}
 
 
 def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
@@ -560,15 +565,22 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
     by hand, and processes whose buckets differ."""
     import torchpmap.training
 
+    import torchpmap._engines.distributed as engine
+
     x, y = (t[rank : rank + 1] for t in bucket_data(nproc))
-    tp.config.all_reduce_bytes = 1  # this little MLP's gradients go through all-reduces
+    tp.config.all_reduce_bytes = 1 << 10  # this little MLP's gradients go through all-reduces, its loss is gathered
     tp.config.bucket_bytes = 16 << 10  # and several buckets
     events: list[str] = []
     all_reduce, grad_and_value = torch.distributed.all_reduce, torchpmap.training.grad_and_value
+    all_gather = engine._all_gather_flat
 
     def counted_all_reduce(t, *args, **kwargs):
         events.append(f"all_reduce {t.numel()}")
         return all_reduce(t, *args, **kwargs)
+
+    def counted_all_gather(*args, **kwargs):
+        events.append("all_gather")
+        return all_gather(*args, **kwargs)
 
     def logged_grad_and_value(*args, **kwargs):
         inner = grad_and_value(*args, **kwargs)
@@ -581,10 +593,12 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
         return call
 
     torch.distributed.all_reduce, torchpmap.training.grad_and_value = counted_all_reduce, logged_grad_and_value
+    engine._all_gather_flat = counted_all_gather
     try:
-        out = {"overlapped": train_in_buckets(x, y, steps=1)}
+        out = {"overlapped": train_in_buckets(x, y, steps=4)}
     finally:
         torch.distributed.all_reduce, torchpmap.training.grad_and_value = all_reduce, grad_and_value
+        engine._all_gather_flat = all_gather
     out["events"] = events
     out["overlapped"] = train_in_buckets(x, y)
     # compiled: the buckets are ops of the program (no fallback to eager allowed)
@@ -600,6 +614,14 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
         torch.distributed.all_reduce = all_reduce
     out["compiled_all_reduces"] = calls
     out["by_hand"] = train_in_buckets(x, y, by_hand=True)
+    # batch norm: its statistics' means travel with the buckets' agreement; after one step
+    # (the same parameters) they must be those of the one pmean of everything that a step
+    # without buckets makes
+    out["batch_norm"] = train_in_buckets(x, y, batch_norm=True, steps=1)
+    out["batch_norm_compiled"] = train_in_buckets(x, y, batch_norm=True, steps=1, jit=True)
+    tp.config.all_reduce_bytes = 1 << 30
+    out["batch_norm_one_pmean"] = train_in_buckets(x, y, batch_norm=True, steps=1)
+    tp.config.all_reduce_bytes = 1 << 10
     # every process must make the same buckets: a different bucket size is an error everywhere
     tp.config.bucket_bytes = (16 << 10) if rank < nproc - 1 else (32 << 10)
     out["disagree"] = _failure_of(lambda: train_in_buckets(x, y, steps=1))

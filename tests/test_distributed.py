@@ -352,6 +352,18 @@ def events_sizes(events: list) -> list:
     return [int(e.split()[1]) for e in events if e.startswith("all_reduce")]
 
 
+def _split_steps(events: list) -> list[list]:
+    """The events of each step: its gathers, then its all-reduces and "backward done",
+    up to the next step's first gather."""
+    steps, current = [], []
+    for e in events:
+        if e == "all_gather" and "backward done" in current:
+            steps.append(current)
+            current = []
+        current.append(e)
+    return steps + [current]
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, tmp_path):
     finished, results = _run("gradient_buckets", nproc, tmp_path)
@@ -362,17 +374,30 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
     for r in range(nproc):
         res = results[r]
         assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
-        # 3 buckets (16 KiB each, the first capped alike), then the loss' own all-reduce
+        # 3 buckets (16 KiB each, the first capped alike) per step, started in the backward
         events = res["events"]
-        assert [e.startswith("all_reduce") for e in events].count(True) == 4, events
-        assert events.index("backward done") >= 2, f"the buckets did not start during the backward: {events}"
+        steps = _split_steps(events)
+        assert len(steps) == 4 and all(s.count("backward done") == 1 for s in steps), events
+        for step in steps:
+            assert [e.startswith("all_reduce") for e in step].count(True) == 3, events
+            assert step.index("backward done") >= 2, f"the buckets did not start during the backward: {events}"
+        # once the processes have learned the step's transfers, they meet once before the
+        # buckets: the loss mean, whose headers also agree on the buckets (no round of its own)
+        assert steps[-1][0] == "all_gather" and steps[-1][1:].count("all_gather") == 0, steps[-1]
         _assert_same(f"rank {r} overlapped vs rank 0", res["overlapped"], results[0]["overlapped"], bitwise=True)
         _assert_same(f"rank {r} vs by hand", res["overlapped"], res["by_hand"], bitwise=nproc == 2)
         _assert_same(f"rank {r} vs one process", res["overlapped"], reference, bitwise=False)
-        # compiled, the same buckets as ops of the program: 3 steps of 3 buckets and the loss
-        assert res["compiled_all_reduces"] == events_sizes(events) * 3, res["compiled_all_reduces"]
+        # compiled, the same buckets as ops of the program: 3 steps of 3 buckets
+        assert res["compiled_all_reduces"] == events_sizes(steps[-1]) * 3, res["compiled_all_reduces"]
         _assert_same(f"rank {r} compiled vs rank 0", res["compiled"], results[0]["compiled"], bitwise=True)
         _assert_same(f"rank {r} compiled vs eager", res["compiled"], res["overlapped"], bitwise=False)
+        # the loss and batch-norm statistics: the bits of pmean's (gathered, not all-reduced)
+        bn, one_pmean = res["batch_norm"], res["batch_norm_one_pmean"]
+        assert "1.running_mean" in bn and bn["1.num_batches_tracked"].item() == 1, sorted(bn)
+        for k in ("losses", "1.running_mean", "1.running_var", "1.num_batches_tracked"):
+            torch.testing.assert_close(bn[k], one_pmean[k], rtol=0, atol=0, msg=lambda m: f"rank {r} {k}: {m}")
+        _assert_same(f"rank {r} batch norm vs rank 0", bn, results[0]["batch_norm"], bitwise=True)
+        _assert_same(f"rank {r} batch norm compiled vs eager", res["batch_norm_compiled"], bn, bitwise=False)
         failure = res["disagree"]
         assert failure and failure["error"] == "ExchangeMismatch", failure
         assert "3 parts" in failure["message"] and "2 parts" in failure["message"], failure["message"]

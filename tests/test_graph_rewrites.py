@@ -1,6 +1,7 @@
 """torchpmap._engines.graph_rewrites: a traced program's per-instance products summed over
 the instances become one product, with the same result (to rounding), and nothing else
-changes."""
+changes; a gradient bucket's start moves ahead of the computation it does not need, and
+nothing that must keep its place moves."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import torchpmap as tp
-from torchpmap._engines.graph_rewrites import fold_instance_sums
+from torchpmap._engines import process_ops  # noqa: F401  (registers the torchpmap ops)
+from torchpmap._engines.graph_rewrites import fold_instance_sums, start_exchanges_early
 
 aten = torch.ops.aten
 
@@ -80,3 +82,95 @@ def test_a_compiled_data_parallel_step_runs_one_product_per_weight_and_matches_e
     assert seen == [2]  # one per weight
     for k in params:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------- start_exchanges_early
+
+torchpmap_ops = torch.ops.torchpmap
+
+
+def _layer_backward(g2, h1, w2, h0, w1):
+    """Two layers' backward as autograd orders it: each layer's input gradient, then its
+    weight gradient, whose bucket starts."""
+    token = g2.new_empty(0)
+    grad_h1 = g2 @ w2                      # the input's gradient first...
+    grad_w2 = g2.t() @ h1                  # ...then the weight's, which the first bucket waits for
+    first = torchpmap_ops.start_sums(token, [grad_w2], 0, 0)
+    grad_w1 = grad_h1.relu().t() @ h0
+    second = torchpmap_ops.start_sums(token, [grad_w1], 0, 1)
+    return first, second, grad_h1.sum()
+
+
+def _fake_graph(fn, *shapes):
+    return make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+
+
+def _order(graph) -> list[str]:
+    return [n.name for n in graph.graph.nodes if n.op == "call_function"]
+
+
+def test_a_bucket_starts_before_the_product_it_does_not_need():
+    graph = _fake_graph(_layer_backward, (4, 3), (4, 5), (3, 5), (4, 2), (5, 2))
+    before = _order(graph)
+    assert before.index("mm") < before.index("mm_1") < before.index("start_sums")  # grad_h1, grad_w2, start
+    assert start_exchanges_early(graph)
+    after = _order(graph)
+    assert after.index("mm_1") < after.index("start_sums") < after.index("mm"), after
+    assert after.index("start_sums") < after.index("start_sums_1")
+    graph.graph.lint()  # still a valid topological order
+    assert sorted(after) == sorted(before)
+
+
+def test_without_a_start_nothing_moves():
+    graph = _fake_graph(lambda a, b: ((a @ b).relu(), a.sum()), (3, 3), (3, 3))
+    before = _order(graph)
+    assert not start_exchanges_early(graph)
+    assert _order(graph) == before
+
+
+def test_collectives_random_draws_and_writes_keep_their_places():
+    def program(g2, h1, w2):
+        token = g2.new_empty(0)
+        noise = torch.rand(3)                          # a random draw before...
+        grad_h1 = g2 @ w2
+        gathered = torchpmap_ops.gather_processes([grad_h1], 0, 2, "x", True)[0]  # a collective before the start
+        state = h1.clone()
+        state.add_(1.0)                                # a write: nothing crosses it
+        late = state * 2
+        grad_w2 = g2.t() @ h1
+        more_noise = torch.rand(3)                     # ...and one after
+        started = torchpmap_ops.start_sums(token, [grad_w2], 0, 0)
+        return started, gathered, late, noise + more_noise
+
+    graph = _fake_graph(program, (4, 3), (4, 5), (3, 5))
+    before = _order(graph)
+    assert start_exchanges_early(graph)
+    after = _order(graph)
+    graph.graph.lint()
+
+    def kept(*names):
+        return [after.index(n) for n in names] == sorted(after.index(n) for n in names)
+
+    assert kept("gather_processes", "start_sums")        # the collectives' order
+    assert kept("rand", "rand_1")                         # the random draws' order
+    assert kept("add_", "mul") and kept("clone", "add_")  # the write stays between its neighbours
+    assert all(after.index(n) < after.index("add_") for n in before[: before.index("add_")])
+    assert all(after.index(n) > after.index("add_") for n in before[before.index("add_") + 1 :])
+
+
+def test_a_start_never_overtakes_an_earlier_collective_or_a_random_draw():
+    def program(g2, h1, w2):
+        token = g2.new_empty(0)
+        grad_h1 = g2 @ w2
+        gathered = torchpmap_ops.gather_processes([grad_h1], 0, 2, "x", True)[0]
+        noise = torch.rand(3)
+        grad_w2 = g2.t() @ h1
+        started = torchpmap_ops.start_sums(token, [grad_w2], 0, 0)
+        return started, gathered, noise * torch.rand(3)
+
+    graph = _fake_graph(program, (4, 3), (4, 5), (3, 5))
+    assert start_exchanges_early(graph)
+    after = _order(graph)
+    assert after.index("gather_processes") < after.index("start_sums"), after
+    assert after.index("rand") < after.index("rand_1")
+    assert after.index("mm_1") < after.index("start_sums")  # the weight's product still goes first

@@ -525,15 +525,20 @@ def data_parallel_step(
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
             output = _functional_call(model, {**grad_mean.watch(params), **frozen, **state}, inputs)
             loss = loss_fn(output, seen_by_loss)
+            # Bucketed gradients: the loss and buffer means start now, with the buckets'
+            # agreement, and travel while the backward runs (the processes meet only at
+            # the buckets' waits).
+            grad_mean.average_later([loss.detach(), *(state[k].detach() - floating[k] for k in floating)])
             return (loss if scale is None else loss * scale), (state, loss)
 
         grads, (_, (state, loss)) = grad_and_value(loss_of, has_aux=True)(params)
-        buffer_change = {k: state[k] - floating[k] for k in floating}
         counters = {k: state[k] for k in other}
         if grad_mean.buckets:  # the gradients are on their way already, bucket by bucket
             grads = grad_mean(grads)
-            loss, buffer_change = pmean((loss, buffer_change), axis_name)
+            loss, *changes = grad_mean.averages()
+            buffer_change = dict(zip(floating, changes))
         else:  # one pmean of everything: across devices or processes, one exchange instead of three
+            buffer_change = {k: state[k] - floating[k] for k in floating}
             grads, loss, buffer_change = pmean((grads, loss, buffer_change), axis_name)
         return grads, loss, buffer_change, counters
 

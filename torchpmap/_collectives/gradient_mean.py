@@ -18,9 +18,15 @@ as the backward has produced it, and the backward goes on while the bytes travel
             [3., 4.],
             [3., 4.]])
 
-``watch(params)`` agrees with the other processes on the buckets (one header round, in
-the forward: a process whose parameters or buckets differ raises there, before anything
-is summed) and puts a gradient hook on each parameter. Once the backward has produced
+``watch(params)`` plans the buckets and puts a gradient hook on each parameter. The
+processes agree on the buckets before the first one starts, and a process whose
+parameters or buckets differ raises there, before anything is summed. Values that are
+averaged over the axis too (a step's loss) can travel with that agreement:
+``average_later(values)`` after the forward starts their exchange and returns at once;
+the backward runs while they travel, and ``averages()`` returns what ``pmean(values,
+axis_name)`` would. So the processes meet once in the step, as DDP's do: at the
+buckets' waits (the agreement is waited for when the first bucket starts, by which time
+it has arrived). Without ``average_later`` the agreement is a header round of its own. Once the backward has produced
 the gradients of every parameter in a bucket, the hooks start its all-reduce and return
 at once (:meth:`~torchpmap._state.axis_env.Exchange.sums_in_order`; buckets start in order,
 in every process). Hooks, as DDP's, rather than an identity node per bucket: autograd
@@ -47,6 +53,7 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
+from torchpmap._collectives.math import Psum
 from torchpmap._collectives.public import pmean
 from torchpmap._engines.process_transpose import sums_by_all_reduce
 from torchpmap._state import axis_env as _axis_env
@@ -99,6 +106,7 @@ class GradientMean:
         self.buckets: list[list[str]] = []
         self._sums: Optional[OrderedSums] = None
         self._arrived: list[dict[str, torch.Tensor]] = []
+        self._averaging = False
         frame = _axis_env.lookup(axis_name)
         self._frame = frame
         #: the vmap level of the axis in this slice (None: a lone instance, run directly)
@@ -128,6 +136,31 @@ class GradientMean:
             for k in names:
                 params[k].register_hook(self._hook(i, k))
         return params
+
+    def average_later(self, values: Sequence[torch.Tensor]) -> bool:
+        """Starts the mean of ``values`` over the axis, after the forward and before the
+        backward (inside the function that ``grad`` differentiates; the values are not
+        differentiated): it travels with the buckets' agreement, not waited for. Returns
+        False, doing nothing, when the gradients are not bucketed (call ``pmean``)."""
+        if self._sums is None:
+            return False
+        n = self._frame.local_size
+        partials = []
+        for v in values:  # as pmean's slice sends its instances' sum: the same math, the same bits
+            value, dim = private.functorch_value(v, self._level)
+            X = value.unsqueeze(0).expand(n, *value.shape) if dim is None else value.movedim(dim, 0)
+            partials.append(Psum(self._frame).partial(X))
+        self._sums.also_gather(partials, f"pmean over axis {self.axis_name!r} (with the gradient buckets)")
+        self._averaging = True
+        return True
+
+    def averages(self) -> list[torch.Tensor]:
+        """The means of :meth:`average_later`'s values (what ``pmean`` returns), once the
+        gradients have been waited for (call it after calling this object)."""
+        if not self._averaging:
+            raise RuntimeError("torchpmap: internal error: averages() without average_later()")
+        prim = Psum(self._frame)
+        return [prim.compute(everyone.flatten(0, 1))[0] / self._frame.size for everyone in self._sums.gathered()]
 
     def _partial(self, grad: torch.Tensor) -> torch.Tensor:
         """This slice's sum of its instances' gradients (what pmean sends, too)."""
@@ -159,6 +192,6 @@ class GradientMean:
         for i, names in enumerate(self.buckets):
             # a bucket the backward never completed (a parameter it did not reach) starts now
             sums.start(i, [self._partial(grads[k]) for k in names])
-            for k, total in zip(names, sums.wait(i)):
-                out[k] = total.div_(self._frame.size)  # in the sum's own buffer: the bits of pmean's total / size
+            for k, mean in zip(names, sums.wait(i, self._frame.size)):  # divided in the sum's own buffer
+                out[k] = mean  # the bits of pmean's total / size
         return {k: out[k] for k in grads}

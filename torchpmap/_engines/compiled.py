@@ -294,9 +294,14 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     )
     graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses
     graph_rewrites.fold_instance_sums(graph)  # per-instance products summed over instances -> one product
+    kwargs = {"fullgraph": True, "dynamic": False, **options}
+    if graph_rewrites.start_exchanges_early(graph) and "mode" not in kwargs:  # a bucket starts once its gradients exist
+        # and inductor keeps that order: its peak-memory pass would put the next layer's
+        # product back before the bucket's start (torch.compile takes a mode or options)
+        kwargs["options"] = {"reorder_for_peak_memory": False, **kwargs.get("options", {})}
     constants = _lift_constants(graph)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
-    compiled = torch.compile(graph.forward, **{"fullgraph": True, "dynamic": False, **options})
+    compiled = torch.compile(graph.forward, **kwargs)
     return _Program(compiled, tensor_slots, constants, dataclasses.replace(call.output_layout), graph_forward=graph.forward)
 
 

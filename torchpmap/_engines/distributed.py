@@ -71,6 +71,10 @@ class ProcessExchange:
         local_size: this process' number of instances in the call.
         axis_name: the call's axis name, for messages.
         transfers: how many transfers the call has made so far (headers carry it).
+        pending: sums agreed on in :meth:`sums_in_order` whose headers have not
+            travelled yet.
+        posted: a gather on its way, not waited for yet (:meth:`post_gather`).
+        posted_result: its stacks, once waited for.
     """
 
     group: Any
@@ -81,6 +85,9 @@ class ProcessExchange:
     local_size: int = 0
     axis_name: Hashable = None
     transfers: int = 0
+    pending: Optional["_Agreement"] = None
+    posted: Optional["_Posted"] = None
+    posted_result: Optional[list[torch.Tensor]] = None
 
     #: A reduction sends each process' own partial result, not all its instances' values
     #: (see torchpmap._collectives.binding.run_owning): traffic independent of the local size.
@@ -92,6 +99,7 @@ class ProcessExchange:
     def settle(self) -> None:
         """At the end of a call that made no transfer: the processes compare headers
         (local sizes, and that none of them made a transfer this one did not)."""
+        self.settle_posted()
         if self.transfers == 0:
             self._transfer("end", "the end of the pmap call", None, None)
 
@@ -108,8 +116,7 @@ class ProcessExchange:
     def gather_plain(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """``all_gather_many`` without autograd: one all-gather of every tensor's bytes."""
         layout = _Layout.of(ts)
-        received = self._transfer("gather" if partial else "gather-all", what, layout, ts)
-        return layout.unpack(received)
+        return layout.unpack(self._transfer("gather" if partial else "gather-all", what, layout, ts))
 
     def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
         """For each ``ts[k]`` (this process' partial sum): the sum over the processes, by one
@@ -134,16 +141,41 @@ class ProcessExchange:
         return _start_all_reduce(ts, self.group, f"{what} across {self.label}").wait_flat()
 
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> "OrderedSums":
-        """Agrees now, in one header round, on sums over the processes that start later:
-        one per group of tensors (only their shapes and dtypes are read here), each as
-        soon as its values exist, always in group order (see :class:`OrderedSums`). A
-        process whose groups differ (another model, another bucket size) raises here, on
-        every process alike, before any sum starts."""
+        """Sums over the processes that start later: one per group of tensors (only their
+        shapes and dtypes are read here), each as soon as its values exist, always in
+        group order (see :class:`OrderedSums`).
+
+        The processes agree on them before the first starts: in the headers of the
+        transfer that :meth:`OrderedSums.also_gather` posts, or in a round of their own
+        when the first sum starts. A process whose groups differ (another model, another
+        bucket size) raises there, on every process alike, before any sum starts."""
         sizes = ", ".join(str(len(g)) for g in groups)
         flat = [t for g in groups for t in g]
-        self._transfer("sum", f"{what} (in {len(groups)} parts of {sizes} tensors)", _Layout.of(flat), None)
+        self.pending = _Agreement(f"{what} (in {len(groups)} parts of {sizes} tensors)", _Layout.of(flat))
         expected = [[(t.shape, t.dtype) for t in g] for g in groups]
-        return OrderedSums(self.group, expected, f"{what} across {self.label}")
+        return OrderedSums(self, expected, f"{what} across {self.label}")
+
+    def post_gather(self, ts: Sequence[torch.Tensor], what: str) -> None:
+        """Starts the gather of ``ts`` (this process' partial results) and returns without
+        waiting; the headers also carry the pending agreement. :meth:`settle_posted`
+        waits for it, before any other transfer of this exchange."""
+        self._wait_posted()
+        riding, self.pending = self.pending, None
+        self.posted = self._post("gather", what, _Layout.of(ts), ts, riding)
+
+    def _wait_posted(self) -> None:
+        if self.posted is not None:
+            posted, self.posted = self.posted, None
+            self.posted_result = posted.layout.unpack(self._finish(posted))
+
+    def settle_posted(self) -> None:
+        """Waits for the posted gather, if any, checks every process' header and keeps its
+        stacks in :attr:`posted_result`; then the pending agreement, if any, in a header
+        round of its own."""
+        self._wait_posted()
+        if self.pending is not None:
+            agreeing, self.pending = self.pending, None
+            self._transfer("sum", agreeing.what, agreeing.layout, None)
 
     def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
@@ -163,42 +195,71 @@ class ProcessExchange:
         received rows, ``(size, layout.row)`` bytes, row ``p`` from process ``p``. Without
         ``ts`` only the headers travel (the digest still covers ``layout``'s tensors): the
         caller then moves the data itself, knowing that every process agreed on it."""
+        self.settle_posted()
+        return self._finish(self._post(kind, what, layout, ts))
+
+    def _post(
+        self,
+        kind: str,
+        what: str,
+        layout: Optional[_Layout],
+        ts: Optional[Sequence[torch.Tensor]],
+        riding: Optional["_Agreement"] = None,
+    ) -> "_Posted":
+        """The first half of :meth:`_transfer`: starts the collective that carries the
+        headers (and the payload, when the transfer was announced). The digest also
+        covers ``riding``'s tensors: sums that start later, agreed on here."""
         st = pg.state()
         chain = agreement.chain(st, self.group)
         self.transfers += 1
         form = (agreement.KINDS[kind], 0 if ts is None else layout.row)
         shapes, dtypes = (None, None) if layout is None else (layout.shapes, layout.dtypes)
+        if riding is not None:
+            what = f"{what}, agreeing on {riding.what}"
+            shapes, dtypes = shapes + riding.layout.shapes, dtypes + riding.layout.dtypes
         digest = agreement.digest_of(kind, what, shapes, dtypes)
         mine = agreement.Header(digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest))
         device = ts[0].device if ts else st.local_device.torch_device
-        label = f"{what} across {self.label}"
-        if chain.announced is not None:  # one round: header and payload together
-            if form == chain.announced:
-                headers, received = self._round(mine, layout if ts is not None else None, ts, form, device, label)
-            else:  # mine differs from the announced transfer: say so in its form, then two rounds
-                renegotiate = dataclasses.replace(mine, flag=agreement.RENEGOTIATE)
-                headers, received = self._round(renegotiate, None, None, chain.announced, device, label)
-            if not any(h.flag for h in headers):
-                self._check(headers, mine, chain, kind, what, layout)
-                chain.completed(digest, form, headers)
-                return received
-        headers, _ = self._round(mine, None, None, (agreement.KINDS["end"], 0), device, label)
-        self._check(headers, mine, chain, kind, what, layout)
-        received = self._payload(layout if ts is not None else None, ts, form, device, label)
-        chain.completed(digest, form, headers)
+        posted = _Posted(kind, what, layout, ts, riding, mine, form, device, f"{what} across {self.label}", chain)
+        if chain.announced is None:  # two rounds: the headers alone, now
+            posted.work = self._start_round(mine, None, None, (agreement.KINDS["end"], 0), device, posted)
+        elif form == chain.announced:  # one round: header and payload together
+            posted.work = self._start_round(mine, layout if ts is not None else None, ts, form, device, posted)
+        else:  # mine differs from the announced transfer: say so in its form, then two rounds
+            renegotiate = dataclasses.replace(mine, flag=agreement.RENEGOTIATE)
+            posted.work = self._start_round(renegotiate, None, None, chain.announced, device, posted)
+        return posted
+
+    def _finish(self, p: "_Posted") -> torch.Tensor:
+        """The second half of :meth:`_transfer`: waits, compares the headers (raising on
+        every process alike if they differ) and, when the headers travelled alone, moves
+        the payload."""
+        pg.wait(p.work, p.label)
+        headers = agreement.Header.from_bytes(p.received[:, : agreement.HEADER_BYTES])
+        received = p.received[:, agreement.HEADER_BYTES :]
+        one_round = p.chain.announced is not None
+        if one_round and any(h.flag for h in headers):  # someone renegotiated: the headers again, alone
+            one_round = False
+            pg.wait(self._start_round(p.mine, None, None, (agreement.KINDS["end"], 0), p.device, p), p.label)
+            headers = agreement.Header.from_bytes(p.received[:, : agreement.HEADER_BYTES])
+        self._check(headers, p.mine, p.chain, p.kind, p.what, p.layout, p.riding)
+        if not one_round:
+            received = self._payload(p.layout if p.ts is not None else None, p.ts, p.form, p.device, p.label)
+        p.chain.completed(p.mine.digest, p.form, headers)
         return received
 
-    def _round(
+    def _start_round(
         self,
         header: agreement.Header,
         layout: Optional[_Layout],
         ts: Optional[Sequence[torch.Tensor]],
         form: agreement.Form,
         device: torch.device,
-        label: str,
-    ) -> tuple[list[agreement.Header], torch.Tensor]:
-        """One collective of ``form`` whose every row starts with ``header``; the payload
-        (zeros without ``ts``) follows it. Returns every process' header and payload rows."""
+        posted: "_Posted",
+    ) -> Any:
+        """Starts one collective of ``form`` whose every row starts with ``header``; the
+        payload (zeros without ``ts``) follows it. Every process' header and payload rows
+        arrive in ``posted.received``; returns the collective's work."""
         scatter = form[0] == agreement.KINDS["scatter"]
         rows, h = (self.size if scatter else 1), agreement.HEADER_BYTES
         send = torch.empty(rows, h + form[1], dtype=torch.uint8, device=device)
@@ -207,8 +268,8 @@ class ProcessExchange:
             send[:, h:].zero_()
         else:
             layout.pack_into(send[:, h:], ts)
-        received = self._collective(send, scatter, label)
-        return agreement.Header.from_bytes(received[:, :h]), received[:, h:]
+        posted.received, posted.work = self._start_collective(send, scatter)
+        return posted.work
 
     def _payload(
         self,
@@ -227,14 +288,17 @@ class ProcessExchange:
     def _collective(self, send: torch.Tensor, scatter: bool, label: str) -> torch.Tensor:
         """``send``: ``(1, n)`` bytes to every process (all-gather), or ``(size, n)``, row ``p``
         to process ``p`` (all-to-all); returns ``(size, n)``, row ``p`` from process ``p``."""
-        if scatter:
-            received = torch.empty_like(send)
-            work = dist.all_to_all_single(received, send, group=self.group, async_op=True)
-        else:
-            received = send.new_empty(self.size, send.shape[1])  # one flat buffer: gloo's fastest all-gather
-            work = _all_gather_flat(received.view(-1), send.view(-1), group=self.group, async_op=True)
+        received, work = self._start_collective(send, scatter)
         pg.wait(work, label)
         return received
+
+    def _start_collective(self, send: torch.Tensor, scatter: bool) -> tuple[torch.Tensor, Any]:
+        """:meth:`_collective`, started: the buffer it fills and its work."""
+        if scatter:
+            received = torch.empty_like(send)
+            return received, dist.all_to_all_single(received, send, group=self.group, async_op=True)
+        received = send.new_empty(self.size, send.shape[1])  # one flat buffer: gloo's fastest all-gather
+        return received, _all_gather_flat(received.view(-1), send.view(-1), group=self.group, async_op=True)
 
     def _check(
         self,
@@ -244,6 +308,7 @@ class ProcessExchange:
         kind: str,
         what: str,
         layout: Optional[_Layout],
+        riding: Optional["_Agreement"] = None,
     ) -> None:
         """Raises, on every process alike, unless every header agrees with ``mine``."""
         if all(h.agrees_with(mine) for h in headers):
@@ -252,7 +317,7 @@ class ProcessExchange:
         in_step = len({(h.call, h.transfer) for h in headers}) == 1
         if in_step and len({h.local_size for h in headers}) > 1:
             self._raise_size_mismatch([h.local_size for h in headers])
-        told = self._gather_text(_explain(mine, kind, what, layout), what)
+        told = self._gather_text(_explain(mine, kind, what, layout, riding), what)
         raise self._mismatch(headers, told, in_step)
 
     def _raise_size_mismatch(self, found: list[int]) -> None:
@@ -350,19 +415,38 @@ class OrderedSums:
     (a collective pairs with the other processes' collective of the same rank in their
     sequence), as DDP reduces its buckets in order.
 
+    The processes agree on the groups before the first starts (their headers are
+    compared then, if no earlier transfer carried them: see :meth:`also_gather`).
+
     Attributes:
-        group: the process group.
+        exchange: the exchange that agreed on them.
         expected: each group's shapes and dtypes, as agreed.
         label: how waits and errors name the sums.
         started: the started groups' sums, in order.
         ready: values that arrived before an earlier group's, by group.
     """
 
-    group: Any
+    exchange: ProcessExchange
     expected: list[list[tuple[torch.Size, torch.dtype]]]
     label: str
     started: list[PendingSum] = dataclasses.field(default_factory=list)
     ready: dict[int, list[torch.Tensor]] = dataclasses.field(default_factory=dict)
+
+    def also_gather(self, ts: Sequence[torch.Tensor], what: str) -> None:
+        """Before the first group starts: starts the gather of ``ts`` (this process'
+        partial results), whose headers also carry the agreement on the groups, and
+        returns without waiting (:meth:`gathered` returns the stacks)."""
+        if self.started or self.ready:
+            raise RuntimeError(f"torchpmap: internal error: {self.label} started before also_gather")
+        self.exchange.post_gather(ts, what)
+
+    def gathered(self) -> list[torch.Tensor]:
+        """The stacks of :meth:`also_gather`'s tensors over the processes (waits for them)."""
+        self.exchange.settle_posted()
+        result, self.exchange.posted_result = self.exchange.posted_result, None
+        if result is None:
+            raise RuntimeError(f"torchpmap: internal error: nothing gathered with {self.label}")
+        return result
 
     def start(self, k: int, ts: Sequence[torch.Tensor]) -> None:
         """Group ``k``'s values (plain tensors) are ready: starts it if every group before
@@ -371,25 +455,38 @@ class OrderedSums:
             return
         if [(t.shape, t.dtype) for t in ts] != self.expected[k]:
             raise RuntimeError(f"torchpmap: internal error: part {k + 1} of {self.label} is not what the processes agreed on")
+        if not self.started:
+            self.exchange.settle_posted()  # every process agreed before the first sum starts
         self.ready[k] = list(ts)
         while len(self.started) in self.ready:
             n = len(self.started)
-            self.started.append(_start_all_reduce(self.ready.pop(n), self.group, f"{self.label}, part {n + 1}"))
+            started = _start_all_reduce(self.ready.pop(n), self.exchange.group, f"{self.label}, part {n + 1}")
+            self.started.append(started)
 
-    def wait(self, k: int) -> list[torch.Tensor]:
-        """Group ``k``'s sums (it must have started)."""
-        return self.started[k].wait()
+    def wait(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
+        """Group ``k``'s sums (it must have started), divided by ``divisor`` in place."""
+        return split_flat(self.started[k].ts, self.wait_flat(k, divisor))
 
-    def wait_flat(self, k: int) -> list[torch.Tensor]:
-        """Group ``k``'s sums as the flat buffers the all-reduces filled, one per dtype."""
-        return self.started[k].wait_flat()
+    def wait_flat(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
+        """Group ``k``'s sums as the flat buffers the all-reduces filled, one per dtype,
+        divided by ``divisor`` in place."""
+        flats = self.started[k].wait_flat()
+        if divisor != 1:
+            for flat in flats:
+                flat.div_(divisor)
+        return flats
 
 
-def _explain(header: agreement.Header, kind: str, what: str, layout: Optional[_Layout]) -> str:
-    """How an error names one side: the collective, the tensors, the call."""
+def _explain(
+    header: agreement.Header, kind: str, what: str, layout: Optional[_Layout], riding: Optional["_Agreement"] = None
+) -> str:
+    """How an error names one side: the collective, the tensors (and those of the sums
+    agreed on with it), the call."""
     if kind == "end":
         return f"reached the end of pmap call #{header.call} without any exchange"
     sent = "" if layout is None else " on " + _describe_tensors(layout)
+    if riding is not None:
+        sent += f" (the later sums on {_describe_tensors(riding.layout)})"
     return f"called {what}{sent} (exchange {header.transfer} of pmap call #{header.call})"
 
 
@@ -398,6 +495,49 @@ def _describe_tensors(layout: "_Layout", at_most: int = 4) -> str:
     named = [f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in zip(layout.shapes, layout.dtypes)]
     more = len(named) - at_most
     return ", ".join(named[:at_most]) + (f" and {more} more tensors" if more > 0 else "")
+
+
+@dataclasses.dataclass(eq=False)
+class _Posted:
+    """A transfer whose first collective has started (:meth:`ProcessExchange._post`).
+
+    Attributes:
+        kind, what, layout, ts: the transfer (see :meth:`ProcessExchange._transfer`).
+        riding: sums that start later, agreed on in these headers.
+        mine: this process' header.
+        form: the transfer's form (kind code, payload bytes per row).
+        device: where its buffers live.
+        label: how waits name it.
+        chain: what the group had agreed about this transfer when it started.
+        received: the buffer the collective fills (header and payload rows).
+        work: the collective's work.
+    """
+
+    kind: str
+    what: str
+    layout: Optional["_Layout"]
+    ts: Optional[Sequence[torch.Tensor]]
+    riding: Optional["_Agreement"]
+    mine: agreement.Header
+    form: agreement.Form
+    device: torch.device
+    label: str
+    chain: agreement.Chain
+    received: Optional[torch.Tensor] = None
+    work: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Agreement:
+    """Sums that every process must agree on before they start (:meth:`ProcessExchange.sums_in_order`).
+
+    Attributes:
+        what: how headers and errors name them.
+        layout: their tensors' shapes and dtypes (the digest covers them).
+    """
+
+    what: str
+    layout: "_Layout"
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)

@@ -30,10 +30,14 @@ traced one to rounding (the products add in another order), as anything
 """
 from __future__ import annotations
 
-from typing import Optional
+import heapq
+import operator
+from typing import Callable, Optional
 
 import torch
 import torch.fx
+
+from torchpmap._state import torch_private as private
 
 aten = torch.ops.aten
 
@@ -113,3 +117,129 @@ def _replay(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node) -> tor
     if view.target is aten.permute.default:
         return g.call_function(aten.permute.default, (value, [d % rank - 1 for d in view.args[1][1:]]))
     return value  # a reshape to the same shape
+
+
+# --------------------------------------------------------------------------- exchanges first
+
+#: Ops that start an exchange and return without waiting (gradient buckets; see
+#: torchpmap._engines.process_ops): the sooner they run, the sooner the bytes travel.
+_STARTS = frozenset({"torchpmap::start_sums"})
+
+
+def start_exchanges_early(graph: torch.fx.GraphModule) -> bool:
+    """Reorders ``graph`` so that each exchange start runs as soon as its values can be
+    computed: the computation it needs goes first, the rest after (returns whether the
+    graph has such starts).
+
+    A backward produces the gradient of a layer's input and that of its weight from the
+    same upstream gradient; the trace computes the input's first, as autograd does, so a
+    bucket whose last gradient is a weight's starts one product later than it could. DDP
+    has the same wait; a compiled step need not. A stable topological order, with each
+    node ranked by the first start that needs it, moves the weight's product (and the
+    bucket's copy) ahead of the input's.
+
+    What must not move keeps its place: the collectives and random ops keep their order
+    among themselves (every process, eager or compiled, makes the same exchanges in the
+    same order, and a random op draws what it drew), and an op that writes into a tensor
+    stays between everything before it and everything after it.
+
+        >>> import torch
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> def f(x):
+        ...     late = x.exp()              # needed by nobody that starts an exchange
+        ...     return late, x.sin()        # x.sin() feeds nothing here either: no start, no change
+        >>> g = make_fx(f)(torch.ones(2))
+        >>> start_exchanges_early(g)
+        False
+    """
+    nodes = list(graph.graph.nodes)
+    starts = [n for n in nodes if _qualified(n) in _STARTS]
+    if not starts:
+        return False
+    rank: dict[torch.fx.Node, int] = {}
+    for k, start in enumerate(starts):  # each start claims what it needs that no earlier one did
+        stack = [start]
+        while stack:
+            n = stack.pop()
+            if n not in rank:
+                rank[n] = k
+                stack.extend(n.all_input_nodes)
+    after: dict[torch.fx.Node, list[torch.fx.Node]] = {n: list(n.all_input_nodes) for n in nodes}
+    last_ordered: Optional[torch.fx.Node] = None
+    barrier: Optional[torch.fx.Node] = None
+    since_barrier: list[torch.fx.Node] = []
+    for n in nodes:
+        if _writes(n):  # everything before it stays before, everything after stays after
+            after[n] += since_barrier
+            barrier, since_barrier = n, []
+        elif barrier is not None:
+            after[n].append(barrier)
+        if _ordered(n):
+            if last_ordered is not None:
+                after[n].append(last_ordered)
+            last_ordered = n
+        since_barrier.append(n)
+    order = _stable_topological(nodes, after, key=lambda n: (-1 if n.op == "placeholder" else rank.get(n, len(starts))))
+    anchor = next(n for n in reversed(nodes) if n.op == "placeholder") if nodes[0].op == "placeholder" else None
+    for n in order:
+        if n.op in ("placeholder", "output"):
+            continue
+        if anchor is None:
+            nodes[0].prepend(n)
+        else:
+            anchor.append(n)
+        anchor = n
+    graph.graph.lint()
+    graph.recompile()
+    return True
+
+
+def _qualified(n: torch.fx.Node) -> str:
+    """``namespace::name`` of an op node ("" for anything else)."""
+    schema = private.op_schema(n.target) if n.op == "call_function" else None
+    return schema.name if schema is not None else ""
+
+
+def _ordered(n: torch.fx.Node) -> bool:
+    """A collective (a torchpmap op) or a random draw: keeps its order among its kind."""
+    name = _qualified(n)
+    return name.startswith("torchpmap::") or (bool(name) and torch.Tag.nondeterministic_seeded in n.target.tags)
+
+
+def _writes(n: torch.fx.Node) -> bool:
+    """An op that writes into one of its arguments, or whose effects FX cannot see (not
+    an aten, prims or torchpmap op): nothing moves across it."""
+    if n.op != "call_function":
+        return False
+    schema = private.op_schema(n.target)
+    if schema is None:
+        return n.target is not operator.getitem
+    if schema.name.split("::")[0] not in ("aten", "prims", "torchpmap"):
+        return True
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _stable_topological(
+    nodes: list[torch.fx.Node], after: dict[torch.fx.Node, list[torch.fx.Node]], key: Callable[[torch.fx.Node], int]
+) -> list[torch.fx.Node]:
+    """``nodes`` in an order where each comes after those in ``after[n]``: among the
+    ready ones, the smallest ``key`` first, then the earliest in ``nodes``."""
+    index = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(set(after[n])) for n in nodes}
+    users: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in nodes}
+    for n in nodes:
+        for d in set(after[n]):
+            users[d].append(n)
+    ready = [(key(n), index[n], n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        *_, n = heapq.heappop(ready)
+        order.append(n)
+        for u in users[n]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (key(u), index[u], u))
+    if len(order) != len(nodes):
+        raise RuntimeError("torchpmap: internal error: the graph's order constraints form a cycle")
+    return order

@@ -34,57 +34,115 @@ _live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over
 
 @dataclasses.dataclass(frozen=True)
 class TracedExchange:
-    """What a traced program's collectives see in place of a :class:`ProcessExchange`."""
+    """What a traced program's collectives see in place of a :class:`ProcessExchange`.
+
+    Attributes:
+        key: the exchange's key (see :func:`traced`).
+        size: the number of processes in its group.
+        pending: gradient sums agreed on in :meth:`sums_in_order` whose agreement is not
+            recorded yet (at most one; see :meth:`TracedOrderedSums.also_gather`).
+    """
 
     key: int
     size: int
+    pending: list["TracedOrderedSums"] = dataclasses.field(default_factory=list)
 
     starts_sums = True  # as ops of the graph, where the trace met them (gradient buckets: in the backward)
     reduces_locally = True  # as the ProcessExchange it stands in for
 
     def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+        self.agree_pending()  # the eager exchange settles before any other transfer, too
         return list(torch.ops.torchpmap.gather_processes(list(ts), self.key, self.size, what, partial))
 
     def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
         if not sums_by_all_reduce(ts):  # decided as the eager exchange decides: they meet in the same collectives
             return None
+        self.agree_pending()
         return split_flat(ts, torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
 
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional["TracedOrderedSums"]:
-        """The ops of :meth:`ProcessExchange.sums_in_order`: agreeing now, each group's sum
-        where the trace starts it, its wait where the trace waits. Groups of one dtype
-        each (None otherwise: the caller sums another way)."""
+        """The ops of :meth:`ProcessExchange.sums_in_order`: the agreement (with the
+        gather of :meth:`TracedOrderedSums.also_gather`, or alone before the first sum
+        starts), each group's sum where the trace starts it, its wait where the trace
+        waits. Groups of one dtype each (None otherwise: the caller sums another way)."""
         if any(len({t.dtype for t in g}) != 1 for g in groups):
             return None
         plain = [private.functorch_value(t)[0] for g in groups for t in g]
-        with private.functorch_layers_cleared():
-            token = torch.ops.torchpmap.agree_sums(plain, self.key, what, [len(g) for g in groups])
-        return TracedOrderedSums(self.key, token, [[(t.shape, t.dtype) for t in g] for g in groups])
+        expected = [[(t.shape, t.dtype) for t in g] for g in groups]
+        sums = TracedOrderedSums(self.key, self, plain, [len(g) for g in groups], what, expected)
+        self.pending[:] = [sums]
+        return sums
+
+    def agree_pending(self) -> None:
+        """Records the pending sums' agreement as an op of its own (one header round)."""
+        if self.pending:
+            sums = self.pending.pop()
+            with private.functorch_layers_cleared():
+                sums.token = torch.ops.torchpmap.agree_sums(sums.plain, self.key, sums.what, sums.parts)
 
 
 @dataclasses.dataclass(eq=False)
 class TracedOrderedSums:
     """What a traced program's gradient buckets see in place of an :class:`OrderedSums`:
     each call records an op (``torchpmap::start_sums``, ``torchpmap::wait_sums``); the
-    tokens they pass on keep them in order in the graph."""
+    token of the agreement, which they take, keeps them after it in the graph.
+
+    Attributes:
+        key: the exchange's key.
+        exchange: the traced exchange that records the agreement.
+        plain: the tensors summed later, outside the transforms (for their shapes and dtypes).
+        parts: how many of them each group holds.
+        what: how headers and errors name the sums.
+        expected: each group's shapes and dtypes.
+        token: the agreement op's output, once recorded.
+        posted: :meth:`also_gather`'s tensors.
+        started: each started group's op output.
+        waited: the output of the latest wait (what :meth:`gathered` comes after).
+    """
 
     key: int
-    token: torch.Tensor
+    exchange: TracedExchange
+    plain: list[torch.Tensor]
+    parts: list[int]
+    what: str
     expected: list[list[tuple[torch.Size, torch.dtype]]]
+    token: Optional[torch.Tensor] = None
+    posted: list[torch.Tensor] = dataclasses.field(default_factory=list)
     started: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    waited: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    def also_gather(self, ts: Sequence[torch.Tensor], what: str) -> None:
+        """Records ``torchpmap::post_gather``: the gather of ``ts`` (plain tensors),
+        started with the agreement and not waited for (see :meth:`OrderedSums.also_gather`)."""
+        if self.exchange.pending != [self]:
+            raise RuntimeError(f"torchpmap: internal error: {self.what} agreed on before also_gather")
+        self.exchange.pending.clear()
+        with private.functorch_layers_cleared():
+            self.token = torch.ops.torchpmap.post_gather(list(ts), self.plain, self.key, what, self.what, self.parts)
+        self.posted = list(ts)
+
+    def gathered(self) -> list[torch.Tensor]:
+        """Records ``torchpmap::posted_gather``, after the latest wait: the stacks."""
+        with private.functorch_layers_cleared():
+            return list(torch.ops.torchpmap.posted_gather(self.token, self.posted, self.waited, self.key, self.exchange.size))
 
     def start(self, k: int, ts: Sequence[torch.Tensor]) -> None:
         if k in self.started:
             return
+        self.exchange.agree_pending()
         with private.functorch_layers_cleared():
-            self.started[k] = torch.ops.torchpmap.start_sums(list(ts), self.token, self.key, k)
+            self.started[k] = torch.ops.torchpmap.start_sums(self.token, list(ts), self.key, k)
 
-    def wait(self, k: int) -> list[torch.Tensor]:
+    def wait(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
         shapes = self.expected[k]
         with private.functorch_layers_cleared():
+            # after every start the trace made (a compiled program must not wait for one
+            # bucket before it has started the others)
             (flat,) = torch.ops.torchpmap.wait_sums(
-                self.started[k], self.key, k, sum(shape.numel() for shape, _ in shapes), shapes[0][1]
+                self.started[k], list(self.started.values()), self.key, k, sum(shape.numel() for shape, _ in shapes),
+                shapes[0][1], divisor,
             )
+        self.waited[:] = [flat]
         return [piece.view(shape) for piece, (shape, _) in zip(flat.split([s.numel() for s, _ in shapes]), shapes)]
 
 
@@ -201,13 +259,18 @@ _sum.register_autograd(_sum_backward, setup_context=_setup_sum)
 _ordered: dict[int, Any] = {}
 
 
-@torch.library.custom_op("torchpmap::agree_sums", mutates_args=())
-def _agree_sums(ts: list[torch.Tensor], key: int, what: str, parts: list[int]) -> torch.Tensor:
+def _groups(ts: list[torch.Tensor], parts: list[int]) -> list[list[torch.Tensor]]:
     groups, start = [], 0
     for n in parts:
         groups.append(ts[start : start + n])
         start += n
-    _ordered[key] = _live[key].sums_in_order(groups, what)
+    return groups
+
+
+@torch.library.custom_op("torchpmap::agree_sums", mutates_args=())
+def _agree_sums(ts: list[torch.Tensor], key: int, what: str, parts: list[int]) -> torch.Tensor:
+    _ordered[key] = _live[key].sums_in_order(_groups(ts, parts), what)
+    _live[key].settle_posted()
     return ts[0].new_empty(0)
 
 
@@ -216,22 +279,55 @@ def _(ts: list[torch.Tensor], key: int, what: str, parts: list[int]) -> torch.Te
     return ts[0].new_empty(0)
 
 
+@torch.library.custom_op("torchpmap::post_gather", mutates_args=())
+def _post_gather(
+    ts: list[torch.Tensor], sums: list[torch.Tensor], key: int, what: str, sums_what: str, parts: list[int]
+) -> torch.Tensor:
+    _ordered[key] = _live[key].sums_in_order(_groups(sums, parts), sums_what)
+    _ordered[key].also_gather(ts, what)
+    return sums[0].new_empty(0)
+
+
+@_post_gather.register_fake
+def _(ts: list[torch.Tensor], sums: list[torch.Tensor], key: int, what: str, sums_what: str, parts: list[int]) -> torch.Tensor:
+    return sums[0].new_empty(0)
+
+
+@torch.library.custom_op("torchpmap::posted_gather", mutates_args=())
+def _posted_gather(
+    token: torch.Tensor, like: list[torch.Tensor], after: list[torch.Tensor], key: int, size: int
+) -> list[torch.Tensor]:
+    # like: the tensors posted (their shapes and dtypes); after: what the graph runs first
+    return _ordered[key].gathered()
+
+
+@_posted_gather.register_fake
+def _(token: torch.Tensor, like: list[torch.Tensor], after: list[torch.Tensor], key: int, size: int) -> list[torch.Tensor]:
+    return [token.new_empty((size, *t.shape), dtype=t.dtype) for t in like]
+
+
 @torch.library.custom_op("torchpmap::start_sums", mutates_args=())
-def _start_sums(ts: list[torch.Tensor], token: torch.Tensor, key: int, part: int) -> torch.Tensor:
+def _start_sums(token: torch.Tensor, ts: list[torch.Tensor], key: int, part: int) -> torch.Tensor:
     _ordered[key].start(part, ts)
     return token.new_empty(0)
 
 
 @_start_sums.register_fake
-def _(ts: list[torch.Tensor], token: torch.Tensor, key: int, part: int) -> torch.Tensor:
+def _(token: torch.Tensor, ts: list[torch.Tensor], key: int, part: int) -> torch.Tensor:
     return token.new_empty(0)
 
 
 @torch.library.custom_op("torchpmap::wait_sums", mutates_args=())
-def _wait_sums(token: torch.Tensor, key: int, part: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    return _ordered[key].wait_flat(part)
+def _wait_sums(
+    token: torch.Tensor, after: list[torch.Tensor], key: int, part: int, numel: int, dtype: torch.dtype, divisor: int
+) -> list[torch.Tensor]:
+    # the division of a mean happens here, in the all-reduce's buffer: as a graph op it
+    # would write a fresh one (and each bucket's, not only the last, as the buckets arrive)
+    return _ordered[key].wait_flat(part, divisor)
 
 
 @_wait_sums.register_fake
-def _(token: torch.Tensor, key: int, part: int, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def _(
+    token: torch.Tensor, after: list[torch.Tensor], key: int, part: int, numel: int, dtype: torch.dtype, divisor: int
+) -> list[torch.Tensor]:
     return [token.new_empty(numel, dtype=dtype)]

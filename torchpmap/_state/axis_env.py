@@ -23,12 +23,23 @@ class OrderedSums(Protocol):
     """Sums over the slices, agreed on beforehand, that start as their values arrive
     (always in order, in every slice) and are waited for where they are used."""
 
+    def also_gather(self, ts: Sequence[torch.Tensor], what: str) -> None:
+        """Before any part starts: this slice's ``ts`` (plain tensors) start on their way
+        to every slice, with the agreement on the sums, and nothing waits for them."""
+        ...
+
+    def gathered(self) -> list[torch.Tensor]:
+        """:meth:`also_gather`'s tensors of every slice, stacked along a new dim 0 (after
+        the latest wait)."""
+        ...
+
     def start(self, k: int, ts: Sequence[torch.Tensor]) -> None:
         """Part ``k``'s values (plain tensors) are ready; it starts once every part before it has."""
         ...
 
-    def wait(self, k: int) -> list[torch.Tensor]:
-        """Part ``k``'s sums, once complete (it must have started)."""
+    def wait(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
+        """Part ``k``'s sums, once complete (it must have started), divided by ``divisor``
+        in their own buffer (a mean without a pass into a fresh one)."""
         ...
 
 
@@ -57,10 +68,10 @@ class Exchange(Protocol):
         ...
 
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional[OrderedSums]:
-        """Agrees now with the other slices on sums that start later, one per group of
-        tensors (only shapes and dtypes are read), so that computation can go on while
-        the values travel; None when it cannot sum these. Only where :attr:`starts_sums`
-        is True."""
+        """Sums that start later, one per group of tensors (only shapes and dtypes are
+        read), so that computation can go on while the values travel; the slices agree
+        on them before the first starts. None when it cannot sum these. Only where
+        :attr:`starts_sums` is True."""
         ...
 
 
