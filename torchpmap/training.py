@@ -525,10 +525,11 @@ def data_parallel_step(
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
             output = _functional_call(model, {**grad_mean.watch(params), **frozen, **state}, inputs)
             loss = loss_fn(output, seen_by_loss)
-            # Bucketed gradients: the loss and buffer means start now, with the buckets'
-            # agreement, and travel while the backward runs (the processes meet only at
-            # the buckets' waits).
-            grad_mean.average_later([loss.detach(), *(state[k].detach() - floating[k] for k in floating)])
+            if grad_mean.buckets:
+                # Bucketed gradients: the loss and buffer means start now, with the buckets'
+                # agreement, and travel while the backward runs (the processes meet only
+                # at the buckets' waits).
+                grad_mean.average_later([loss.detach(), *(state[k].detach() - floating[k] for k in floating)])
             return (loss if scale is None else loss * scale), (state, loss)
 
         grads, (_, (state, loss)) = grad_and_value(loss_of, has_aux=True)(params)

@@ -26,13 +26,15 @@ averaged over the axis too (a step's loss) can travel with that agreement:
 the backward runs while they travel, and ``averages()`` returns what ``pmean(values,
 axis_name)`` would. So the processes meet once in the step, as DDP's do: at the
 buckets' waits (the agreement is waited for when the first bucket starts, by which time
-it has arrived). Without ``average_later`` the agreement is a header round of its own. Once the backward has produced
-the gradients of every parameter in a bucket, the hooks start its all-reduce and return
-at once (:meth:`~torchpmap._state.axis_env.Exchange.sums_in_order`; buckets start in order,
-in every process). Hooks, as DDP's, rather than an identity node per bucket: autograd
-runs a node created before the forward after every other ready node, i.e. at the very
-end of the backward. Calling the object with the gradients waits for those sums and
-divides by the axis size, as ``pmean`` does. Buckets follow DDP: parameters in
+it has arrived). Without ``average_later`` the agreement is a header round of its own.
+
+Once the backward has produced the gradients of every parameter in a bucket, the hooks
+start its all-reduce and return at once
+(:meth:`~torchpmap._state.axis_env.Exchange.sums_in_order`; buckets start in order, in
+every process). Hooks, as DDP's, rather than an identity node per bucket: autograd runs
+a node created before the forward after every other ready node, i.e. at the very end of
+the backward. Calling the object with the gradients waits for those sums and divides by
+the axis size in their own buffers, as ``pmean`` does. Buckets follow DDP: parameters in
 reverse order of the dict (the order a backward usually produces them), a first bucket
 of about 1 MiB so that the first exchange starts early, then ``config.bucket_bytes``.
 

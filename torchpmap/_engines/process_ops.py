@@ -9,7 +9,9 @@ its waits watch for failed peers, and a compiled process meets an eager one (aft
 fallback) in the same collective. The op's gradient, for a ``.backward()`` outside
 the map, is ``torchpmap::scatter_sum_processes``, the transpose the eager engine uses.
 A large ``psum`` is ``torchpmap::sum_processes`` (:meth:`ProcessExchange.sum_plain`, an
-all-reduce), its own transpose.
+all-reduce), its own transpose. Gradient buckets are four ops (below): the agreement
+(``agree_sums``, or ``post_gather``, which also starts the step's loss mean without
+waiting), each bucket's start and wait, and the posted mean's result (``posted_gather``).
 
 The ops take the exchange as a small integer (ops only take tensors and plain values):
 a key for the process group, this process' place in it and its size, under which
@@ -252,10 +254,14 @@ def _sum_backward(ctx: Any, flat_grads: Sequence[Optional[torch.Tensor]]) -> tup
 _sum.register_autograd(_sum_backward, setup_context=_setup_sum)
 
 
-# Gradient buckets (torchpmap._collectives.gradient_mean): the processes agree on every bucket up
-# front; each bucket's all-reduce starts where the trace met its last gradient and is
-# waited for where the trace waited. The eager OrderedSums of the running call does the
-# work; it is filed under the exchange's key between the ops.
+# Gradient buckets (torchpmap._collectives.gradient_mean): the processes agree on every bucket
+# before the first starts (in post_gather's headers, or in agree_sums' round); each
+# bucket's all-reduce starts where the trace met its last gradient and is waited for
+# where the trace waited. The eager OrderedSums of the running call does the work; it is
+# filed under the exchange's key between the ops. The ops' tensor arguments order them
+# in the compiled program: every start takes the agreement's token first (inductor then
+# runs the agreement as soon as it can), every wait takes every start, and the posted
+# mean's result comes after the last wait.
 _ordered: dict[int, Any] = {}
 
 
