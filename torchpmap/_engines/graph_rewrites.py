@@ -1,4 +1,7 @@
-"""Rewrites of a traced vectorized program before it is compiled (``pmap(jit=True)``).
+"""Rewrites of a traced vectorized program before it is compiled (``pmap(jit=True)``):
+:func:`fold_instance_sums` (one product where the vectorized form says ``n`` summed)
+and :func:`start_exchanges_early` (each gradient bucket's exchange as soon as its
+gradients can exist).
 
 The vectorized program says "per instance, then across instances" where a plain
 batched program says it once. The commonest case is a data-parallel step: each
