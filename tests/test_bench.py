@@ -201,10 +201,14 @@ def test_distributed_workload_reports_its_missing_feature() -> None:
 def test_measure_interleaves_round_robin() -> None:
     order: list[str] = []
     fns = {name: (lambda name=name: order.append(name)) for name in "abc"}
-    m = timing.measure(fns, timing.Plan(reps=3, warmup=0), calls_per_sample=1)
-    assert order[-9:] == list("abcbcacab")
-    assert all(len(s) == 3 for s in m.samples.values())
-    assert m.ratio("a", "b").n == 3
+    m = timing.measure(fns, timing.Plan(reps=4, warmup=0), calls_per_sample=1)
+    assert order[-12:] == list("abc" "acb" "cab" "cba")  # rotated by one, every other one reversed
+    assert all(len(s) == 4 for s in m.samples.values())
+    assert m.ratio("a", "b").n == 4
+    # no column always follows the same one (it would always find that one's data in cache)
+    runs = order[-12:]
+    followed = {name: {runs[i - 1] for i in range(1, len(runs)) if runs[i] == name and i % 3} for name in "abc"}
+    assert all(len(before) == 2 for before in followed.values()), followed
 
 
 def test_table_footnotes_reasons() -> None:

@@ -11,9 +11,14 @@ The method, in four steps:
    of calls. Each callable must wait for its own result (``torch.cuda.synchronize()``,
    ``block_until_ready()``), so a sample measures finished work, not queued work.
 3. **Interleaving.** Repetition ``r`` takes one sample of every callable, round-robin,
-   in an order rotated by ``r``. Slow changes of machine state (clock frequency, other
-   load, heat) then reach all columns alike, and no column is always first. This is
-   what makes a ratio between two columns of one run meaningful.
+   in an order rotated by ``r``, and reversed on every other repetition. Slow changes of
+   machine state (clock frequency, other load, heat) then reach all columns alike, no
+   column is always first, and no column always follows the same one: a column that
+   follows one working on the same tensors finds them in cache, one that follows JAX
+   does not (in a fixed cyclic order, ``torch.compile`` always followed plain torch on
+   the same data and ``pmap(jit=True)`` always followed ``jax.jit(vmap)``, which moved
+   row (b)'s ratio by about 3%). This is what makes a ratio between two columns of one
+   run meaningful.
 4. **Statistics.** Per callable: the median and the inter-quartile range (IQR) of its
    samples, robust to the occasional outlier (a page fault, a scheduler hiccup).
    Between two callables: the median of the per-repetition ratios (a paired estimate:
@@ -134,12 +139,14 @@ def measure(fns: Mapping[str, Thunk], plan: Plan, calls_per_sample: Optional[int
 def _interleave(
     fns: Mapping[str, Thunk], calls: dict[str, int], samples: dict[str, list[float]], plan: Plan, budget_s: float
 ) -> None:
-    """Round-robin repetitions, each in an order rotated by one, until ``plan.reps`` or
-    the time budget (checked after ``plan.min_reps``) runs out."""
+    """Round-robin repetitions, each in an order rotated by one and every other one
+    reversed, until ``plan.reps`` or the time budget (checked after ``plan.min_reps``)
+    runs out."""
     names, start = list(fns), time.perf_counter()
     for r in range(plan.reps):
         if r >= plan.min_reps and time.perf_counter() - start > budget_s:
             break
         first = r % len(names)
-        for name in names[first:] + names[:first]:
+        order = names[first:] + names[:first]
+        for name in order if r % 2 == 0 else order[::-1]:
             samples[name].append(_time_calls(fns[name], calls[name]))
