@@ -222,12 +222,12 @@ class ProcessExchange:
         device = ts[0].device if ts else st.local_device.torch_device
         posted = _Posted(kind, what, layout, ts, riding, mine, form, device, f"{what} across {self.label}", chain)
         if chain.announced is None:  # two rounds: the headers alone, now
-            posted.work = self._start_round(mine, None, None, (agreement.KINDS["end"], 0), device, posted)
+            self._start_round(mine, None, None, (agreement.KINDS["end"], 0), device, posted)
         elif form == chain.announced:  # one round: header and payload together
-            posted.work = self._start_round(mine, layout if ts is not None else None, ts, form, device, posted)
+            self._start_round(mine, layout if ts is not None else None, ts, form, device, posted)
         else:  # mine differs from the announced transfer: say so in its form, then two rounds
             renegotiate = dataclasses.replace(mine, flag=agreement.RENEGOTIATE)
-            posted.work = self._start_round(renegotiate, None, None, chain.announced, device, posted)
+            self._start_round(renegotiate, None, None, chain.announced, device, posted)
         return posted
 
     def _finish(self, p: "_Posted") -> torch.Tensor:
@@ -240,7 +240,8 @@ class ProcessExchange:
         one_round = p.chain.announced is not None
         if one_round and any(h.flag for h in headers):  # someone renegotiated: the headers again, alone
             one_round = False
-            pg.wait(self._start_round(p.mine, None, None, (agreement.KINDS["end"], 0), p.device, p), p.label)
+            self._start_round(p.mine, None, None, (agreement.KINDS["end"], 0), p.device, p)
+            pg.wait(p.work, p.label)
             headers = agreement.Header.from_bytes(p.received[:, : agreement.HEADER_BYTES])
         self._check(headers, p.mine, p.chain, p.kind, p.what, p.layout, p.riding)
         if not one_round:
@@ -256,10 +257,10 @@ class ProcessExchange:
         form: agreement.Form,
         device: torch.device,
         posted: "_Posted",
-    ) -> Any:
+    ) -> None:
         """Starts one collective of ``form`` whose every row starts with ``header``; the
         payload (zeros without ``ts``) follows it. Every process' header and payload rows
-        arrive in ``posted.received``; returns the collective's work."""
+        arrive in ``posted.received``; ``posted.work`` is the collective's."""
         scatter = form[0] == agreement.KINDS["scatter"]
         rows, h = (self.size if scatter else 1), agreement.HEADER_BYTES
         send = torch.empty(rows, h + form[1], dtype=torch.uint8, device=device)
@@ -269,7 +270,6 @@ class ProcessExchange:
         else:
             layout.pack_into(send[:, h:], ts)
         posted.received, posted.work = self._start_collective(send, scatter)
-        return posted.work
 
     def _payload(
         self,
