@@ -146,12 +146,12 @@ class GradientMean:
         False, doing nothing, when the gradients are not bucketed (call ``pmean``)."""
         if self._sums is None:
             return False
-        n = self._frame.local_size
+        n, prim = self._frame.local_size, Psum(self._frame)
         partials = []
         for v in values:  # as pmean's slice sends its instances' sum: the same math, the same bits
             value, dim = private.functorch_value(v, self._level)
             X = value.unsqueeze(0).expand(n, *value.shape) if dim is None else value.movedim(dim, 0)
-            partials.append(Psum(self._frame).partial(X))
+            partials.append(prim.partial(X))
         self._sums.also_gather(partials, f"pmean over axis {self.axis_name!r} (with the gradient buckets)")
         self._averaging = True
         return True

@@ -71,7 +71,7 @@ class TracedExchange:
             return None
         plain = [private.functorch_value(t)[0] for g in groups for t in g]
         expected = [[(t.shape, t.dtype) for t in g] for g in groups]
-        sums = TracedOrderedSums(self.key, self, plain, [len(g) for g in groups], what, expected)
+        sums = TracedOrderedSums(self, plain, [len(g) for g in groups], what, expected)
         self.pending[:] = [sums]
         return sums
 
@@ -90,8 +90,7 @@ class TracedOrderedSums:
     token of the agreement, which they take, keeps them after it in the graph.
 
     Attributes:
-        key: the exchange's key.
-        exchange: the traced exchange that records the agreement.
+        exchange: the traced exchange that records the agreement (and whose key the ops take).
         plain: the tensors summed later, outside the transforms (for their shapes and dtypes).
         parts: how many of them each group holds.
         what: how headers and errors name the sums.
@@ -102,7 +101,6 @@ class TracedOrderedSums:
         waited: the output of the latest wait (what :meth:`gathered` comes after).
     """
 
-    key: int
     exchange: TracedExchange
     plain: list[torch.Tensor]
     parts: list[int]
@@ -120,20 +118,23 @@ class TracedOrderedSums:
             raise RuntimeError(f"torchpmap: internal error: {self.what} agreed on before also_gather")
         self.exchange.pending.clear()
         with private.functorch_layers_cleared():
-            self.token = torch.ops.torchpmap.post_gather(list(ts), self.plain, self.key, what, self.what, self.parts)
+            self.token = torch.ops.torchpmap.post_gather(
+                list(ts), self.plain, self.exchange.key, what, self.what, self.parts
+            )
         self.posted = list(ts)
 
     def gathered(self) -> list[torch.Tensor]:
         """Records ``torchpmap::posted_gather``, after the latest wait: the stacks."""
         with private.functorch_layers_cleared():
-            return list(torch.ops.torchpmap.posted_gather(self.token, self.posted, self.waited, self.key, self.exchange.size))
+            ex = self.exchange
+            return list(torch.ops.torchpmap.posted_gather(self.token, self.posted, self.waited, ex.key, ex.size))
 
     def start(self, k: int, ts: Sequence[torch.Tensor]) -> None:
         if k in self.started:
             return
         self.exchange.agree_pending()
         with private.functorch_layers_cleared():
-            self.started[k] = torch.ops.torchpmap.start_sums(self.token, list(ts), self.key, k)
+            self.started[k] = torch.ops.torchpmap.start_sums(self.token, list(ts), self.exchange.key, k)
 
     def wait(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
         shapes = self.expected[k]
@@ -141,7 +142,7 @@ class TracedOrderedSums:
             # after every start the trace made (a compiled program must not wait for one
             # bucket before it has started the others)
             (flat,) = torch.ops.torchpmap.wait_sums(
-                self.started[k], list(self.started.values()), self.key, k, sum(shape.numel() for shape, _ in shapes),
+                self.started[k], list(self.started.values()), self.exchange.key, k, sum(shape.numel() for shape, _ in shapes),
                 shapes[0][1], divisor,
             )
         self.waited[:] = [flat]
