@@ -1,7 +1,8 @@
 """torchpmap._engines.graph_rewrites: a traced program's per-instance products summed over
 the instances become one product, with the same result (to rounding), and nothing else
 changes; a gradient bucket's start moves ahead of the computation it does not need, and
-nothing that must keep its place moves."""
+nothing that must keep its place moves; a program that writes into an input, or a view of
+one, is told apart from one that only reads its inputs."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import torchpmap as tp
 from torchpmap._engines import process_ops  # noqa: F401  (registers the torchpmap ops)
-from torchpmap._engines.graph_rewrites import fold_instance_sums, start_exchanges_early
+from torchpmap._engines.graph_rewrites import fold_instance_sums, start_exchanges_early, writes_an_input
 
 aten = torch.ops.aten
 
@@ -174,3 +175,20 @@ def test_a_start_never_overtakes_an_earlier_collective_or_a_random_draw():
     assert after.index("gather_processes") < after.index("start_sums"), after
     assert after.index("rand") < after.index("rand_1")
     assert after.index("mm_1") < after.index("start_sums")  # the weight's product still goes first
+
+
+@pytest.mark.parametrize(
+    "f, writes",
+    [
+        (lambda x, y: (x * 2 + y).relu_(), False),  # writes only into its own intermediate
+        (lambda x, y: x.copy_(y), True),
+        (lambda x, y: x.transpose(0, 1)[1].mul_(2), True),  # a view of a view of an input
+        (lambda x, y: torch.unbind(y)[0].zero_(), True),  # an element of a list of views
+        (lambda x, y: torch.add(y, 1, out=torch.empty_like(y)), False),  # out= a new tensor
+        (lambda x, y: torch.add(x, 1, out=y), True),  # out= an input
+    ],
+)
+def test_a_write_into_an_input_is_seen(f, writes):
+    graph = make_fx(f)(torch.ones(3, 3), torch.ones(3, 3))
+    assert writes_an_input(graph) is writes
+

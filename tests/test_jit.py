@@ -247,6 +247,60 @@ def test_inductor_backward_outside():
     torch.testing.assert_close(x.grad, torch.cos(x.detach()) * x.detach().amax(0))
 
 
+# --------------------------------------------------------------------------- aliasing and strides
+
+
+def _aliasing_calls(fun, jit, first_twice):
+    """``fun(a, b)`` called with one tensor for both and with two tensors, in either order;
+    the results and the final input values."""
+    x, y = torch.ones(4, 3), torch.full((4, 3), 5.0)
+    f = jit_pmap(fun, jit=jit) if jit is not None else eager_pmap(fun)
+    calls = [(x, x), (x, y)] if first_twice else [(x, y), (x, x)]
+    return [f(*args).clone() for args in calls], x
+
+
+@pytest.mark.parametrize("first_twice", [True, False], ids=["twice-first", "twice-second"])
+@pytest.mark.parametrize("jit", [FAST, True], ids=["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "fun",
+    [lambda a, b: a * 2 + b, lambda a, b: a.add_(1) * 2 + b],
+    ids=["reads", "writes-an-input"],
+)
+def test_one_tensor_for_two_arguments(fun, jit, first_twice):
+    """A program traced with one tensor for two arguments is not a program for that
+    tensor only: called then with two tensors, it reads both (and the other way round)."""
+    expected, x_expected = _aliasing_calls(fun, None, first_twice)
+    got, x_got = _aliasing_calls(fun, jit, first_twice)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(x_got, x_expected)
+
+
+def test_inductor_compiles_a_program_that_reads_its_inputs_without_dynamo():
+    """jit=True compiles with inductor alone (the jit cache's signature does Dynamo's
+    guards' work); a program that writes into an input, or other torch.compile options,
+    go through torch.compile."""
+
+    def compiled_by_dynamo(f, *args):
+        f(*args)
+        (program,) = f._programs._programs.values()
+        return program.graph_forward is not None
+
+    x = torch.ones(4, 3)
+    assert not compiled_by_dynamo(jit_pmap(lambda a: a * 2, jit=True), x)
+    assert compiled_by_dynamo(jit_pmap(lambda a: a.mul_(2), jit=True), x.clone())
+    assert compiled_by_dynamo(jit_pmap(lambda a: a * 2, jit=FAST), x)
+
+
+def test_inductor_traces_again_for_other_strides():
+    f = jit_pmap(lambda a, b: a @ b, jit=True)
+    a, b = torch.randn(4, 3, 3), torch.randn(4, 3, 3)
+    torch.testing.assert_close(f(a, b), a @ b)
+    torch.testing.assert_close(f(a.transpose(1, 2), b), a.transpose(1, 2) @ b)  # same shape, other strides
+    torch.testing.assert_close(f(a, b.transpose(1, 2)), a @ b.transpose(1, 2))
+    torch.testing.assert_close(f(a + 1, b), (a + 1) @ b)  # the first program again
+    assert len(f._programs) == 3
+
+
 class _Unhashable:
     __hash__ = None  # type: ignore[assignment]
 

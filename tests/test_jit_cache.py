@@ -50,7 +50,7 @@ def test_memory_stays_flat_past_the_bound(monkeypatch):
 
 def test_a_function_that_recompiles_on_most_calls_is_told_why():
     f = tp.pmap(lambda v: v * 2, jit=EAGER, devices=tp.devices()[:1])
-    with pytest.warns(tp.JitRecompileWarning, match=r"traced and compiled on 8 of its 8 calls: the shapes, dtypes or values of argument leaves \[0\] keep changing"):
+    with pytest.warns(tp.JitRecompileWarning, match=r"traced and compiled on 8 of its 8 calls: the shapes, strides, dtypes or values of argument leaves \[0\] keep changing"):
         for i in range(8):
             f(torch.ones(2, i + 1))
     g = tp.pmap(lambda v: v * 2, jit=EAGER, devices=tp.devices()[:1])

@@ -1,7 +1,8 @@
 """Rewrites of a traced vectorized program before it is compiled (``pmap(jit=True)``):
 :func:`fold_instance_sums` (one product where the vectorized form says ``n`` summed)
 and :func:`start_exchanges_early` (each gradient bucket's exchange as soon as its
-gradients can exist).
+gradients can exist); and one question the compiler's choice depends on,
+:func:`writes_an_input`.
 
 The vectorized program says "per instance, then across instances" where a plain
 batched program says it once. The commonest case is a data-parallel step: each
@@ -246,3 +247,43 @@ def _stable_topological(
     if len(order) != len(nodes):
         raise RuntimeError("torchpmap: internal error: the graph's order constraints form a cycle")
     return order
+
+
+def writes_an_input(graph: torch.fx.GraphModule) -> bool:
+    """Whether the traced program writes into one of its inputs, or into a view of one.
+
+    Such a program is compiled through Dynamo, whose guards see when two inputs share
+    memory; a program that only reads its inputs computes the same from aliased inputs.
+    An op whose effects FX cannot see (no schema) counts as a write when it takes an input.
+
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> writes_an_input(make_fx(lambda x: x.add(1))(torch.ones(2)))
+        False
+        >>> writes_an_input(make_fx(lambda x: x[0].add_(1))(torch.ones(2)))
+        True
+    """
+    from_input: set[torch.fx.Node] = set()
+    for n in graph.graph.nodes:
+        if n.op == "placeholder":
+            from_input.add(n)
+        if n.op != "call_function" or not from_input.intersection(n.all_input_nodes):
+            continue
+        schema = private.op_schema(n.target)
+        if schema is None:
+            if n.target is not operator.getitem:
+                return True
+            from_input.add(n)  # an element of an input-derived list
+            continue
+        for k, a in enumerate(schema.arguments):
+            value = n.args[k] if k < len(n.args) else n.kwargs.get(a.name)
+            if a.alias_info is not None and a.alias_info.is_write and _nodes_in(value) & from_input:
+                return True
+        if any(r.alias_info is not None for r in schema.returns):  # a view: it shares its input's memory
+            from_input.add(n)
+    return False
+
+
+def _nodes_in(value: object) -> set[torch.fx.Node]:
+    nodes: set[torch.fx.Node] = set()
+    torch.fx.node.map_arg(value, nodes.add)  # type: ignore[arg-type]
+    return nodes

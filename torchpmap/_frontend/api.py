@@ -66,9 +66,12 @@ def pmap(
         mesh: a :class:`Mesh` (default: the one of an enclosing ``with mesh:``). When
             ``axis_name`` is one of its axes, the instances are placed along that mesh
             axis, and nested pmaps over other mesh axes fill the grid.
-        jit: compile the mapped program with ``torch.compile`` (True, or a dict of
-            ``torch.compile`` keyword arguments such as ``{"mode": "max-autotune"}``).
-            The vectorized program is traced once per input signature (shapes, dtypes,
+        jit: compile the mapped program with ``torch.compile``'s compiler (True, or a
+            dict of ``torch.compile`` keyword arguments such as
+            ``{"mode": "max-autotune"}``). True (or only inductor ``options``) compiles
+            with inductor directly, without Dynamo's per-call guards, whose work the
+            signature below already does.
+            The vectorized program is traced once per input signature (shapes, strides, dtypes,
             devices, ``requires_grad``, non-tensor arguments, grad mode, autocast,
             default dtype), collectives included, and the trace is compiled; later
             calls with the same signature run the compiled code without running ``fun``
