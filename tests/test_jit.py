@@ -483,6 +483,30 @@ def test_an_in_place_update_without_grad_runs_eagerly():
     torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("jit", [FAST, True], ids=["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.double(),  # dtype, through .data: the same parameter object
+        lambda m: setattr(m.weight, "data", torch.randn(5, 3)),  # shape: 5 outputs
+        lambda m: setattr(m.weight, "data", torch.randn(3, 3).t()),  # strides
+    ],
+    ids=["dtype", "shape", "strides"],
+)
+def test_a_closed_over_parameter_changed_in_place_traces_again(jit, change):
+    """A module's parameters change dtype or shape in place (``module.double()`` assigns
+    ``.data``): the program traced for the old ones is not run on the new ones."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 3, bias=False)
+    fun = counting(lambda v: layer(v.to(layer.weight.dtype)) * 2)
+    f = jit_pmap(fun, jit=jit)
+    x = torch.randn(4, 3)
+    f(x)
+    change(layer)
+    torch.testing.assert_close(f(x), eager_pmap(fun)(x))
+    assert fun.runs == 3  # traced twice, then run eagerly once
+
+
 def test_a_closed_over_tensor_that_starts_requiring_grad_traces_again():
     """Where the graph stops gradients depends on which closed-over tensors require grad."""
     w = torch.randn(3)

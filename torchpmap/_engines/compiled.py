@@ -189,8 +189,7 @@ class ProgramCache:
         if program is not _UNTRACED and program.constants_current():
             call.output_layout.copy_from(program.output_layout)  # body will not run
             return program(call)
-        # traced anew: first sight, or a closed-over tensor's requires_grad changed (it decides where
-        # the graph stops gradients)
+        # traced anew: first sight, or a closed-over tensor changed (constants_current)
         self._programs.pop(signature, None)
         while len(self._programs) >= config.jit_cache_size:
             _, evicted = self._programs.popitem(last=False)  # the least recently used
@@ -255,11 +254,11 @@ class _Program:
     tensor_slots: list[int]  # positions in call.broadcast that are graph inputs
     constants: list[torch.Tensor]  # tensors the function closes over, passed by reference
     output_layout: OutputLayout  # what body recorded while it was traced
-    constants_requires_grad: list[bool] = dataclasses.field(default_factory=list)  # when traced
+    constants_traced: list[Hashable] = dataclasses.field(default_factory=list)  # their _leaf_signature, when traced
     graph_forward: Any = None  # what was handed to torch.compile (None: compiled by inductor alone)
 
     def __post_init__(self) -> None:
-        self.constants_requires_grad = [c.requires_grad for c in self.constants]
+        self.constants_traced = [_leaf_signature(c) for c in self.constants]
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
         return self.compiled(*_graph_inputs(call, self.tensor_slots), *self.constants)
@@ -270,9 +269,11 @@ class _Program:
             private.release_compiled(self.graph_forward)
 
     def constants_current(self) -> bool:
-        """False when a closed-over tensor's requires_grad changed since the trace (the
-        arguments' is part of the signature): where the graph stops gradients depends on it."""
-        return not self.constants or all(c.requires_grad is rg for c, rg in zip(self.constants, self.constants_requires_grad))
+        """False when a closed-over tensor changed since the trace in what the program bakes
+        in: its ``requires_grad`` (which decides where the graph stops gradients), or its
+        shape, strides, dtype or device (``module.half()`` and ``.to()`` change a parameter
+        in place, through ``.data``)."""
+        return not self.constants or all(_leaf_signature(c) == k for c, k in zip(self.constants, self.constants_traced))
 
 
 def _graph_inputs(call: MappedCall, tensor_slots: Sequence[int]) -> list[torch.Tensor]:
