@@ -62,7 +62,7 @@ PYTEST = -m pytest -q
 JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
 	-W error::torchpmap.JitFallbackWarning
 
-.PHONY: setup demo test test-main test-compat test-quick bench bench-cluster docs test-gpu bench-gpu \
+.PHONY: setup demo test test-main test-compat test-quick test-jit-inductor bench bench-cluster docs test-gpu bench-gpu \
 	require-cuda clean distclean
 
 setup: $(VENV)/.stamp-test
@@ -77,7 +77,8 @@ test: test-main
 endif
 
 # $(call suite,PYTHON,TORCH VERSION): the whole suite on one device, then the
-# device-spanning parts again on 4 CPU devices, then the jit sweep.
+# device-spanning parts again on 4 CPU devices, then the jit sweeps (aot_eager: the trace
+# through Dynamo and AOTAutograd; inductor: jit=True's own path, generated code).
 define suite
 	@echo "== $$(date +%T) torch $(2): whole suite, 1 device"
 	TORCHPMAP_NUM_CPU_DEVICES=1 $(1) $(PYTEST)
@@ -85,6 +86,8 @@ define suite
 	TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) tests
 	@echo "== $$(date +%T) torch $(2): jit sweep"
 	$(call JIT_SWEEP,$(1))
+	@echo "== $$(date +%T) torch $(2): jit sweep, inductor"
+	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1))
 endef
 
 test-main: $(VENV)/.stamp-test
@@ -92,6 +95,11 @@ test-main: $(VENV)/.stamp-test
 
 test-compat: $(COMPAT_VENV)/.stamp-test
 	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT))
+
+# The jit sweep through jit=True's own path (inductor, generated code, no Dynamo), alone
+# (`make test` runs it too, after the aot_eager sweep).
+test-jit-inductor: $(VENV)/.stamp-test
+	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY))
 
 test-quick: $(VENV)/.stamp-test
 	$(PY) $(PYTEST) -x -m "not slow"

@@ -261,7 +261,10 @@ MULTI_DEVICE_ERRORS = ("does not divide evenly over the",)
 #: How the differential sweep compiles (TORCHPMAP_TEST_JIT=1 adds tp.pmap(jit=...) to every
 #: check): aot_eager runs the traced graph through dynamo and AOTAutograd without
 #: generating code, so the sweep checks the trace; tests/test_jit.py also runs inductor.
-JIT_OPTIONS = {"backend": os.environ.get("TORCHPMAP_TEST_JIT_BACKEND", "aot_eager")}
+#: TORCHPMAP_TEST_JIT_BACKEND=inductor sweeps with jit=True, the path users get: inductor
+#: without Dynamo (``make test`` runs both sweeps; ``make test-jit-inductor`` this one alone).
+_JIT_BACKEND = os.environ.get("TORCHPMAP_TEST_JIT_BACKEND", "aot_eager")
+JIT_OPTIONS: Any = True if _JIT_BACKEND == "inductor" else {"backend": _JIT_BACKEND}
 DEFAULT_TORCH_KINDS = ("pmap", "vmap", "pmap_jit") if os.environ.get("TORCHPMAP_TEST_JIT") == "1" else ("pmap", "vmap")
 
 

@@ -291,6 +291,19 @@ def test_inductor_compiles_a_program_that_reads_its_inputs_without_dynamo():
     assert compiled_by_dynamo(jit_pmap(lambda a: a * 2, jit=FAST), x)
 
 
+@pytest.mark.filterwarnings("error::torchpmap.JitFallbackWarning")
+def test_inductor_compiles_closed_over_and_created_constants():
+    """Tensors the function closes over, and tensors it creates from Python values, become
+    inputs of the compiled graph (a graph whose first op read one of them was left
+    malformed, which only a compiler that takes the graph as it is noticed)."""
+    w, steps = torch.randn(3), torch.arange(4)
+    f = jit_pmap(lambda v: (steps, torch.tensor(3.0).expand(3) * v + w), jit=True)
+    x = torch.randn(4, 3)
+    got_steps, got = f(x)
+    torch.testing.assert_close(got, 3.0 * x + w)
+    torch.testing.assert_close(got_steps, steps.expand(4, 4))
+
+
 def test_inductor_traces_again_for_other_strides():
     f = jit_pmap(lambda a, b: a @ b, jit=True)
     a, b = torch.randn(4, 3, 3), torch.randn(4, 3, 3)

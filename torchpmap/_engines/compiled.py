@@ -452,16 +452,15 @@ def _lift_constants(graph: torch.fx.GraphModule) -> list[torch.Tensor]:
     through the compiled graph, and an in-place update of it is seen by the next call.
     """
     first_op = next(n for n in graph.graph.nodes if n.op != "placeholder")  # the output node at least
+    reads = [n for n in graph.graph.nodes if n.op == "get_attr" and isinstance(getattr(graph, n.target, None), torch.Tensor)]
     inputs: dict[str, torch.fx.Node] = {}  # attribute -> its placeholder (several nodes may read one)
     constants: list[torch.Tensor] = []
-    for node in list(graph.graph.nodes):
-        value = getattr(graph, node.target, None) if node.op == "get_attr" else None
-        if not isinstance(value, torch.Tensor):
-            continue
+    for node in reads:  # all placeholders first: first_op may be one of the reads erased below
         if node.target not in inputs:
             with graph.graph.inserting_before(first_op):
                 inputs[node.target] = graph.graph.placeholder(f"constant_{len(constants)}")
-            constants.append(value)
+            constants.append(getattr(graph, node.target))
+    for node in reads:
         node.replace_all_uses_with(inputs[node.target])
         graph.graph.erase_node(node)
     for target in inputs:
