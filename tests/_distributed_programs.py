@@ -627,6 +627,20 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
     out["disagree"] = _failure_of(lambda: train_in_buckets(x, y, steps=1))
     tp.config.bucket_bytes = 16 << 10
     out["after"] = train_in_buckets(x, y, steps=1)["losses"]
+    # a first bucket of 4 KiB: the last 64x64 weight (16 KiB) is far bigger, so its first
+    # rows travel with the first bucket and the rest in a bucket of its own
+    tp.config.bucket_bytes = 4 << 10
+    for name, jit in (("split", False), ("split_compiled", True)):
+        sizes: list[int] = []
+        torch.distributed.all_reduce = lambda t, *a, **k: (sizes.append(t.numel()), all_reduce(t, *a, **k))[1]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", tp.JitFallbackWarning)
+                out[name] = train_in_buckets(x, y, jit=jit)
+        finally:
+            torch.distributed.all_reduce = all_reduce
+        out[f"{name}_all_reduces"] = sizes
+    tp.config.bucket_bytes = 16 << 10
     return out
 
 

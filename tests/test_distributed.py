@@ -398,6 +398,13 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
             torch.testing.assert_close(bn[k], one_pmean[k], rtol=0, atol=0, msg=lambda m: f"rank {r} {k}: {m}")
         _assert_same(f"rank {r} batch norm vs rank 0", bn, results[0]["batch_norm"], bitwise=True)
         _assert_same(f"rank {r} batch norm compiled vs eager", res["batch_norm_compiled"], bn, bitwise=False)
+        # a weight split across the first bucket (11 of its 64 rows in it): eager and compiled
+        # (each of the weight's two row blocks its own product), the model of pmean
+        split_sizes = [4 + 4 * 64 + 64 + 11 * 64, 53 * 64, 64 + 64 * 64, 64 + 64 * 16] * 3
+        assert res["split_all_reduces"] == split_sizes and res["split_compiled_all_reduces"] == split_sizes, res["split_all_reduces"]
+        _assert_same(f"rank {r} split vs by hand", res["split"], res["by_hand"], bitwise=nproc == 2)
+        _assert_same(f"rank {r} split compiled vs rank 0", res["split_compiled"], results[0]["split_compiled"], bitwise=True)
+        _assert_same(f"rank {r} split compiled vs eager", res["split_compiled"], res["split"], bitwise=False)
         failure = res["disagree"]
         assert failure and failure["error"] == "ExchangeMismatch", failure
         assert "3 parts" in failure["message"] and "2 parts" in failure["message"], failure["message"]

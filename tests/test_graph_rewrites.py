@@ -1,6 +1,7 @@
 """torchpmap._engines.graph_rewrites: a traced program's per-instance products summed over
 the instances become one product, with the same result (to rounding), and nothing else
-changes; a gradient bucket's start moves ahead of the computation it does not need, and
+changes; rows of a product that travel in different gradient buckets become one product
+per bucket; a gradient bucket's start moves ahead of the computation it does not need, and
 nothing that must keep its place moves; a program that writes into an input, or a view of
 one, is told apart from one that only reads its inputs."""
 from __future__ import annotations
@@ -11,7 +12,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import torchpmap as tp
 from torchpmap._engines import process_ops  # noqa: F401  (registers the torchpmap ops)
-from torchpmap._engines.graph_rewrites import fold_instance_sums, start_exchanges_early, writes_an_input
+from torchpmap._engines.graph_rewrites import (
+    fold_instance_sums,
+    split_sliced_products,
+    start_exchanges_early,
+    writes_an_input,
+)
 
 aten = torch.ops.aten
 
@@ -175,6 +181,109 @@ def test_a_start_never_overtakes_an_earlier_collective_or_a_random_draw():
     assert after.index("gather_processes") < after.index("start_sums"), after
     assert after.index("rand") < after.index("rand_1")
     assert after.index("mm_1") < after.index("start_sums")  # the weight's product still goes first
+
+
+# ----------------------------------------------------------------------- split_sliced_products
+
+
+def _weight_grad_in_two_buckets(gradient):
+    """A weight gradient whose first rows travel in the first bucket and the rest in the
+    second (what gradient_mean.buckets_of makes of a weight far bigger than the first
+    bucket), and the same slices as outputs, to compare."""
+
+    def program(g2, h1, bias_grad):
+        token = g2.new_empty(0)
+        grad_w2 = gradient(g2, h1)
+        first, rest = grad_w2[:3], grad_w2[3:]
+        started = torchpmap_ops.start_sums(token, [bias_grad, first], 0, 0)
+        started_1 = torchpmap_ops.start_sums(token, [rest], 0, 1)
+        return started, started_1, first, rest
+
+    return program
+
+
+_GRADIENTS = {
+    "mm": lambda g2, h1: g2.t() @ h1,
+    "mm, transposed": lambda g2, h1: (h1.t() @ g2).t(),  # the rows of the weight are columns of the product
+    # as a traced data-parallel step has it: a batched product of one instance, viewed, selected
+    "bmm": lambda g2, h1: torch.bmm(g2.t()[None], h1[None]).view(1, 8, 5).transpose(1, 2).transpose(1, 2).select(0, 0),
+    "bmm, transposed": lambda g2, h1: torch.bmm(h1.t()[None], g2[None]).transpose(1, 2)[0],
+}
+
+
+def _runnable(graph):
+    """The graph with its starts replaced by a no-op, to run it on real tensors."""
+    for n in graph.graph.nodes:
+        if n.target is torchpmap_ops.start_sums.default:
+            n.target = lambda token, ts, key, k: token
+    graph.recompile()
+    return graph
+
+
+@pytest.mark.parametrize("how", sorted(_GRADIENTS))
+def test_rows_of_a_product_in_two_buckets_become_two_products_and_the_first_bucket_waits_for_its_own(how):
+    program = _weight_grad_in_two_buckets(_GRADIENTS[how])
+    shapes = ((4, 8), (4, 5), (2,))
+    graph = _fake_graph(program, *shapes)
+    products = [n for n in graph.graph.nodes if n.target in (aten.mm.default, aten.bmm.default)]
+    assert len(products) == 1
+    assert split_sliced_products(graph) == 1
+    products = [n for n in graph.graph.nodes if n.target in (aten.mm.default, aten.bmm.default)]
+    assert len(products) == 2, graph.graph  # one per slice, the whole one gone
+    assert start_exchanges_early(graph)
+    order = _order(graph)
+    first_product = min(order.index(n.name) for n in products)
+    assert first_product < order.index("start_sums") < max(order.index(n.name) for n in products), order
+    # the same values, to rounding
+    inputs = [torch.randn(s) for s in shapes]
+    whole = _GRADIENTS[how](*inputs[:2])
+    got = _runnable(graph)(*inputs)
+    for k, want in ((2, whole[:3]), (3, whole[3:])):
+        assert got[k].shape == want.shape
+        torch.testing.assert_close(got[k], want)
+
+
+def test_a_product_folded_over_instances_is_split_too():
+    # several instances per process: their weight gradients' sum is folded into one product
+    # first (fold_instance_sums), whose rows then travel in two buckets
+    def program(g2, h1, bias_grad):
+        token = g2.new_empty(0)
+        grad_w2 = torch.bmm(g2.transpose(1, 2), h1).sum(0)  # (instances, out, samples) @ (instances, samples, in)
+        first, rest = grad_w2[:3], grad_w2[3:]
+        started = torchpmap_ops.start_sums(token, [bias_grad, first], 0, 0)
+        return started, torchpmap_ops.start_sums(token, [rest], 0, 1), first, rest
+
+    shapes = ((2, 4, 8), (2, 4, 5), (2,))
+    graph = _fake_graph(program, *shapes)
+    assert fold_instance_sums(graph) == 1 and split_sliced_products(graph) == 1
+    assert [t for t in _ops(graph) if t in (aten.mm.default, aten.bmm.default)] == [aten.mm.default] * 2
+    inputs = [torch.randn(s) for s in shapes]
+    whole = torch.bmm(inputs[0].transpose(1, 2), inputs[1]).sum(0)
+    got = _runnable(graph)(*inputs)
+    torch.testing.assert_close(got[2], whole[:3])
+    torch.testing.assert_close(got[3], whole[3:])
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        # the whole product is used too: splitting would compute it twice
+        lambda g2, h1: (lambda w: (torchpmap_ops.start_sums(g2.new_empty(0), [w[:3]], 0, 0), w))(g2.t() @ h1),
+        lambda g2, h1: (lambda w: (torchpmap_ops.start_sums(g2.new_empty(0), [w[:3]], 0, 0), w.sum()))(g2.t() @ h1),
+        # a slice with a step, and a slice of something that is not a product
+        lambda g2, h1: torchpmap_ops.start_sums(g2.new_empty(0), [(g2.t() @ h1)[::2]], 0, 0),
+        lambda g2, h1: torchpmap_ops.start_sums(g2.new_empty(0), [(g2.t() + 1)[:3]], 0, 0),
+        # slices that overlap: split, the product would be computed one and a half times
+        lambda g2, h1: (lambda w: (torchpmap_ops.start_sums(g2.new_empty(0), [w[:3]], 0, 0), w[2:]))(g2.t() @ h1),
+        # a reshape that merges dims on the way
+        lambda g2, h1: torchpmap_ops.start_sums(g2.new_empty(0), [(g2.t() @ h1).reshape(-1)[:3]], 0, 0),
+    ],
+)
+def test_other_slices_and_shared_products_stay(program):
+    graph = _fake_graph(program, (4, 8), (4, 5))
+    before = _order(graph)
+    assert split_sliced_products(graph) == 0
+    assert _order(graph) == before
 
 
 @pytest.mark.parametrize(

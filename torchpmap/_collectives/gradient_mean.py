@@ -36,7 +36,10 @@ a node created before the forward after every other ready node, i.e. at the very
 the backward. Calling the object with the gradients waits for those sums and divides by
 the axis size in their own buffers, as ``pmean`` does. Buckets follow DDP: parameters in
 reverse order of the dict (the order a backward usually produces them), a first bucket
-of about 1 MiB so that the first exchange starts early, then ``config.bucket_bytes``.
+of about 1 MiB so that the first exchange starts early, then ``config.bucket_bytes``;
+except that a parameter much bigger than the first bucket is split across it (its first
+rows in it, the rest a bucket of its own), which a compiled step turns into an earlier
+first exchange (see :func:`buckets_of`).
 
 It overlaps only where that pays and keeps the result ``pmean`` would give: across
 processes (each process sends the sum of its own instances' gradients, as ``pmean``
@@ -51,6 +54,7 @@ exchange).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Hashable, Optional, Sequence
 
 import torch
@@ -69,21 +73,55 @@ Tensors = dict[str, torch.Tensor]
 FIRST_BUCKET_BYTES = 1 << 20
 
 
-def buckets_of(sizes: Sequence[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Names grouped into buckets, last name first: each bucket closes once it holds at
-    least its limit (``FIRST_BUCKET_BYTES`` for the first, capped by ``bucket_bytes``;
-    ``bucket_bytes`` after).
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """What a bucket holds of one parameter's gradient: all of it, or rows
+    ``rows[0]:rows[1]`` of its first dim (a parameter much bigger than the first bucket is
+    split across it: see :func:`buckets_of`).
 
-    >>> buckets_of([("a", 3 << 20), ("b", 10), ("c", 2 << 20), ("d", 10)], bucket_bytes=4 << 20)
-    [['d', 'c'], ['b', 'a']]
+    >>> Piece("w", (0, 2)).of(torch.arange(6).view(3, 2))
+    tensor([[0, 1],
+            [2, 3]])
     """
-    out: list[list[str]] = []
-    current: list[str] = []
+
+    name: str
+    rows: Optional[tuple[int, int]] = None
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        """This piece of ``t`` (the parameter, or its gradient): a view."""
+        return t if self.rows is None else t[self.rows[0] : self.rows[1]]
+
+
+def buckets_of(params: Sequence[tuple[str, int, int]], bucket_bytes: int) -> list[list[Piece]]:
+    """Pieces of the ``(name, bytes, rows)`` parameters grouped into buckets, last name
+    first: each bucket closes once it holds at least its limit (``FIRST_BUCKET_BYTES`` for
+    the first, capped by ``bucket_bytes``; ``bucket_bytes`` after), as DDP's do.
+
+    Unlike DDP's, the first bucket does not wait for all of a parameter that would take
+    it past twice its limit: it takes the parameter's first rows, up to its limit, and the
+    rest of that parameter is a bucket of its own. A compiled step computes those rows'
+    gradient first (``graph_rewrites.split_sliced_products``), so the first exchange
+    starts after a fraction of that product instead of all of it.
+
+    >>> buckets_of([("a", 3 << 20, 1), ("b", 10, 1), ("c", 2 << 20, 1), ("d", 10, 1)], bucket_bytes=4 << 20)
+    [[Piece(name='d', rows=None), Piece(name='c', rows=None)], [Piece(name='b', rows=None), Piece(name='a', rows=None)]]
+    >>> [[(p.name, p.rows) for p in b] for b in buckets_of([("w", 4 << 20, 1024), ("b", 4096, 1024)], 25 << 20)]
+    [[('b', None), ('w', (0, 255))], [('w', (255, 1024))]]
+    """
+    out: list[list[Piece]] = []
+    current: list[Piece] = []
     held = 0
-    for name, size in reversed(sizes):
-        current.append(name)
+    for name, size, rows in reversed(params):
+        limit = min(FIRST_BUCKET_BYTES, bucket_bytes) if not out else bucket_bytes
+        if not out and held + size > 2 * limit and rows > 1:  # the first bucket takes its first rows
+            row_bytes = size // rows
+            first = min(rows - 1, max(1, -(-(limit - held) // row_bytes)))
+            out += [[*current, Piece(name, (0, first))], [Piece(name, (first, rows))]]
+            current, held = [], 0
+            continue
+        current.append(Piece(name))
         held += size
-        if held >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not out else bucket_bytes):
+        if held >= limit:
             out.append(current)
             current, held = [], 0
     if current:
@@ -126,17 +164,20 @@ class GradientMean:
             return params  # another vmap inside the instance: its gradients are not the instance's
         if not sums_by_all_reduce(list(params.values())):
             return params  # small enough that pmean gathers the partial sums: its bits, its way
-        sizes = [(k, t.numel() * t.element_size()) for k, t in params.items()]
+        sizes = [(k, t.numel() * t.element_size(), t.shape[0] if t.dim() else 1) for k, t in params.items()]
         buckets = buckets_of(sizes, self.bucket_bytes)
         what = f"pmean of the gradient over axis {self.axis_name!r}"
-        sums = exchange.sums_in_order([[params[k] for k in names] for names in buckets], what)
+        sums = exchange.sums_in_order([[p.of(params[p.name]) for p in bucket] for bucket in buckets], what)
         if sums is None:
             return params
         self.buckets, self._sums = buckets, sums
         self._arrived = [{} for _ in buckets]
-        for i, names in enumerate(buckets):
-            for k in names:
-                params[k].register_hook(self._hook(i, k))
+        where: dict[str, list[tuple[int, Piece]]] = {}
+        for i, bucket in enumerate(buckets):
+            for piece in bucket:
+                where.setdefault(piece.name, []).append((i, piece))
+        for k, pieces in where.items():
+            params[k].register_hook(self._hook(pieces))
         return params
 
     def average_later(self, values: Sequence[torch.Tensor]) -> bool:
@@ -172,15 +213,17 @@ class GradientMean:
             return value if n == 1 else value * n
         return value.select(dim, 0) if value.shape[dim] == 1 else value.sum(dim)
 
-    def _hook(self, bucket: int, name: str) -> Callable[[torch.Tensor], None]:
-        """Parameter ``name``'s gradient hook: the bucket starts once all its parameters'
-        gradients have arrived (each arrives once, summed over its uses)."""
+    def _hook(self, pieces: list[tuple[int, Piece]]) -> Callable[[torch.Tensor], None]:
+        """A parameter's gradient hook: each bucket holding a piece of it starts once all
+        its pieces have arrived (each gradient arrives once, summed over its uses)."""
 
         def arrived(grad: torch.Tensor) -> None:
-            got = self._arrived[bucket]
-            got[name] = self._partial(grad)
-            if len(got) == len(self.buckets[bucket]):
-                self._sums.start(bucket, [got.pop(k) for k in self.buckets[bucket]])
+            partial = self._partial(grad)
+            for i, piece in pieces:
+                got = self._arrived[i]
+                got[piece] = piece.of(partial)
+                if len(got) == len(self.buckets[i]):
+                    self._sums.start(i, [got.pop(p) for p in self.buckets[i]])
 
         return arrived
 
@@ -190,10 +233,19 @@ class GradientMean:
         sums = self._sums
         if sums is None:
             return pmean(grads, self.axis_name)
+        pieces = {k: sum(p.name == k for b in self.buckets for p in b) for k in grads}
+        arrived: dict[str, list[torch.Tensor]] = {k: [] for k in grads}
         out: Tensors = {}
-        for i, names in enumerate(self.buckets):
+        joined: list[torch.Tensor] = []
+        for i, bucket in enumerate(self.buckets):
             # a bucket the backward never completed (a parameter it did not reach) starts now
-            sums.start(i, [self._partial(grads[k]) for k in names])
-            for k, mean in zip(names, sums.wait(i, self._frame.size)):  # divided in the sum's own buffer
-                out[k] = mean  # the bits of pmean's total / size
+            sums.start(i, [p.of(self._partial(grads[p.name])) for p in bucket])
+            # divided in the sum's own buffer; a split parameter joined before the next wait
+            for p, mean in zip(bucket, sums.wait(i, self._frame.size, after=joined)):
+                arrived[p.name].append(mean)  # the bits of pmean's total / size
+                if len(arrived[p.name]) == pieces[p.name] > 1:  # its pieces came in row order
+                    out[p.name] = torch.cat(arrived[p.name])
+                    joined.append(out[p.name])
+                elif pieces[p.name] == 1:
+                    out[p.name] = mean
         return {k: out[k] for k in grads}

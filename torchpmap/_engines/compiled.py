@@ -304,6 +304,7 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     graph = private.make_fx_real_inputs(program, decomposition_table={})(*inputs)
     graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses
     graph_rewrites.fold_instance_sums(graph)  # per-instance products summed over instances -> one product
+    graph_rewrites.split_sliced_products(graph)  # a bucket's rows of a weight gradient: their own product
     kwargs = {"fullgraph": True, "dynamic": False, **options}
     if graph_rewrites.start_exchanges_early(graph) and "mode" not in kwargs:  # a bucket starts once its gradients exist
         # and inductor keeps that order: its peak-memory pass would put the next layer's

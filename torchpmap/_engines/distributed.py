@@ -463,8 +463,9 @@ class OrderedSums:
             started = _start_all_reduce(self.ready.pop(n), self.exchange.group, f"{self.label}, part {n + 1}")
             self.started.append(started)
 
-    def wait(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
-        """Group ``k``'s sums (it must have started), divided by ``divisor`` in place."""
+    def wait(self, k: int, divisor: int = 1, after: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """Group ``k``'s sums (it must have started), divided by ``divisor`` in place
+        (``after`` exists already: it orders a compiled program's ops)."""
         return split_flat(self.started[k].ts, self.wait_flat(k, divisor))
 
     def wait_flat(self, k: int, divisor: int = 1) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
 """Rewrites of a traced vectorized program before it is compiled (``pmap(jit=True)``):
-:func:`fold_instance_sums` (one product where the vectorized form says ``n`` summed)
-and :func:`start_exchanges_early` (each gradient bucket's exchange as soon as its
-gradients can exist); and one question the compiler's choice depends on,
-:func:`writes_an_input`.
+:func:`fold_instance_sums` (one product where the vectorized form says ``n`` summed),
+:func:`split_sliced_products` (a product whose slices travel in different gradient
+buckets, computed per slice) and :func:`start_exchanges_early` (each gradient bucket's
+exchange as soon as its gradients can exist); and one question the compiler's choice
+depends on, :func:`writes_an_input`.
 
 The vectorized program says "per instance, then across instances" where a plain
 batched program says it once. The commonest case is a data-parallel step: each
@@ -64,9 +65,9 @@ def fold_instance_sums(graph: torch.fx.GraphModule) -> int:
         i = _shape(b)[2]
         g = graph.graph
         with g.inserting_before(node):
-            lhs = g.call_function(aten.reshape.default, (g.call_function(aten.permute.default, (a, [1, 0, 2])), [o, n * k]))
-            rhs = g.call_function(aten.reshape.default, (b, [n * k, i]))
-            out = g.call_function(aten.mm.default, (lhs, rhs))
+            lhs = _call(g, aten.reshape.default, (_call(g, aten.permute.default, (a, [1, 0, 2])), [o, n * k]))
+            rhs = _call(g, aten.reshape.default, (b, [n * k, i]))
+            out = _call(g, aten.mm.default, (lhs, rhs))
             for view in views:  # the same views, on the result without its instance dim
                 out = _replay(g, view, out)
         node.replace_all_uses_with(out)
@@ -79,6 +80,20 @@ def fold_instance_sums(graph: torch.fx.GraphModule) -> int:
 
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
+
+
+def _call(g: torch.fx.Graph, target: Callable[..., object], args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
+    """A new ``call_function`` node, with the ``val`` of its result (from its arguments'
+    fake values, as the trace records it) when they all have one: a later rewrite reads
+    shapes from it."""
+    node = g.call_function(target, args, kwargs or {})
+    if all("val" in n.meta for n in node.all_input_nodes):
+        values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        try:
+            node.meta["val"] = target(*values[0], **values[1])
+        except Exception:  # e.g. values of two fake modes: the node goes without, and rewrites skip it
+            pass
+    return node
 
 
 def _summed_bmm(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
@@ -117,10 +132,158 @@ def _replay(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node) -> tor
     rank = len(_shape(view))
     if view.target is aten.transpose.int:
         d1, d2 = (d % rank - 1 for d in view.args[1:3])
-        return g.call_function(aten.transpose.int, (value, d1, d2))
+        return _call(g, aten.transpose.int, (value, d1, d2))
     if view.target is aten.permute.default:
-        return g.call_function(aten.permute.default, (value, [d % rank - 1 for d in view.args[1][1:]]))
+        return _call(g, aten.permute.default, (value, [d % rank - 1 for d in view.args[1][1:]]))
     return value  # a reshape to the same shape
+
+
+# --------------------------------------------------------------------------- sliced products
+
+#: Ops between a product and the slices of it that an exchange start takes (each maps
+#: the sliced dim to one dim of its input): transposes and permutes, the select of a
+#: size-1 dim, and reshapes that only add or drop size-1 dims.
+_PASS_THROUGH = (
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
+    aten.permute.default, aten.t.default, aten.select.int,
+)
+
+
+def split_sliced_products(graph: torch.fx.GraphModule) -> int:
+    """Rewrites each product (``mm``, ``bmm``) whose result an exchange start takes only in
+    slices into one smaller product per slice; returns how many products it split.
+
+    A weight much bigger than the first gradient bucket sends its first rows with that
+    bucket and the rest later (see ``torchpmap._collectives.gradient_mean.buckets_of``);
+    the trace then slices one product's result. Computed as one product, the first
+    slice waits for all of it; computed per slice, the first bucket needs only its part,
+    and :func:`start_exchanges_early` puts that part first. The same math: each slice of
+    the result is the product of the slice of one factor (rows of ``a @ b`` are
+    ``a[rows] @ b``); the bits may differ from the whole product's, as another blocking
+    of one product may.
+
+        >>> a, b = torch.randn(6, 3), torch.randn(3, 5)
+        >>> torch.allclose((a @ b)[:2], a[:2] @ b) and torch.allclose((a @ b).t()[1:], (a @ b[:, 1:]).t())
+        True
+
+    Tested on traced data-parallel steps in ``tests/test_graph_rewrites.py``.
+    """
+    users_of = {n: list(n.users) for n in graph.graph.nodes}
+    sliced: set[torch.fx.Node] = set()
+    for start in (n for n in graph.graph.nodes if _qualified(n) in _STARTS):
+        for arg in _nodes_in(start.args):
+            if arg.target is aten.slice.Tensor and isinstance(arg.args[0], torch.fx.Node):
+                sliced.add(arg.args[0])
+    split = 0
+    g = graph.graph
+    for value in sliced:
+        slices = users_of[value]
+        if not slices or not all(u.target is aten.slice.Tensor and u.args[0] is value for u in slices):
+            continue  # the whole value is used too: splitting would compute it twice
+        plans = [_sliced_product(value, s) for s in slices]
+        if any(p is None for p in plans) or not _disjoint([(p[2], *p[3]) for p in plans if p is not None]):
+            continue  # slices that overlap (or run along different dims) would compute rows twice
+        for s, plan in zip(slices, plans):
+            assert plan is not None
+            product, chain, dim, (start, stop) = plan
+            a, b = product.args
+            with g.inserting_before(s):
+                if dim == len(_shape(product)) - 2:  # rows of the result: rows of a
+                    operands = (_call(g, aten.slice.Tensor, (a, dim, start, stop)), b)
+                elif dim == len(_shape(product)) - 1:  # its columns: columns of b
+                    operands = (a, _call(g, aten.slice.Tensor, (b, dim, start, stop)))
+                else:  # the batch dim of a bmm: both
+                    operands = tuple(_call(g, aten.slice.Tensor, (f, 0, start, stop)) for f in (a, b))
+                out = _call(g, product.target, operands)
+                for view, view_dim in chain:  # from the product on
+                    out = _replay_sliced(g, view, out, view_dim, stop - start)
+            s.replace_all_uses_with(out)
+            g.erase_node(s)
+        split += 1
+    if split:
+        g.eliminate_dead_code()
+        g.lint()
+        graph.recompile()
+    return split
+
+
+def _slice_range(s: torch.fx.Node) -> Optional[tuple[int, int, int]]:
+    """(dim, start, stop) of a step-1 ``aten.slice.Tensor`` node, normalized; None otherwise."""
+    x, dim, start, end, step = (list(s.args) + [0, None, None, 1][len(s.args) - 1 :])[:5]
+    if step != 1 or "val" not in x.meta:
+        return None
+    shape = _shape(x)
+    dim = dim % len(shape)
+    size = shape[dim]
+    start, end, _ = slice(start, end).indices(size)
+    return (dim, start, max(start, end)) if isinstance(start, int) else None
+
+
+def _sliced_product(
+    value: torch.fx.Node, s: torch.fx.Node
+) -> Optional[tuple[torch.fx.Node, list[tuple[torch.fx.Node, int]], int, tuple[int, int]]]:
+    """For slice ``s`` of ``value``: the product that ``value`` comes from, the ops from
+    the product to ``value`` (each with the dim of its result that the slice runs along),
+    the product's dim that the slice runs along and the slice's range; None when
+    ``value`` is not such a product's result (or is used elsewhere on the way)."""
+    r = _slice_range(s)
+    if r is None:
+        return None
+    dim, start, stop = r
+    chain: list[tuple[torch.fx.Node, int]] = []
+    node = value
+    while node.target in _PASS_THROUGH:
+        if node is not value and len(node.users) != 1:
+            return None
+        before = _dim_before(node, dim)
+        if before is None:
+            return None
+        chain.append((node, dim))
+        node, dim = node.args[0], before
+    if node.target not in (aten.mm.default, aten.bmm.default) or (node is not value and len(node.users) != 1):
+        return None
+    if any("val" not in n.meta for n in (node, *node.args)):
+        return None
+    return node, chain[::-1], dim, (start, stop)
+
+
+def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
+    """Whether the ``(dim, start, stop)`` ranges run along one dim and share no index."""
+    if len({dim for dim, _, _ in ranges}) != 1:
+        return False
+    ordered = sorted((start, stop) for _, start, stop in ranges)
+    return all(stop <= start for (_, stop), (start, _) in zip(ordered, ordered[1:]))
+
+
+def _dim_before(view: torch.fx.Node, dim: int) -> Optional[int]:
+    """The dim of ``view``'s input that its result's ``dim`` is (None if none is)."""
+    rank = len(_shape(view))
+    if view.target is aten.transpose.int:
+        d1, d2 = (d % rank for d in view.args[1:3])
+        return d2 if dim == d1 else d1 if dim == d2 else dim
+    if view.target is aten.t.default:
+        return 1 - dim if rank == 2 else dim
+    if view.target is aten.permute.default:
+        return view.args[1][dim] % rank
+    if view.target is aten.select.int:
+        return dim + 1 if dim >= view.args[1] % (rank + 1) else dim
+    # a reshape that only adds or drops size-1 dims: the dims of other sizes pair up in order
+    before, after = _shape(view.args[0]), _shape(view)
+    big_before = [d for d, n in enumerate(before) if n != 1]
+    big_after = [d for d, n in enumerate(after) if n != 1]
+    if [before[d] for d in big_before] != [after[d] for d in big_after] or dim not in big_after:
+        return None
+    return big_before[big_after.index(dim)]
+
+
+def _replay_sliced(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node, dim: int, length: int) -> torch.fx.Node:
+    """``view`` applied to ``value``, whose dim (of ``view``'s input) that maps to the
+    result's ``dim`` now has ``length`` entries."""
+    if view.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        shape = list(_shape(view))
+        shape[dim] = length
+        return _call(g, view.target, (value, shape))
+    return _call(g, view.target, (value, *view.args[1:]), dict(view.kwargs))
 
 
 # --------------------------------------------------------------------------- exchanges first

@@ -136,13 +136,14 @@ class TracedOrderedSums:
         with private.functorch_layers_cleared():
             self.started[k] = torch.ops.torchpmap.start_sums(self.token, list(ts), self.exchange.key, k)
 
-    def wait(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
+    def wait(self, k: int, divisor: int = 1, after: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         shapes = self.expected[k]
         with private.functorch_layers_cleared():
             # after every start the trace made (a compiled program must not wait for one
-            # bucket before it has started the others)
+            # bucket before it has started the others), and after ``after`` (inductor
+            # would otherwise compute what only the outputs need at the very end)
             (flat,) = torch.ops.torchpmap.wait_sums(
-                self.started[k], list(self.started.values()), self.exchange.key, k, sum(shape.numel() for shape, _ in shapes),
+                self.started[k], [*self.started.values(), *after], self.exchange.key, k, sum(shape.numel() for shape, _ in shapes),
                 shapes[0][1], divisor,
             )
         self.waited[:] = [flat]

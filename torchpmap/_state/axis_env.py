@@ -37,9 +37,10 @@ class OrderedSums(Protocol):
         """Part ``k``'s values (plain tensors) are ready; it starts once every part before it has."""
         ...
 
-    def wait(self, k: int, divisor: int = 1) -> list[torch.Tensor]:
+    def wait(self, k: int, divisor: int = 1, after: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         """Part ``k``'s sums, once complete (it must have started), divided by ``divisor``
-        in their own buffer (a mean without a pass into a fresh one)."""
+        in their own buffer (a mean without a pass into a fresh one). ``after``: values
+        that a compiled program computes before this wait (eager, they exist already)."""
         ...
 
 
