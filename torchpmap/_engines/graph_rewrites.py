@@ -216,7 +216,7 @@ def _slice_range(s: torch.fx.Node) -> Optional[tuple[int, int, int]]:
     dim = dim % len(shape)
     size = shape[dim]
     start, end, _ = slice(start, end).indices(size)
-    return (dim, start, max(start, end)) if isinstance(start, int) else None
+    return dim, start, max(start, end)
 
 
 def _sliced_product(
@@ -233,7 +233,7 @@ def _sliced_product(
     chain: list[tuple[torch.fx.Node, int]] = []
     node = value
     while node.target in _PASS_THROUGH:
-        if node is not value and len(node.users) != 1:
+        if (node is not value and len(node.users) != 1) or "val" not in node.meta or "val" not in node.args[0].meta:
             return None
         before = _dim_before(node, dim)
         if before is None:
