@@ -145,7 +145,8 @@ class GradientMean:
         #: the buckets, once watched across processes: names, in the order they start
         self.buckets: list[list[str]] = []
         self._sums: Optional[OrderedSums] = None
-        self._arrived: list[dict[str, torch.Tensor]] = []
+        self._arrived: list[dict[Piece, torch.Tensor]] = []
+        self._pieces: dict[str, int] = {}  # how many pieces of each parameter the buckets hold
         self._averaging = False
         frame = _axis_env.lookup(axis_name)
         self._frame = frame
@@ -176,6 +177,7 @@ class GradientMean:
         for i, bucket in enumerate(buckets):
             for piece in bucket:
                 where.setdefault(piece.name, []).append((i, piece))
+        self._pieces = {k: len(pieces) for k, pieces in where.items()}
         for k, pieces in where.items():
             params[k].register_hook(self._hook(pieces))
         return params
@@ -233,19 +235,19 @@ class GradientMean:
         sums = self._sums
         if sums is None:
             return pmean(grads, self.axis_name)
-        pieces = {k: sum(p.name == k for b in self.buckets for p in b) for k in grads}
-        arrived: dict[str, list[torch.Tensor]] = {k: [] for k in grads}
+        arrived: dict[str, list[torch.Tensor]] = {}
         out: Tensors = {}
         joined: list[torch.Tensor] = []
         for i, bucket in enumerate(self.buckets):
             # a bucket the backward never completed (a parameter it did not reach) starts now
             sums.start(i, [p.of(self._partial(grads[p.name])) for p in bucket])
-            # divided in the sum's own buffer; a split parameter joined before the next wait
+            # divided in the sum's own buffer (the bits of pmean's total / size); a split
+            # parameter's pieces come in row order, joined before the next bucket's wait
             for p, mean in zip(bucket, sums.wait(i, self._frame.size, after=joined)):
-                arrived[p.name].append(mean)  # the bits of pmean's total / size
-                if len(arrived[p.name]) == pieces[p.name] > 1:  # its pieces came in row order
-                    out[p.name] = torch.cat(arrived[p.name])
-                    joined.append(out[p.name])
-                elif pieces[p.name] == 1:
-                    out[p.name] = mean
+                got = arrived.setdefault(p.name, [])
+                got.append(mean)
+                if len(got) == self._pieces[p.name]:
+                    out[p.name] = mean if len(got) == 1 else torch.cat(got)
+                    if len(got) > 1:
+                        joined.append(out[p.name])
         return {k: out[k] for k in grads}
