@@ -143,10 +143,7 @@ def _replay(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node) -> tor
 #: Ops between a product and the slices of it that an exchange start takes (each maps
 #: the sliced dim to one dim of its input): transposes and permutes, the select of a
 #: size-1 dim, and reshapes that only add or drop size-1 dims.
-_PASS_THROUGH = (
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int,
-    aten.permute.default, aten.t.default, aten.select.int,
-)
+_PASS_THROUGH = (*_VIEWS, aten.t.default, aten.select.int)
 
 
 def split_sliced_products(graph: torch.fx.GraphModule) -> int:
@@ -168,16 +165,15 @@ def split_sliced_products(graph: torch.fx.GraphModule) -> int:
 
     Tested on traced data-parallel steps in ``tests/test_graph_rewrites.py``.
     """
-    users_of = {n: list(n.users) for n in graph.graph.nodes}
-    sliced: set[torch.fx.Node] = set()
-    for start in (n for n in graph.graph.nodes if _qualified(n) in _STARTS):
-        for arg in _nodes_in(start.args):
-            if arg.target is aten.slice.Tensor and isinstance(arg.args[0], torch.fx.Node):
-                sliced.add(arg.args[0])
+    starts = {n for n in graph.graph.nodes if _qualified(n) in _STARTS}
+    sliced = dict.fromkeys(  # the values that starts take slices of, in graph order: every process rewrites alike
+        n.args[0] for n in graph.graph.nodes
+        if n.target is aten.slice.Tensor and isinstance(n.args[0], torch.fx.Node) and starts.intersection(n.users)
+    )
     split = 0
     g = graph.graph
     for value in sliced:
-        slices = users_of[value]
+        slices = list(value.users)
         if not slices or not all(u.target is aten.slice.Tensor and u.args[0] is value for u in slices):
             continue  # the whole value is used too: splitting would compute it twice
         plans = [_sliced_product(value, s) for s in slices]
