@@ -103,13 +103,21 @@ def reference():
 # TORCHPMAP_ALL_REDUCE_BYTES=1 every psum/pmean across the processes is an all-reduce
 # (by default only those of 1 MiB or more; never with bitwise placement): the same
 # comparisons hold, and replicated results are still bitwise the same in every process.
+# TORCHPMAP_HEADERS_APART=1: every transfer's headers travel in a collective of their own
+# on the host, beside the payload's, as they do for CUDA payloads (read without
+# synchronising with the GPU); the same results, one more (small) all-gather per transfer.
 @pytest.mark.parametrize(
-    "nproc, bitwise_placement, all_reduce", [(2, False, False), (4, False, False), (4, True, False), (2, False, True), (4, False, True)]
+    "nproc, bitwise_placement, all_reduce, headers_apart",
+    [(2, False, False, False), (4, False, False, False), (4, True, False, False), (2, False, True, False),
+     (4, False, True, False), (2, False, False, True), (2, False, True, True)],
 )
-def test_collectives_and_training_match_one_process(nproc, bitwise_placement, all_reduce, tmp_path, reference):
+def test_collectives_and_training_match_one_process(nproc, bitwise_placement, all_reduce, headers_apart, tmp_path,
+                                                    reference):
     env = {"TORCHPMAP_BITWISE_PLACEMENT": "1" if bitwise_placement else "0"}
     if all_reduce:
         env["TORCHPMAP_ALL_REDUCE_BYTES"] = "1"
+    if headers_apart:
+        env["TORCHPMAP_HEADERS_APART"] = "1"
     finished, results = _run("collectives", nproc, tmp_path, env=env)
     logs = _logs(finished)
     assert all(f.returncode == 0 for f in finished), logs
@@ -129,7 +137,9 @@ def test_collectives_and_training_match_one_process(nproc, bitwise_placement, al
         # instances it holds. As all-reduces: a header round, then one all-reduce of the 6
         # sums (one dtype), each way.
         want = {"all_gather": 1, "all_to_all": 1, "all_gather_bytes": 64 + 6 * 3 * 4, "all_reduce": 0}
-        if all_reduce:
+        if headers_apart:  # the headers' own all-gather each way, beside the payload's
+            want = {"all_gather": 3, "all_to_all": 1, "all_gather_bytes": 64 + 6 * 3 * 4 + 64, "all_reduce": 0}
+        if all_reduce:  # the headers travel alone either way
             want = {"all_gather": 2, "all_to_all": 0, "all_gather_bytes": 2 * 64, "all_reduce": 2}
         assert res["transfers"] == want, res["transfers"]
     one_each = nproc == progs.G and bitwise_placement  # one instance per process, through vmap
@@ -264,13 +274,17 @@ DISAGREEMENTS = {
 }
 
 
-@pytest.mark.parametrize("nproc, all_reduce", [(2, False), (3, False), (3, True)])
-def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(nproc, all_reduce, tmp_path):
+@pytest.mark.parametrize("nproc, all_reduce, headers_apart", [(2, False, False), (3, False, False), (3, True, False),
+                                                              (3, False, True)])
+def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(nproc, all_reduce, headers_apart, tmp_path):
     """The issue's table of disagreements, eager and compiled, with the last process the odd
     one: every process raises ExchangeMismatch before any payload moves (no garbage, no
     abort), naming what each side called, and the processes stay in step. Also when every
-    psum is an all-reduce (its headers then travel in a round of their own)."""
+    psum is an all-reduce (its headers then travel in a round of their own), and with the
+    headers apart from the payloads (CUDA's protocol)."""
     env = {"TORCHPMAP_ALL_REDUCE_BYTES": "1"} if all_reduce else {}
+    if headers_apart:
+        env["TORCHPMAP_HEADERS_APART"] = "1"
     finished, results = _run("disagree", nproc, tmp_path, timeout=20, env=env)
     logs = _logs(finished)
     assert all(f.returncode == 0 for f in finished), logs
@@ -364,9 +378,10 @@ def _split_steps(events: list) -> list[list]:
     return steps + [current]
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, tmp_path):
-    finished, results = _run("gradient_buckets", nproc, tmp_path)
+@pytest.mark.parametrize("nproc, headers_apart", [(2, False), (3, False), (2, True)])
+def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, headers_apart, tmp_path):
+    env = {"TORCHPMAP_HEADERS_APART": "1"} if headers_apart else {}
+    finished, results = _run("gradient_buckets", nproc, tmp_path, env=env)
     logs = _logs(finished)
     assert all(f.returncode == 0 for f in finished), logs
     with _on_one_device():
@@ -383,7 +398,9 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
             assert step.index("backward done") >= 2, f"the buckets did not start during the backward: {events}"
         # once the processes have learned the step's transfers, they meet once before the
         # buckets: the loss mean, whose headers also agree on the buckets (no round of its own)
-        assert steps[-1][0] == "all_gather" and steps[-1][1:].count("all_gather") == 0, steps[-1]
+        # (with the headers apart, as for CUDA payloads: their all-gather, then the loss')
+        meeting = 2 if headers_apart else 1
+        assert steps[-1][:meeting] == ["all_gather"] * meeting and "all_gather" not in steps[-1][meeting:], steps[-1]
         _assert_same(f"rank {r} overlapped vs rank 0", res["overlapped"], results[0]["overlapped"], bitwise=True)
         _assert_same(f"rank {r} vs by hand", res["overlapped"], res["by_hand"], bitwise=nproc == 2)
         _assert_same(f"rank {r} vs one process", res["overlapped"], reference, bitwise=False)

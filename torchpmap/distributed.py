@@ -162,7 +162,7 @@ def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = date
             _pg.state()  # adopt a group initialized elsewhere
         return
     world = os.environ.get("WORLD_SIZE")
-    if world is None or world.strip() in ("", "1"):
+    if world is None or world.strip() == "" or (world.strip() == "1" and not _pg.SINGLE_PROCESS_GROUP):
         return
     if not world.strip().isdigit() or int(world) < 1:
         raise ValueError(f"initialize: WORLD_SIZE must be a positive integer, got {world!r}")
@@ -186,8 +186,10 @@ def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = date
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     # torch's env:// rendezvous, with rank 0's server bound to MASTER_ADDR and one store per process
     store, use = _store.rendezvous(rank, world_size, timeout)
+    # NCCL moves CUDA tensors only: gloo beside it carries the exchanges' headers on the
+    # host, so that comparing them never waits for the GPU (see headers_on_host).
     dist.init_process_group(
-        backend, store=dist.PrefixStore(_store.group_prefix(use), store), rank=rank, world_size=world_size,
+        "cpu:gloo,cuda:nccl" if backend == "nccl" else backend, store=dist.PrefixStore(_store.group_prefix(use), store), rank=rank, world_size=world_size,
         timeout=timeout,
     )
     st = _pg.install(

@@ -30,6 +30,7 @@ dead peer into an error naming its rank instead of a hang.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
@@ -234,17 +235,20 @@ class ProcessExchange:
         """The second half of :meth:`_transfer`: waits, compares the headers (raising on
         every process alike if they differ) and, when the headers travelled alone, moves
         the payload."""
-        pg.wait(p.work, p.label)
-        headers = agreement.Header.from_bytes(p.received[:, : agreement.HEADER_BYTES])
-        received = p.received[:, agreement.HEADER_BYTES :]
+        headers = self._wait_round(p)
         one_round = p.chain.announced is not None
         if one_round and any(h.flag for h in headers):  # someone renegotiated: the headers again, alone
             one_round = False
+            if p.header_work is not None and p.work is not None:
+                pg.wait(p.work, p.label)  # the announced payload's collective, done with
             self._start_round(p.mine, None, None, (agreement.KINDS["end"], 0), p.device, p)
-            pg.wait(p.work, p.label)
-            headers = agreement.Header.from_bytes(p.received[:, : agreement.HEADER_BYTES])
+            headers = self._wait_round(p)
         self._check(headers, p.mine, p.chain, p.kind, p.what, p.layout, p.riding)
-        if not one_round:
+        if one_round:
+            if p.header_work is not None and p.work is not None:
+                pg.wait(p.work, p.label)
+            received = p.received
+        else:
             received = self._payload(p.layout if p.ts is not None else None, p.ts, p.form, p.device, p.label)
         p.chain.completed(p.mine.digest, p.form, headers)
         return received
@@ -258,18 +262,48 @@ class ProcessExchange:
         device: torch.device,
         posted: "_Posted",
     ) -> None:
-        """Starts one collective of ``form`` whose every row starts with ``header``; the
-        payload (zeros without ``ts``) follows it. Every process' header and payload rows
-        arrive in ``posted.received``; ``posted.work`` is the collective's."""
+        """Starts one round of ``form``: every process' header, and its payload (zeros
+        without ``ts``). Every process' header arrives in ``posted.headers``, its payload
+        row in ``posted.received``; ``posted.work`` and ``posted.header_work`` are the
+        collectives'.
+
+        On the CPU, header and payload travel together, in one collective (a row starts
+        with its header). With a payload on another device (CUDA), the headers travel on
+        the CPU, through the group's CPU backend (gloo), beside the payload's collective:
+        reading them needs no synchronisation with the device, so a step never waits for
+        its kernels to be compared (see :func:`headers_on_host`)."""
         scatter = form[0] == agreement.KINDS["scatter"]
         rows, h = (self.size if scatter else 1), agreement.HEADER_BYTES
+        if (device.type != "cpu" or HEADERS_APART) and headers_on_host(self.group):
+            mine = header.as_tensor(torch.device("cpu")).view(torch.uint8).reshape(1, h)
+            posted.headers, posted.header_work = self._start_collective(mine, scatter=False)
+            if form[1] == 0:  # the headers alone
+                posted.received, posted.work = torch.empty(self.size, 0, dtype=torch.uint8, device=device), None
+                return
+            if ts is None:
+                send = torch.zeros(rows, form[1], dtype=torch.uint8, device=device)
+            else:
+                send = layout.pack(ts, rows)
+            posted.received, posted.work = self._start_collective(send, scatter)
+            return
         send = torch.empty(rows, h + form[1], dtype=torch.uint8, device=device)
         send[:, :h] = header.as_tensor(device).view(torch.uint8)
         if ts is None:
             send[:, h:].zero_()
         else:
             layout.pack_into(send[:, h:], ts)
-        posted.received, posted.work = self._start_collective(send, scatter)
+        received, posted.work = self._start_collective(send, scatter)
+        posted.headers, posted.received, posted.header_work = received[:, :h], received[:, h:], None
+
+    def _wait_round(self, p: "_Posted") -> list[agreement.Header]:
+        """Waits for a round's headers (a host wait: no device synchronisation) and reads
+        them. The payload's collective, if it travels apart, is waited for (the device
+        ordered after it) by :meth:`_finish`."""
+        if p.header_work is not None:
+            pg.wait(p.header_work, p.label, host=True)
+        else:
+            pg.wait(p.work, p.label)
+        return agreement.Header.from_bytes(p.headers)
 
     def _payload(
         self,
@@ -510,8 +544,11 @@ class _Posted:
         device: where its buffers live.
         label: how waits name it.
         chain: what the group had agreed about this transfer when it started.
-        received: the buffer the collective fills (header and payload rows).
-        work: the collective's work.
+        received: every process' payload row, as the collective fills it.
+        work: the payload's collective (with the headers in it, on the CPU).
+        headers: every process' header row (``HEADER_BYTES`` each).
+        header_work: the headers' own collective when they travel apart (on the host,
+            beside a payload on a device), else None.
     """
 
     kind: str
@@ -526,6 +563,8 @@ class _Posted:
     chain: agreement.Chain
     received: Optional[torch.Tensor] = None
     work: Any = None
+    headers: Optional[torch.Tensor] = None
+    header_work: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,6 +582,34 @@ class _Agreement:
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+#: ``TORCHPMAP_HEADERS_APART=1``: headers travel apart from CPU payloads too (a testing
+#: aid: the protocol of CUDA payloads, run where there is no GPU).
+HEADERS_APART = os.environ.get("TORCHPMAP_HEADERS_APART", "") == "1"
+
+
+def headers_on_host(group: Any) -> bool:
+    """Whether ``group`` (None: the world) moves CPU tensors, so that the headers of a
+    transfer between devices can travel on the host: gloo does, and so does a group made
+    with a CPU backend beside NCCL (``"cpu:gloo,cuda:nccl"``, what
+    :func:`torchpmap.distributed.initialize` makes for NCCL). A group of NCCL alone
+    cannot: its headers travel on the device, in the payload's collective, and are read
+    back with one device synchronisation per transfer."""
+    st = pg.state()
+    if _host_headers_of[0] is not st:  # a new initialize(): new groups
+        _host_headers.clear()
+        _host_headers_of[0] = st
+    key = id(group) if group is not None else None
+    known = _host_headers.get(key)
+    if known is None:
+        backend = str(dist.get_backend(group))
+        known = _host_headers[key] = "gloo" in backend and (":" not in backend or "cpu:gloo" in backend)
+    return known
+
+
+_host_headers: dict[Optional[int], bool] = {}
+_host_headers_of: list[Any] = [None]  # the process state the answers belong to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,12 +656,17 @@ class _Layout:
             buffer[:, start : start + n].copy_(_bytes(t, rows))
 
     def unpack(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """A ``(m, row)`` byte buffer -> tensor ``k`` of every row, ``(m, *shapes[k])``, contiguous."""
-        m = buffer.shape[0]
-        return [
-            buffer[:, start : start + n].view(dtype).reshape(m, *shape).contiguous()
-            for shape, dtype, start, n in zip(self.shapes, self.dtypes, self.offsets, self.nbytes)
-        ]
+        """A ``(m, row)`` byte buffer -> tensor ``k`` of every row, ``(m, *shapes[k])``, contiguous.
+
+        Each is a tensor of its own (a copy), except a lone tensor's, which may stay a
+        view of ``buffer``: no two results share memory (the compiled ops' rule)."""
+        m, apart = buffer.shape[0], len(self.shapes) > 1
+        out = []
+        for shape, dtype, start, n in zip(self.shapes, self.dtypes, self.offsets, self.nbytes):
+            t = buffer[:, start : start + n].view(dtype).reshape(m, *shape)
+            # one row (a group of one process) is contiguous already: contiguous() would not copy
+            out.append(t.clone(memory_format=torch.contiguous_format) if apart and t.is_contiguous() else t.contiguous())
+        return out
 
 
 def _bytes(t: torch.Tensor, rows: int) -> torch.Tensor:

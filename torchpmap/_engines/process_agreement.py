@@ -82,8 +82,9 @@ class Header:
 
     @classmethod
     def from_bytes(cls, rows: torch.Tensor) -> list["Header"]:
-        """``(m, HEADER_BYTES)`` uint8 rows -> the m headers."""
-        return [cls(*row) for row in rows.contiguous().view(torch.int64).tolist()]
+        """``(m, HEADER_BYTES)`` uint8 rows -> the m headers (rows that may be a slice of
+        wider rows: ``reshape`` copies them apart, except a single row, already in one piece)."""
+        return [cls(*row) for row in rows.reshape(-1).view(torch.int64).reshape(-1, HEADER_FIELDS).tolist()]
 
 
 def digest_of(kind: str, what: str, shapes: Optional[tuple], dtypes: Optional[tuple]) -> int:

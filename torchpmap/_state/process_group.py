@@ -142,8 +142,15 @@ _DIST_AVAILABLE = dist.is_available()
 
 
 def active() -> bool:
-    """True when torch.distributed is initialized with more than one process."""
-    return _DIST_AVAILABLE and dist.is_initialized() and dist.get_world_size() > 1
+    """True when torch.distributed is initialized with more than one process (or with
+    one, under ``TORCHPMAP_SINGLE_PROCESS_GROUP=1``: see :func:`single_process_group`)."""
+    return _DIST_AVAILABLE and dist.is_initialized() and (dist.get_world_size() > 1 or SINGLE_PROCESS_GROUP)
+
+
+#: ``TORCHPMAP_SINGLE_PROCESS_GROUP=1``: a process group of one process is used as one (a
+#: testing aid: every exchange then runs through the backend, e.g. NCCL on a machine with
+#: one GPU, where NCCL refuses two processes). Off, one process runs as no process group.
+SINGLE_PROCESS_GROUP = os.environ.get("TORCHPMAP_SINGLE_PROCESS_GROUP", "") == "1"
 
 
 def view() -> Optional[ProcessState]:
@@ -480,14 +487,15 @@ def _describe(records: list[dict]) -> tuple[list[int], str]:
 # --------------------------------------------------------------------------- waiting for a collective
 
 
-def wait(work: Any, what: str) -> None:
+def wait(work: Any, what: str, host: bool = False) -> None:
     """Waits for the collective ``work`` (``what`` describes it), watching for failures.
 
     Raises :class:`RankFailed` when another process failed or died, ``TimeoutError``
-    when the deadline passed with every process alive.
+    when the deadline passed with every process alive. ``host``: the collective moves CPU
+    tensors (a CPU backend beside NCCL), so the wait is a host wait, watched as gloo's.
     """
     st = state()
-    if ("nccl" in st.backend and st.local_device.platform == "cuda") or st.store is None:
+    if (not host and "nccl" in st.backend and st.local_device.platform == "cuda") or st.store is None:
         # NCCL: work.wait() only orders the current stream after the collective; faults
         # surface through NCCL's watchdog and the process group's timeout.
         try:
