@@ -267,17 +267,6 @@ def _prefetch_target(n: int) -> Optional[torch.device]:
     return targets.pop() if len(targets) == 1 else None
 
 
-def _to_device(tree: PyTree, device: Optional[torch.device]) -> PyTree:
-    def move(x: torch.Tensor) -> torch.Tensor:
-        if device is None or x.device == device:
-            return x
-        if device.type == "cuda" and x.device.type == "cpu":
-            x = x.pin_memory()  # page-locked, so that the copy can be asynchronous
-        return x.to(device, non_blocking=True)
-
-    return pytree.tree_map(move, tree)
-
-
 def _put(q: "queue.Queue[tuple[str, Any]]", item: tuple[str, Any], stop: threading.Event) -> bool:
     """Puts ``item`` unless the consumer has gone away; False if it has."""
     while not stop.is_set():
@@ -303,8 +292,10 @@ def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: Optional[in
       closed (``.close()``), or garbage-collected after a ``break``. It is started lazily,
       by the first ``next()``.
     * Device: when all instances run on one torch device (one GPU, or the CPU however
-      many logical devices it has), the batches are moved there; on CUDA the host copy is
-      pinned first so that the transfer is asynchronous. When the instances span several
+      many logical devices it has), the batches are moved there. On CUDA each host tensor
+      is pinned and copied on a stream of the producer's own, so that the copy overlaps
+      the step running on the GPU; the step's stream waits for it on the GPU, never on
+      the host. When the instances span several
       torch devices, the batches stay where ``iterator`` put them and ``pmap`` moves each
       instance's slice to its device.
 
@@ -333,11 +324,17 @@ def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: Optional[in
 def _prefetch(source: Iterator[PyTree], size: int, n: int, device: Optional[torch.device]) -> Iterator[PyTree]:
     ready: "queue.Queue[tuple[str, Any]]" = queue.Queue(maxsize=size)
     stop = threading.Event()
+    copies = _CudaCopies(device) if device is not None and device.type == "cuda" else None
 
     def produce() -> None:
         try:
             for batch in source:
-                if not _put(ready, (_BATCH, _to_device(shard(batch, n), device)), stop):
+                moved = shard(batch, n)
+                if copies is not None:
+                    moved = copies.start(moved)
+                elif device is not None:
+                    moved = pytree.tree_map(lambda x: x if x.device == device else x.to(device), moved)
+                if not _put(ready, (_BATCH, moved), stop):
                     return
             _put(ready, (_END, None), stop)
         except BaseException as error:  # noqa: BLE001 -- handed to the consumer, which re-raises it
@@ -352,9 +349,48 @@ def _prefetch(source: Iterator[PyTree], size: int, n: int, device: Optional[torc
                 return
             if kind == _ERROR:
                 raise value
-            yield value
+            yield copies.finish(value) if copies is not None else value
     finally:
         stop.set()  # the producer sees it within one put timeout and returns
+
+
+class _CudaCopies:
+    """Host-to-GPU copies that overlap the step running on the GPU.
+
+    The producer thread pins each host tensor (page-locked memory, which a copy engine
+    reads without the CPU) and copies it on a stream of its own, so that the copy does not
+    queue behind the kernels already on the consumer's stream; an event marks its end.
+    The consumer's stream waits for that event (on the GPU, not the host) before it uses
+    the batch, and the batch's memory is recorded as used on that stream, so that the
+    caching allocator does not hand it out again while the step still reads it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def start(self, tree: PyTree) -> tuple[PyTree, Any]:
+        def move(x: torch.Tensor) -> torch.Tensor:
+            if x.device == self.device:
+                return x
+            if x.device.type == "cpu" and not x.is_pinned():
+                x = x.pin_memory()
+            return x.to(self.device, non_blocking=True)
+
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            moved = pytree.tree_map(move, tree)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return moved, done
+
+    def finish(self, started: tuple[PyTree, Any]) -> PyTree:
+        moved, done = started
+        consumer = torch.cuda.current_stream(self.device)
+        consumer.wait_event(done)
+        for x in pytree.tree_leaves(moved):
+            if isinstance(x, torch.Tensor) and x.device == self.device:
+                x.record_stream(consumer)
+        return moved
 
 
 # --------------------------------------------------------------------------- training step

@@ -113,7 +113,7 @@ def run_threads(
     A module reparametrized by several threads across a collective inside its forward
     is refused (see :mod:`module_guard`).
     """
-    state, context, watch = _context.CallerState.capture(), contextvars.copy_context(), module_guard.Watch()
+    state, context, watch = _context.CallerState.capture(devices), contextvars.copy_context(), module_guard.Watch()
 
     def in_turn(body: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         with rendezvous.turn(), state.entered(), module_guard.watching(watch):
@@ -141,7 +141,7 @@ def device_thread(
     """
     _devices.set_current_default((device,))
     try:
-        with device_thread_mode(seed, j, call.randomness, device.torch_device):
+        with cuda_device(device.torch_device), device_thread_mode(seed, j, call.randomness, device.torch_device):
             yield dataclasses.replace(
                 call,
                 mapped=[slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)],
@@ -153,6 +153,13 @@ def device_thread(
         raise
     finally:
         _devices.set_current_default(None)
+
+
+def cuda_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(device)`` for a CUDA device: the thread's current CUDA device,
+    which CUDA keeps per thread (where ``torch.empty(..., device="cuda")`` lands, and
+    whose current stream the thread uses)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def collect(futures: Sequence[Future], devices: Sequence[Device], k: int) -> list[list[torch.Tensor]]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
@@ -111,6 +111,11 @@ class CallerState:
         transforms: the torch.func transforms around the call (opaque interpreter layers).
         intra_op_threads: ``torch.get_num_threads()``: kept per thread by OpenMP, and a
             reduction split over another number of threads rounds differently.
+        cuda_streams: the caller's current CUDA stream on each CUDA device of the call,
+            where it is not that device's default stream. CUDA keeps the current stream
+            per thread, so a device thread would otherwise enqueue on the default stream,
+            unordered with what the caller enqueued on its own (``with
+            torch.cuda.stream(s):`` around a pmap).
     """
 
     grad_enabled: bool
@@ -120,9 +125,12 @@ class CallerState:
     function_modes: tuple[Any, ...]
     transforms: tuple[Any, ...]
     intra_op_threads: int
+    cuda_streams: tuple[Any, ...] = ()
 
     @classmethod
-    def capture(cls) -> "CallerState":
+    def capture(cls, devices: Sequence[Any] = ()) -> "CallerState":
+        """The calling thread's state; ``devices`` (torchpmap Devices): those of the call,
+        whose current CUDA streams are captured."""
         cache = torch.is_autocast_cache_enabled()
         autocast = tuple(
             Autocast(t, torch.get_autocast_dtype(t), cache) for t in AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
@@ -135,6 +143,7 @@ class CallerState:
             function_modes=tuple(private.function_mode_stack()),
             transforms=tuple(private.functorch_layers()),
             intra_op_threads=torch.get_num_threads(),
+            cuda_streams=_non_default_streams(devices),
         )
 
     @contextlib.contextmanager
@@ -152,7 +161,22 @@ class CallerState:
                 stack.enter_context(torch.autocast(a.device_type, dtype=a.dtype, cache_enabled=a.cache_enabled))
             for mode in self.function_modes:
                 stack.enter_context(private.function_mode_pushed(mode))
+            for stream in self.cuda_streams:
+                stack.enter_context(torch.cuda.stream(stream))
             yield
+
+
+def _non_default_streams(devices: Sequence[Any]) -> tuple[Any, ...]:
+    """The current CUDA stream of each CUDA device among ``devices`` that is not its
+    default stream (the common case captures nothing)."""
+    if not devices or not torch.cuda.is_initialized():
+        return ()
+    found = []
+    for index in {d.torch_device.index or 0 for d in devices if d.torch_device.type == "cuda"}:
+        stream = torch.cuda.current_stream(index)
+        if stream != torch.cuda.default_stream(index):
+            found.append(stream)
+    return tuple(found)
 
 
 @contextlib.contextmanager
