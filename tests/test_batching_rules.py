@@ -136,3 +136,63 @@ def test_a_transformer_step_under_pmap_matches_plain_pytorch():
         want = step(params, x[i])
         for key in params:
             torch.testing.assert_close(torch.as_tensor(got[key])[i], want[key], rtol=1e-12, atol=1e-14)
+
+
+# --------------------------------------------------------------------------- the CUDA backwards' rule
+
+
+def test_the_cuda_attention_backward_rules_are_registered():
+    for op in private.cuda_attention_backwards():
+        assert private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"), op.name()
+
+
+@pytest.mark.parametrize("batched", ["all", "query only", "grads and log-sum-exp only"])
+def test_the_attention_backward_rule_folds_the_instances_as_one_call_per_instance_would(batched):
+    """The rule of the CUDA backwards (whose kernels need a GPU) applied to the CPU flash
+    backward, whose arguments carry the same names: folding the instances into the batch
+    gives the per-instance calls' results, whichever arguments are batched."""
+    (forward, backward) = private.cpu_flash_attention()
+    rule = batching_rules._attention_backward(backward)
+    g = torch.Generator().manual_seed(3)
+    n, b, h, l, e = 3, 2, 2, 5, 4
+    q, k, v, grad_out = (torch.randn(n, b, h, l, e, generator=g) for _ in range(4))
+    if batched == "query only":
+        k, v = k[0], v[0]
+    outs, lses = zip(*(forward(q[i], k if k.dim() == 4 else k[i], v if v.dim() == 4 else v[i], 0.0, True) for i in range(n)))
+    out, lse = torch.stack(outs), torch.stack(lses)
+    if batched == "grads and log-sum-exp only":
+        q = q[0]
+    dims = [0, None if q.dim() == 4 else 0, None if k.dim() == 4 else 0, None if v.dim() == 4 else 0, 0, 0]
+
+    def per_instance(i):
+        pick = lambda t, d: t if d is None else t[i]  # noqa: E731
+        args = [pick(t, d) for t, d in zip((grad_out, q, k, v, out, lse), dims)]
+        return backward(*args, 0.0, True, attn_mask=None, scale=None)
+
+    expected = [torch.stack(parts) for parts in zip(*(per_instance(i) for i in range(n)))]
+    got = vmap(lambda *ts: rule(*ts, 0.0, True, attn_mask=None, scale=None), in_dims=tuple(dims))(
+        grad_out, q, k, v, out, lse
+    )
+    for a, w in zip(got, expected):
+        torch.testing.assert_close(a, w)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 2, 5, 4), (3, 5, 4), (3, 2, 5, 4)], ids=["4-D", "2-D", "3-D"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_attention_gradient_taken_outside_the_map_is_that_of_a_loop(shape, jit):
+    """The case that fails on an H100 with the memory-efficient kernel (docs/gpu.md),
+    here on the CPU's kernels: values and gradients equal those of a loop over the
+    instances, for the kernels' 4-D layout and for other ranks, eager and compiled."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(*shape, generator=g, requires_grad=True) for _ in range(3))
+    weights = torch.randn(*shape, generator=g)
+    out = tp.pmap(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), jit=jit)(q, k, v)
+    (out * weights).sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = torch.stack([F.scaled_dot_product_attention(q[i], k[i], v[i], is_causal=True) for i in range(shape[0])])
+    (want * weights).sum().backward()
+    torch.testing.assert_close(out, want)
+    for a, w in zip(got, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, w)

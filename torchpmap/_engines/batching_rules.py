@@ -17,6 +17,14 @@ key, once, the first time the vectorized engine runs, unless torch has a rule of
 for the op. Like vmap's own decompositions, they then hold for every vmap in the process.
 Measured (``docs/performance.md``): forward and backward of 4 instances of an 8 x 4 x 32
 x 16 attention, 1.40 ms with the fallback, 1.14 ms with the rule (2-core CPU).
+
+On CUDA, vmap folds the instances of the attention kernels' forwards itself, but has no
+rule for their backwards, which then ran once per instance; the rule here folds them the
+same way (see :func:`_attention_backward`), so that a gradient taken inside the map
+(``data_parallel_step``) makes one call, on the forward's own log-sum-exp and random
+state. (A gradient taken outside the map, ``.backward()`` on a pmap result, still fails
+in the memory-efficient kernel's backward on an H100 with torch 2.11, "LSE is not
+correctly aligned (strideH)": see ``docs/gpu.md``.)
 """
 from __future__ import annotations
 
@@ -49,6 +57,9 @@ def install() -> None:
     for op, rule in zip(flash, (_flash_forward, _flash_backward)):
         if not private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"):
             _library.impl(op, rule, "FuncTorchBatched")
+    for op in private.cuda_attention_backwards():
+        if not private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"):
+            _library.impl(op, _attention_backward(op), "FuncTorchBatched")
 
 
 def _flash_forward(
@@ -89,6 +100,59 @@ def _flash_backward(
         return op(*inputs, dropout_p, is_causal, attn_mask=mask, scale=scale)
 
     return _folded(call, [grad_out, query, key, value, out, logsumexp], attn_mask, per_instance=dropout_p != 0.0)
+
+
+def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The rule for the backward of a CUDA attention kernel (memory-efficient, flash,
+    cuDNN): the instances fold into the batch, as vmap's own rule folds them in the
+    forward, so the backward sees the log-sum-exp and the random state of that one call.
+
+    The arguments that hold the batch first (``query``, ``out``, ``logsumexp``, ...) fold;
+    an ``attn_bias`` folds as a mask; anything else (the random state, the sequence
+    offsets) must be the same for every instance. Otherwise (another argument batched, or
+    the bias' own gradient asked for) the instances run one at a time, each with its own
+    contiguous slices."""
+    names = [a.name for a in private.op_schema(op).arguments]
+
+    def rule(*args: object, **kwargs: object) -> tuple:
+        bound = dict(zip(names, args), **kwargs)
+        level = private.current_vmap_level()
+        unwrapped = {
+            k: private.unwrap_batched(v, level) if isinstance(v, torch.Tensor) else (v, None) for k, v in bound.items()
+        }
+        batched = {k: d for k, (_, d) in unwrapped.items() if d is not None and d >= 0}
+        values = {k: v for k, (v, _) in unwrapped.items()}
+        if not batched:  # nothing batched at this level: the op as it is, for the levels below
+            with private.batching_excluded():
+                return op(**values)
+        size = next(unwrapped[k][0].shape[d] for k, d in batched.items())
+        mask = values.get("attn_bias")
+        bias_grad = bool(bound.get("grad_input_mask", (False,) * 4)[3]) if "grad_input_mask" in bound else False
+        foldable = set(batched) <= private.CUDA_ATTENTION_BATCH_FIRST | {"attn_bias"} and not bias_grad
+        with private.batching_excluded():
+            if not foldable:
+                outs = _one_at_a_time(op, values, batched, size)
+            else:
+                folded = dict(values)
+                for k in private.CUDA_ATTENTION_BATCH_FIRST & set(values):
+                    if values[k] is not None:
+                        folded[k] = _instances_first(values[k], batched.get(k), size).flatten(0, 1).contiguous()
+                if isinstance(mask, torch.Tensor):
+                    batch = folded["query"].shape[0] // size
+                    folded["attn_bias"] = _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(0, 1)
+                outs = [o if o is None else o.unflatten(0, (size, -1)) for o in op(**folded)]
+        return tuple(o if o is None else private.add_batch_dim(o, 0, level) for o in outs)
+
+    return rule
+
+
+def _one_at_a_time(op: Callable[..., tuple], values: dict, batched: dict, size: int) -> list:
+    """``op`` once per instance (contiguous slices), the results stacked instances first."""
+    results = []
+    for i in range(size):
+        one = {k: (v.select(batched[k], i).contiguous() if k in batched else v) for k, v in values.items()}
+        results.append(op(**one))
+    return [None if parts[0] is None else torch.stack(parts) for parts in zip(*results)]
 
 
 def _folded(

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 #: The torch versions on which every entry below was checked (``check()`` passes).
-CHECKED = ("2.13.0", "2.14.1")
+CHECKED = ("2.11.0", "2.13.0", "2.14.1")
 
 _DOCS = "docs/torch-internals.md"
 
@@ -91,7 +91,7 @@ For: finding whether a collective runs directly under the vmap level of its axis
 threads, and choosing between a compiled program and the eager engine.
 Public replacement: none; torch.func has no "which transform am I in" query (what we'd
 need: ``torch.func.current_level()`` or an interpreter-stack view).
-Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.maybe_current_level``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch.maybe_current_level``)."""
 
 vmap_level_of = _bind("vmap_level_of", lambda: torch._C._functorch.maybe_get_level)
 """``vmap_level_of(tensor) -> int``: the torch.func level a tensor is wrapped at (-1 for a
@@ -100,7 +100,7 @@ plain tensor).
 For: telling whether an axis token, or an output, is batched at this map's own level
 (``out_axes=None`` and the collectives' fast path).
 Public replacement: none (a public ``torch.func`` query of a tensor's batching level).
-Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.maybe_get_level``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch.maybe_get_level``)."""
 
 unwrap_batched = _bind("unwrap_batched", lambda: torch._C._functorch._unwrap_batched)
 """``unwrap_batched(tensor, level) -> (value, batch dim or None)``: the physical tensor
@@ -111,7 +111,7 @@ without going through an ``autograd.Function`` (:func:`torchpmap._collectives.bi
 Public replacement: the ``vmap`` staticmethod of ``torch.autograd.Function`` receives the
 same (value, in_dim) pairs; torchpmap uses it (``_Bind``) wherever a transform sits
 between the collective and its axis, but it costs about 150 us per collective.
-Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._unwrap_batched``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch._unwrap_batched``)."""
 
 _get_unwrapped = _bind("functorch_value", lambda: torch._C._functorch.get_unwrapped)
 _is_wrapped = _bind("functorch_value", lambda: torch._C._functorch.is_functorch_wrapped_tensor)
@@ -129,7 +129,7 @@ def functorch_value(t: torch.Tensor, vmap_level: Optional[int] = None) -> tuple[
     (and batched at the pmap's own level) and a collective needs their storage.
     Public replacement: none inside ``torch.func``; plain autograd's tensor hooks (what
     DDP uses) see plain tensors.
-    Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.get_unwrapped``,
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch.get_unwrapped``,
     ``is_functorch_wrapped_tensor``, ``is_batchedtensor``, with :data:`unwrap_batched`)."""
     while _is_wrapped(t) and not _is_batched(t):
         t = _get_unwrapped(t)
@@ -148,7 +148,7 @@ add_batch_dim = _bind("add_batch_dim", lambda: torch._C._functorch._add_batch_di
 For: the inlined vmap of the vectorized engine, and re-wrapping a collective's results.
 Public replacement: ``torch.func.vmap`` (about 95 us more per call, see above) or an
 ``autograd.Function.vmap`` rule (about 150 us per collective).
-Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._add_batch_dim``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch._add_batch_dim``)."""
 
 remove_batch_dim = _bind("remove_batch_dim", lambda: torch._C._functorch._remove_batch_dim)
 """``remove_batch_dim(tensor, level, size, out_dim) -> tensor``: the physical result of a
@@ -156,7 +156,7 @@ tensor batched at ``level`` with the batch moved to ``out_dim`` (a tensor unbatc
 that level is expanded to ``size``).
 
 For: the outputs of the inlined vmap. Public replacement: ``torch.func.vmap``.
-Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._remove_batch_dim``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch._remove_batch_dim``)."""
 
 vmap_increment_nesting = _bind("vmap_increment_nesting", lambda: torch._C._functorch._vmap_increment_nesting)
 """``vmap_increment_nesting(size, randomness) -> level``: opens a vmap level of ``size``
@@ -164,13 +164,13 @@ vmap_increment_nesting = _bind("vmap_increment_nesting", lambda: torch._C._funct
 :data:`vmap_decrement_nesting`.
 
 For: the inlined vmap. Public replacement: ``torch.func.vmap``.
-Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._vmap_increment_nesting``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch._vmap_increment_nesting``)."""
 
 vmap_decrement_nesting = _bind("vmap_decrement_nesting", lambda: torch._C._functorch._vmap_decrement_nesting)
 """``vmap_decrement_nesting()``: closes the innermost vmap level.
 
 For: the inlined vmap. Public replacement: ``torch.func.vmap``.
-Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch._vmap_decrement_nesting``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch._vmap_decrement_nesting``)."""
 
 pop_interpreter = _bind(
     "pop_interpreter", lambda: _module("torch._functorch.pyfunctorch").temporarily_pop_interpreter_stack
@@ -182,7 +182,7 @@ For: computing a collective on the unwrapped values of its level (exchanges acro
 devices use ``autograd.Function``, which must not see that level).
 Public replacement: the same state an ``autograd.Function.vmap`` rule runs in (``_Bind``,
 about 150 us per collective); no public context manager.
-Checked: torch 2.13.0, 2.14.1 (``torch._functorch.pyfunctorch.temporarily_pop_interpreter_stack``,
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._functorch.pyfunctorch.temporarily_pop_interpreter_stack``,
 a module ``import torch`` loads)."""
 
 _decompositions_loaded = False
@@ -195,7 +195,7 @@ def cpu_flash_attention() -> Optional[tuple[Any, Any]]:
 
     For: torchpmap's batching rule for them (vmap has none, and loops over the instances).
     Public replacement: none (private aten ops; a batching rule in torch would retire the
-    need). Checked: torch 2.13.0, 2.14.1
+    need). Checked: torch 2.11.0, 2.13.0, 2.14.1
     (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` and ``_backward``)."""
     try:
         return (
@@ -204,6 +204,35 @@ def cpu_flash_attention() -> Optional[tuple[Any, Any]]:
         )
     except AttributeError:
         return None
+
+
+#: The backward ops of the CUDA kernels behind ``F.scaled_dot_product_attention``.
+_CUDA_ATTENTION_BACKWARDS = (
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention_backward",
+)
+#: The arguments of those ops that hold the attention's batch first (folded by torchpmap's rule).
+CUDA_ATTENTION_BATCH_FIRST = frozenset({"grad_out", "grad_out_", "query", "key", "value", "out", "logsumexp"})
+
+
+def cuda_attention_backwards() -> tuple[Any, ...]:
+    """The backward ops of the CUDA attention kernels (memory-efficient, flash, cuDNN) that
+    this torch has.
+
+    For: torchpmap's batching rule for them. vmap has rules for their forwards (one call,
+    the instances folded into the batch) but none for the backwards, which its fallback
+    runs once per instance, on slices of the folded forward's log-sum-exp (and, with
+    dropout, with the folded call's random state, which regenerates other masks than
+    the forward drew).
+    Public replacement: none (private aten ops). Checked: torch 2.11.0, 2.13.0, 2.14.1
+    (the schemas; the kernels ran on an H100 with 2.11.0)."""
+    found = []
+    for name in _CUDA_ATTENTION_BACKWARDS:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            found.append(packet.default)
+    return tuple(found)
 
 
 def batching_excluded() -> contextlib.AbstractContextManager:
@@ -215,7 +244,7 @@ def batching_excluded() -> contextlib.AbstractContextManager:
     call the op once on the unwrapped, folded values, as torch's C++ rules do.
     Public replacement: ``torch.library.register_vmap``, for custom ops only (what we'd
     need: the same for an aten op without a rule).
-    Checked: torch 2.13.0, 2.14.1 (``torch._C._ExcludeDispatchKeyGuard``, ``DispatchKeySet``,
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._ExcludeDispatchKeyGuard``, ``DispatchKeySet``,
     ``DispatchKey.FuncTorchBatched``)."""
     try:
         keys = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
@@ -232,7 +261,7 @@ def ensure_vmap_decompositions() -> None:
     Public replacement: none direct. Calling ``torch.func.vmap`` once does it, but would
     show an extra op to the caller's torch function/dispatch modes and tracers; so that is
     only the fallback, with a :class:`TorchPrivateWarning`, when the private loader moves.
-    Checked: torch 2.13.0, 2.14.1 (``torch._functorch.vmap.lazy_load_decompositions``).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._functorch.vmap.lazy_load_decompositions``).
     """
     global _decompositions_loaded
     if _decompositions_loaded:
@@ -268,7 +297,7 @@ current "saved tensor hooks disabled" state, None when they are enabled.
 
 For: restoring the caller's state after a pmap. Public replacement:
 ``torch.autograd.graph.disable_saved_tensors_hooks`` (1.17 us more per call, see above).
-Checked: torch 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_get_disabled_error_message``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_get_disabled_error_message``)."""
 
 disable_saved_tensors_hooks = _bind(
     "disable_saved_tensors_hooks", lambda: torch._C._autograd._saved_tensors_hooks_disable
@@ -278,13 +307,13 @@ raises ``RuntimeError(message)``; raises it at once (after disabling) if hooks a
 
 For: refusing ``save_on_cpu`` and friends inside a pmap, as torch.func.vmap does.
 Public replacement: ``torch.autograd.graph.disable_saved_tensors_hooks`` (1.17 us more).
-Checked: torch 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_disable``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_disable``)."""
 
 enable_saved_tensors_hooks = _bind("enable_saved_tensors_hooks", lambda: torch._C._autograd._saved_tensors_hooks_enable)
 """``enable_saved_tensors_hooks()``: allows saved tensor hooks again.
 
 For: restoring the caller's state. Public replacement: the context manager above.
-Checked: torch 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_enable``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._autograd._saved_tensors_hooks_enable``)."""
 
 
 # ======================================================================= pytrees
@@ -308,7 +337,7 @@ Public replacement: none on torch 2.13/2.14 (no ``torch.utils.pytree``); a publi
 module with these functions would replace it one for one. ``_get_node_type`` and
 ``SUPPORTED_NODES``, used before, are no longer needed (a one-level ``tree_flatten``
 with ``is_leaf`` gives a node's type, context and children).
-Checked: torch 2.13.0, 2.14.1 (loaded by ``import torch``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (loaded by ``import torch``)."""
 
 
 # ======================================================================= jit=True: tracing
@@ -323,7 +352,7 @@ def make_fx_real_inputs(fn: Callable[..., Any], **options: Any) -> Callable[...,
     Public replacement: none. The private keyword ``_allow_non_fake_inputs`` is the only
     way; what we'd need: a public make_fx option, or a public way to fake-ify the tensors a
     function closes over.
-    Checked: torch 2.13.0, 2.14.1 (``torch.fx.experimental.proxy_tensor.make_fx(...,
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.fx.experimental.proxy_tensor.make_fx(...,
     _allow_non_fake_inputs=True)``).
     """
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -347,7 +376,7 @@ def compile_graph(graph: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     input (Dynamo then guards on the inputs' aliasing). What we'd need: a public
     "compile this FX graph" (``torch._inductor.compile`` documents itself as that, but
     lives in a private package).
-    Checked: torch 2.13.0, 2.14.1 (``torch._inductor.compile(gm, example_inputs, options)``).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._inductor.compile(gm, example_inputs, options)``).
     """
     try:
         compile_fx_graph = _module("torch._inductor").compile
@@ -370,7 +399,7 @@ def value_dependent_errors() -> tuple[type[BaseException], ...]:
     ``torch.fx.experimental.symbolic_shapes``; the two others only in the private
     ``torch._subclasses.fake_tensor`` (what we'd need: a public base class for "depends on
     data" trace errors).
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.11.0, 2.13.0, 2.14.1.
     """
     global _value_dependent
     if _value_dependent is None:
@@ -408,7 +437,7 @@ def default_store() -> Any:
     fault watching is off, never silently.
     Public replacement: none (``init_process_group(store=...)`` takes a store but there is
     no public getter; what we'd need: ``torch.distributed.get_default_store()``).
-    Checked: torch 2.13.0, 2.14.1 (``torch.distributed.distributed_c10d._get_default_store``).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.distributed.distributed_c10d._get_default_store``).
     """
     try:
         getter = _module("torch.distributed.distributed_c10d")._get_default_store
@@ -431,7 +460,7 @@ def forward_grad_enabled() -> bool:
 
     For: carrying the caller's forward-grad mode into device threads.
     Public replacement: none (what we'd need: a public getter in ``torch.autograd.forward_ad``).
-    Checked: torch 2.13.0, 2.14.1 (``torch._C._is_fwd_grad_enabled``).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._is_fwd_grad_enabled``).
     """
     return torch._C._is_fwd_grad_enabled()
 
@@ -440,7 +469,7 @@ def forward_grad_set(enabled: bool) -> contextlib.AbstractContextManager:
     """Sets forward-mode AD on or off in this thread for a block.
 
     For: entering the caller's forward-grad mode in a device thread.
-    Public replacement: none. Checked: torch 2.13.0, 2.14.1
+    Public replacement: none. Checked: torch 2.11.0, 2.13.0, 2.14.1
     (``torch.autograd.forward_ad._set_fwd_grad_enabled``).
     """
     return torch.autograd.forward_ad._set_fwd_grad_enabled(enabled)
@@ -452,7 +481,7 @@ def function_mode_stack() -> list[Any]:
     For: device threads see the caller's ``with torch.device(...)``,
     ``torch.set_default_device`` and other function modes.
     Public replacement: none (``torch.overrides`` has only the private
-    ``_get_current_function_mode_stack``). Checked: torch 2.13.0, 2.14.1.
+    ``_get_current_function_mode_stack``). Checked: torch 2.11.0, 2.13.0, 2.14.1.
     """
     from torch.overrides import _get_current_function_mode_stack
 
@@ -465,7 +494,7 @@ def function_mode_pushed(mode: Any) -> Iterator[None]:
     stack for a block (entering it again would re-run its ``__enter__``).
 
     For: the same. Public replacement: none (``torch.overrides._push_mode``/``_pop_mode``).
-    Checked: torch 2.13.0, 2.14.1.
+    Checked: torch 2.11.0, 2.13.0, 2.14.1.
     """
     from torch.overrides import _pop_mode, _push_mode
 
@@ -487,7 +516,7 @@ def functorch_layers() -> list[Any]:
     For: torch.func transforms around a multi-device pmap enclose its device threads too.
     Public replacement: none (torch's own loop is the private
     ``torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack``).
-    Checked: torch 2.13.0, 2.14.1 (``torch._C._functorch.peek_interpreter_stack``,
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._functorch.peek_interpreter_stack``,
     ``pop_dynamic_layer_stack``, ``push_dynamic_layer_stack``).
     """
     peek, pop, push = _layer_stack()
@@ -504,7 +533,7 @@ def functorch_layers_restored(layers: Sequence[Any]) -> Iterator[None]:
     """Pushes ``layers`` (from :func:`functorch_layers` of another thread) onto this
     thread's interpreter stack for a block: the caller's transforms enclose the block.
 
-    For: the same. Public replacement: none. Checked: torch 2.13.0, 2.14.1 (the same calls).
+    For: the same. Public replacement: none. Checked: torch 2.11.0, 2.13.0, 2.14.1 (the same calls).
     """
     _, pop, push = _layer_stack()
     pushed = 0
@@ -524,7 +553,7 @@ def functorch_layers_cleared() -> Iterator[None]:
 
     For: torchpmap's own random draw (one per call) must not be batched, or refused, by an
     enclosing vmap. Public replacement: none (torch has the private
-    ``temporarily_clear_interpreter_stack``). Checked: torch 2.13.0, 2.14.1 (the same calls).
+    ``temporarily_clear_interpreter_stack``). Checked: torch 2.11.0, 2.13.0, 2.14.1 (the same calls).
     """
     peek, pop, push = _layer_stack()
     layers = []
@@ -544,7 +573,7 @@ def innermost_vmap_level() -> Optional[int]:
     For: ``randomness="per_instance"`` draws one stream per instance of *its* vmap level,
     and must refuse a random op inside a vmap nested in the instance (whose instances
     would all get the same numbers). Public replacement: none (``maybe_current_level``
-    gives the innermost level of any kind). Checked: torch 2.13.0, 2.14.1
+    gives the innermost level of any kind). Checked: torch 2.11.0, 2.13.0, 2.14.1
     (``torch._C._functorch.peek_interpreter_stack``, ``TransformType``, and the pop/push
     of :func:`functorch_layers`).
     """
@@ -569,7 +598,7 @@ def jvp_nesting() -> int:
 
     For: device threads share one forward-AD level per call.
     Public replacement: none (what we'd need: per-thread forward-AD levels, or a public
-    way to hold one open). Checked: torch 2.13.0, 2.14.1
+    way to hold one open). Checked: torch 2.11.0, 2.13.0, 2.14.1
     (``torch._functorch.eager_transforms.JVP_NESTING``).
     """
     from torch._functorch import eager_transforms
@@ -582,7 +611,7 @@ def jvp_nesting_raised() -> Iterator[None]:
     """Counts one more open jvp for a block, so that a jvp inside it neither opens nor
     closes the process' forward-AD level (the caller holds it open).
 
-    For: the same. Public replacement: none. Checked: torch 2.13.0, 2.14.1 (the same global).
+    For: the same. Public replacement: none. Checked: torch 2.11.0, 2.13.0, 2.14.1 (the same global).
     """
     from torch._functorch import eager_transforms
 
@@ -602,7 +631,7 @@ def release_compiled(fn: Any) -> None:
     recompilation otherwise).
     Public replacement: none (``torch.compiler.reset()`` drops every program of the
     process; ``torch._dynamo.reset_code`` is exported but undocumented).
-    Checked: torch 2.13.0, 2.14.1 (``torch._dynamo.reset_code``).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._dynamo.reset_code``).
     """
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
@@ -639,7 +668,7 @@ For: ``pmap(jit=True)`` watches its trace to write the stops of the gradient (``
 ``no_grad``) into the graph.
 Public replacement: none; ``torch.overrides.TorchFunctionMode`` is public but sees torch
 functions above autograd (what we'd need: a public ``TorchDispatchMode``).
-Checked: torch 2.13.0, 2.14.1 (``torch.utils._python_dispatch.TorchDispatchMode``, loaded by
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.utils._python_dispatch.TorchDispatchMode``, loaded by
 ``import torch``)."""
 
 
@@ -653,7 +682,7 @@ has_kernel_for_dispatch_key = _bind(
 For: a custom op with its own autograd kernel counts as recorded by autograd when
 ``pmap(jit=True)`` audits a trace; checking that vmap's decompositions are installed.
 Public replacement: none (what we'd need: a public ``torch.library`` query).
-Checked: torch 2.13.0, 2.14.1 (``torch._C._dispatch_has_kernel_for_dispatch_key``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._dispatch_has_kernel_for_dispatch_key``)."""
 
 
 def op_schema(op: Any) -> Any:
@@ -661,9 +690,10 @@ def op_schema(op: Any) -> Any:
     ``.name`` and ``.alias_info.is_write``) of an ``OpOverload``, None for anything else.
 
     For: which arguments an op writes in place, when ``pmap(jit=True)`` audits a trace and
-    when an in-place op on a ShardedTensor writes back into its shards.
+    when an in-place op on a ShardedTensor writes back into its shards; the argument names
+    of the CUDA attention backwards, for their batching rule.
     Public replacement: none (``OpOverload._schema``; what we'd need: a public schema
-    attribute). Checked: torch 2.13.0, 2.14.1.
+    attribute). Checked: torch 2.11.0, 2.13.0, 2.14.1.
     """
     return getattr(op, "_schema", None)
 
@@ -680,7 +710,7 @@ For: :class:`torchpmap.ShardedTensor`, a ``torch.Tensor`` whose data lives in sh
 several devices (so ``torch.as_tensor`` and autograd treat it as the tensor it is).
 Public replacement: none (DTensor and every torch wrapper subclass use it; what we'd
 need: a public constructor for wrapper subclasses).
-Checked: torch 2.13.0, 2.14.1 (``torch.Tensor._make_wrapper_subclass``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.Tensor._make_wrapper_subclass``)."""
 
 disabled_torch_function = _bind("disabled_torch_function", lambda: torch._C._disabled_torch_function_impl)
 """The ``__torch_function__`` of a subclass that wants none: the function runs as on a
@@ -690,7 +720,7 @@ would turn every result into the subclass).
 For: :class:`torchpmap.ShardedTensor`, whose ops are handled at ``__torch_dispatch__``,
 below autograd, and return plain tensors.
 Public replacement: none (what we'd need: a public name for it); DTensor uses it too.
-Checked: torch 2.13.0, 2.14.1 (``torch._C._disabled_torch_function_impl``)."""
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._disabled_torch_function_impl``)."""
 
 
 # ======================================================================= probes
@@ -1050,6 +1080,16 @@ def _probe_cpu_flash_attention() -> None:
     _expect(torch.allclose(out, want, atol=1e-6), "the forward is F.scaled_dot_product_attention's")
 
 
+def _probe_cuda_attention_backwards() -> None:
+    ops = cuda_attention_backwards()
+    _expect(len(ops) == len(_CUDA_ATTENTION_BACKWARDS), "every op exists")
+    for op in ops:
+        schema = op_schema(op)
+        names = {a.name for a in schema.arguments}
+        _expect({"query", "key", "value", "out", "logsumexp"} <= names, f"{op.name()} takes the folded arguments")
+        _expect(all(r.type.kind() == "TensorType" for r in schema.returns), f"{op.name()} returns tensors")
+
+
 def _probe_batching_excluded() -> None:
     level = vmap_increment_nesting(2, "error")
     try:
@@ -1162,6 +1202,11 @@ ENTRIES: dict[str, Entry] = {
             "cpu_flash_attention",
             "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, _backward",
             _probe_cpu_flash_attention,
+        ),
+        Entry(
+            "cuda_attention_backwards",
+            "torch.ops.aten._scaled_dot_product_{efficient,flash,cudnn}_attention_backward",
+            _probe_cuda_attention_backwards,
         ),
         Entry(
             "batching_excluded",
