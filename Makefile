@@ -11,7 +11,9 @@
 PYTHON ?= python3
 
 # The torch releases that CI tests; pyproject.toml's torch requirement spans them.
-# TORCH_MAIN is the default (`.venv`); `make test` runs the whole suite on both.
+# TORCH_MAIN is the default (`.venv`). `make test` runs the whole suite on the oldest and
+# the newest release and a shorter pass on the one between (see the README).
+TORCH_OLDEST = 2.11.0
 TORCH_MAIN = 2.13.0
 TORCH_COMPAT = 2.14.1
 # The GPU targets need a CUDA build of torch. On this project's machines pip finds the
@@ -28,6 +30,7 @@ venv_of = $(if $(filter $(TORCH_MAIN),$(1)),.venv,.venv-torch$(1))
 VENV := $(call venv_of,$(TORCH))
 PY := $(VENV)/bin/python
 COMPAT_VENV := $(call venv_of,$(TORCH_COMPAT))
+OLDEST_VENV := $(call venv_of,$(TORCH_OLDEST))
 GPU_VENV := $(call venv_of,$(TORCH_GPU))
 PIP_INSTALL = -m pip install --disable-pip-version-check -q
 # Extra pip options for the torch install only, e.g. an --index-url of CPU-only wheels on a
@@ -54,7 +57,7 @@ $(call venv_of,$(1))/.stamp-test: pyproject.toml | $(call venv_of,$(1))/torch$(1
 	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) -c $(call venv_of,$(1))/torch$(1).pin -e ".[test,examples,docs]"
 	touch $$@ $(call venv_of,$(1))/.stamp-demo
 endef
-$(foreach v,$(sort $(TORCH) $(TORCH_COMPAT) $(TORCH_GPU)),$(eval $(call venv_rules,$(v))))
+$(foreach v,$(sort $(TORCH) $(TORCH_OLDEST) $(TORCH_COMPAT) $(TORCH_GPU)),$(eval $(call venv_rules,$(v))))
 
 # pytest's exit status 5 (no test collected) fails the recipe like any other failure.
 PYTEST = -m pytest -q
@@ -62,8 +65,8 @@ PYTEST = -m pytest -q
 JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
 	-W error::torchpmap.JitFallbackWarning
 
-.PHONY: setup demo test test-main test-compat test-quick test-jit-inductor bench bench-cluster docs test-gpu bench-gpu \
-	require-cuda clean distclean
+.PHONY: setup demo test test-main test-oldest test-short test-compat test-quick test-jit-inductor bench bench-cluster docs test-gpu bench-gpu \
+	require-cuda gpu-check clean distclean
 
 setup: $(VENV)/.stamp-test
 
@@ -71,7 +74,7 @@ demo: $(VENV)/.stamp-demo
 	$(PY) examples/train_digits.py
 
 ifdef MATRIX
-test: test-main test-compat
+test: test-oldest test-short test-compat
 else
 test: test-main
 endif
@@ -90,8 +93,22 @@ define suite
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1))
 endef
 
+# The whole suite on $(TORCH) (TORCH_MAIN unless given).
 test-main: $(VENV)/.stamp-test
 	$(call suite,$(PY),$(TORCH))
+
+# The oldest release: the whole suite, and the GPU check's short pass on CPU devices (the
+# GPU machines run this release; the check must not rot between their sessions).
+test-oldest: $(OLDEST_VENV)/.stamp-test
+	$(call suite,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
+	@echo "== $$(date +%T) torch $(TORCH_OLDEST): gpu-check --quick (no CUDA: its CPU parts)"
+	$(MAKE) --no-print-directory gpu-check PYTHON=$(OLDEST_VENV)/bin/python GPU_CHECK_FLAGS=--quick \
+		GPU_CHECK_OUT=build/gpu-check-quick
+
+# The release between: the whole suite (tests and doctests) on one device.
+test-short: $(VENV)/.stamp-test
+	@echo "== $$(date +%T) torch $(TORCH_MAIN): whole suite, 1 device"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST)
 
 test-compat: $(COMPAT_VENV)/.stamp-test
 	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT))
@@ -115,7 +132,20 @@ bench-cluster: $(VENV)/.stamp-test
 docs: $(VENV)/.stamp-test
 	$(PY) -m mkdocs build --strict
 
-# --- GPUs: written for a machine with CUDA devices; never run yet (see the README) ---
+# --- GPUs ---
+
+# One prepared command for a machine with CUDA, that installs nothing: PYTHON names an
+# interpreter that already has torch (and pytest); this checkout goes on PYTHONPATH. Every
+# part is timed and reported, also when an earlier one failed, within a budget of 450 s
+# (GPU_CHECK_FLAGS="--budget S"); the report goes to $(GPU_CHECK_OUT)/report.md and .json.
+# Without CUDA it runs what it can on CPU devices and names what it skipped (CI: --quick).
+GPU_CHECK_OUT ?= gpu-check-results
+GPU_CHECK_FLAGS ?=
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" GPU_CHECK_OUT="$(GPU_CHECK_OUT)" \
+		$(PYTHON) -m torchpmap.bench.gpu_check $(GPU_CHECK_FLAGS)
+
+# --- the older GPU targets: they install into a venv (see the README) ---
 GPU_PY := $(GPU_VENV)/bin/python
 
 # Refuses unless torch sees a CUDA device. Without a venv yet and without an NVIDIA device

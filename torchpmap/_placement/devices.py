@@ -4,6 +4,11 @@ Every CUDA GPU torch sees, else ``TORCHPMAP_NUM_CPU_DEVICES`` CPU devices (defau
 like JAX's ``--xla_force_host_platform_device_count``), so that the multi-device path
 runs and is tested on machines without GPUs. CPU devices share the host's memory: they
 are separate instances of concurrency, not separate memories.
+
+``TORCHPMAP_EXTRA_CPU_DEVICES=n`` adds ``n`` CPU devices after the CUDA devices: a
+testing aid, so that a machine with one GPU still runs the multi-device engine with a
+CUDA device in it (JAX never mixes platforms in one pmap; results on CUDA and CPU
+devices agree to rounding, not bitwise).
 """
 from __future__ import annotations
 
@@ -15,15 +20,23 @@ import torch.distributed as dist
 
 from torchpmap._state import context as _context
 from torchpmap._state import process_group as _process_group
-from torchpmap._state.config import at_least_one
+from torchpmap._state.config import at_least_one, env_value
 from torchpmap._state.device_record import Device
 
 
 @functools.lru_cache(maxsize=1)
 def _local_devices() -> tuple[Device, ...]:
     if torch.cuda.is_available():
-        return tuple(Device("cuda", i) for i in range(torch.cuda.device_count()))
+        extra = env_value("TORCHPMAP_EXTRA_CPU_DEVICES", int, "an integer >= 0", 0)
+        if not 0 <= extra <= _MAX_CPU_DEVICES:
+            raise ValueError(f"environment variable TORCHPMAP_EXTRA_CPU_DEVICES={extra} must be between 0 and {_MAX_CPU_DEVICES}")
+        cuda = tuple(Device("cuda", i) for i in range(torch.cuda.device_count()))
+        return cuda + tuple(Device("cpu", i) for i in range(extra))
     return tuple(Device("cpu", i) for i in range(at_least_one("TORCHPMAP_NUM_CPU_DEVICES", 1)))
+
+
+#: More CPU devices than this is a mistake (each is a thread), not a configuration.
+_MAX_CPU_DEVICES = 4096
 
 
 _DIST_AVAILABLE = dist.is_available()

@@ -42,6 +42,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         help="torch intra-op threads (default: torch's); 1 is steadier on a busy machine",
     )
     parser.add_argument(
+        "--no-jax",
+        action="store_true",
+        help="leave out the JAX columns (on a GPU machine JAX would run on the CPU: no comparison)",
+    )
+    parser.add_argument(
+        "--seconds-per-case",
+        type=float,
+        metavar="S",
+        help="stop starting repetitions of a case after S seconds (at least 5 run); default: the plan's",
+    )
+    parser.add_argument(
         "--json", default=os.path.join("bench-results", "bench.json"), metavar="PATH", help="where to write the JSON"
     )
     parser.add_argument(
@@ -55,13 +66,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     failed or disagreed with its reference; timings never fail."""
     frameworks.configure_environment()  # before JAX is imported (the workloads import it lazily)
     args = parse_args(argv)
+    if args.no_jax:
+        frameworks.disable_jax("left out (--no-jax)")
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = by_name(args.only) if args.only else WORKLOADS
     cfg = Config(quick=args.quick, device=frameworks.default_device())
     load_before = _load()
-    rows = suite.run(workloads, cfg, _plan(cfg), log=_log)
-    meta = {**_meta(cfg, argv), "load_average": {"before": load_before, "after": _load()}}
+    plan = _plan(cfg)
+    if args.seconds_per_case is not None:
+        plan = dataclasses.replace(plan, max_total_s=args.seconds_per_case, min_reps=min(plan.min_reps, 5))
+    rows = suite.run(workloads, cfg, plan, log=_log)
+    meta = {**_meta(cfg, argv, plan), "load_average": {"before": load_before, "after": _load()}}
     doc = {"meta": meta, "columns": COLUMNS, "ratio": report.RATIO_NOTE, "rows": rows}
     print(report.format_table(doc))
     report.write_json(doc, args.json)
@@ -90,7 +106,7 @@ def _failures(rows: list[dict[str, Any]]) -> list[str]:
     return failed
 
 
-def _meta(cfg: Config, argv: Optional[Sequence[str]]) -> dict[str, Any]:
+def _meta(cfg: Config, argv: Optional[Sequence[str]], plan: timing.Plan) -> dict[str, Any]:
     versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
     jax = sys.modules.get("jax")
     if jax is not None:
@@ -106,7 +122,7 @@ def _meta(cfg: Config, argv: Optional[Sequence[str]]) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
         "versions": versions,
-        "plan": dataclasses.asdict(_plan(cfg)),
+        "plan": dataclasses.asdict(plan),
     }
 
 

@@ -68,8 +68,19 @@ def torchpmap_cpu_devices() -> list[torchpmap.Device]:
 # --------------------------------------------------------------------------- JAX
 
 
+_jax_disabled: list[str] = []
+
+
+def disable_jax(reason: str) -> None:
+    """Every JAX column of this process becomes "not applicable", for ``reason``."""
+    _jax_disabled.append(reason)
+    _import_jax.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def _import_jax() -> Union[ModuleType, NA]:
+    if _jax_disabled:
+        return NA(f"jax {_jax_disabled[-1]}")
     configure_jax_environment()
     try:
         import jax
