@@ -51,7 +51,8 @@ _FENCE = re.compile(
 )
 _TORCHRUN = re.compile(r"#\s*torchrun\b")
 _SUBMODULE = re.compile(r"^\s*(?:from|import)\s+torchpmap\.(\w+)", re.MULTILINE)
-_FROM_PACKAGE = re.compile(r"^\s*from\s+torchpmap\s+import\s+\(?([\w\s,]+)\)?", re.MULTILINE)
+# the imported names: a parenthesized list may span lines, a plain one ends with its line
+_FROM_PACKAGE = re.compile(r"^[ \t]*from\s+torchpmap\s+import\s+(?:\(([\w\s,]+)\)|([\w \t,]+))", re.MULTILINE)
 
 
 @dataclasses.dataclass
@@ -118,8 +119,8 @@ def _missing_modules(code: str) -> list[str]:
     import torchpmap
 
     names = set(_SUBMODULE.findall(code))
-    for group in _FROM_PACKAGE.findall(code):
-        for name in group.split(","):
+    for groups in _FROM_PACKAGE.findall(code):
+        for name in "".join(groups).split(","):
             name = name.split(" as ")[0].strip()
             if name and not hasattr(torchpmap, name):
                 names.add(name)

@@ -1,5 +1,5 @@
 """torchpmap: JAX-style ``pmap`` for PyTorch, with named-axis collectives."""
-from torchpmap._frontend.api import pmap, vmap
+from torchpmap._frontend.api import pmap, shard_map, vmap
 from torchpmap._collectives.public import (
     all_gather,
     all_to_all,
@@ -13,11 +13,13 @@ from torchpmap._collectives.public import (
     psum,
     psum_scatter,
     pswapaxes,
+    pvary,
 )
 from torchpmap._state.config import config, disable_vectorization
 from torchpmap._engines import VectorizationFallbackWarning
 from torchpmap._engines.compiled import JitFallbackWarning, JitRecompileWarning
-from torchpmap._placement.mesh import Mesh
+from torchpmap._placement.mesh import AbstractMesh, Mesh, make_mesh
+from torchpmap._placement.partition_spec import P, PartitionSpec
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._placement.devices import (
     Device,
@@ -47,6 +49,7 @@ __version__ = "0.1.0"
 __all__ = [
     "pmap",
     "vmap",
+    "shard_map",
     "psum",
     "pmean",
     "pmax",
@@ -56,10 +59,15 @@ __all__ = [
     "ppermute",
     "pshuffle",
     "pswapaxes",
+    "pvary",
     "all_to_all",
     "axis_index",
     "axis_size",
     "Mesh",
+    "AbstractMesh",
+    "make_mesh",
+    "PartitionSpec",
+    "P",
     "ShardedTensor",
     "config",
     "disable_vectorization",

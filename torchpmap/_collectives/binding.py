@@ -44,6 +44,9 @@ class Primitive:
 
     name = "collective"
     linear = True
+    #: A value that is the same on every instance passes unchanged, without an exchange
+    #: (see :class:`~torchpmap._collectives.math.PsumOfCotangent`).
+    keeps_invariant = False
 
     @property
     def reduces(self) -> bool:
@@ -234,6 +237,16 @@ def _run_at_owner(
         return [
             p.compute_unbatched(x) if d is None else p.compute(x.movedim(d, 0)) for p, x, d in zip(prims, xs, x_dims)
         ]
+    kept = [k for k, (p, d) in enumerate(zip(prims, x_dims)) if d is None and p.keeps_invariant]
+    if kept:  # invariant values that stay as they are: no exchange for them (the same on every slice)
+        rest = [k for k in range(len(prims)) if k not in kept]
+        results: list = [None] * len(prims)
+        for k in kept:
+            results[k] = prims[k].compute_unbatched(xs[k])
+        if rest:
+            for k, out in zip(rest, _run_at_owner([prims[k] for k in rest], [xs[k] for k in rest], [x_dims[k] for k in rest])):
+                results[k] = out
+        return results
     n = frame.local_size  # the other slices hold other values: gather them as a batch
     Xs = [x.unsqueeze(0).expand(n, *x.shape) if d is None else x.movedim(d, 0) for x, d in zip(xs, x_dims)]
     return run_owning(prims, Xs)

@@ -70,7 +70,28 @@ class Psum(Primitive):
         return super().partial(X)
 
     def transpose(self):
+        if self.frame.vma and self.groups is None:  # shard_map's check_vma: JAX's rule
+            return PsumOfCotangent(self.frame, self.lead)
         return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PsumOfCotangent(Psum):
+    """``psum``'s transpose under shard_map's ``check_vma`` (JAX's varying-manual-axes
+    rule): a cotangent that varies along the axis is summed, as ``psum`` does, but one
+    that is the same on every instance (invariant: the gradient of an invariant result,
+    such as a loss after ``pmean``) passes through unchanged, as ``pvary`` would: it is
+    counted once, not once per instance. Without ``check_vma`` (and in ``pmap``),
+    ``psum``'s transpose is ``psum``, which multiplies an invariant cotangent by the
+    axis size, as JAX does there too."""
+
+    keeps_invariant = True
+
+    def compute_unbatched(self, x):
+        return x.to(_sum_dtype(x)), None
+
+    def transpose(self):
+        return Psum(self.frame, self.lead)
 
 
 class _NotDifferentiable(torch.autograd.Function):

@@ -472,3 +472,28 @@ def axis_size(axis_name: AxisNames) -> int:
         tensor([2., 2.])
     """
     return _total_size(_frames(axis_name, "axis_size"))
+
+
+def pvary(x: Any, axis_name: AxisNames) -> Any:
+    """``x`` marked as varying along ``axis_name``: each instance holds its own copy.
+
+    The values do not change. What changes is what the map knows of them: a value that
+    is the same on every instance (a closed-over tensor, a ``psum``) becomes one that
+    may differ, as JAX's ``pvary`` does under shard_map's ``check_vma``. Its transpose is
+    ``psum``: the gradient of a value used by every instance sums their cotangents.
+
+    Example:
+        >>> import torch, torchpmap
+        >>> w = torch.tensor(2.0)
+        >>> torchpmap.pmap(lambda x: torchpmap.pvary(w, "i") * x, axis_name="i")(torch.arange(3.0))
+        tensor([0., 2., 4.])
+    """
+    refuse_under_compile("pvary")
+    index = axis_index(axis_name)
+
+    def vary(t: torch.Tensor) -> torch.Tensor:  # t plus a zero of this instance's own
+        if t.dtype is torch.bool:
+            return t | (index < 0)
+        return t + torch.zeros_like(index, dtype=t.dtype)
+
+    return pytree.tree_map(lambda t: vary(_leaf_tensor(t, "pvary")), x)

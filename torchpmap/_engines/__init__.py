@@ -38,6 +38,8 @@ class MappedCall:
             not vary along the axis (``vmap``'s ``out_axes=None``), with their key paths;
             None when there is nothing to check (``pmap``). An engine raises ValueError
             for an output that does vary.
+        vma: shard_map's varying-manual-axes semantics for this axis (see
+            :class:`~torchpmap._state.axis_env.AxisFrame`).
         programs: for ``jit=True``, the mapped function's compiled programs
             (a :class:`~torchpmap._engines.compiled.ProgramCache`); None runs eagerly.
         signature: what identifies this call's program in ``programs``: everything
@@ -61,6 +63,7 @@ class MappedCall:
     signature: Hashable = None
     output_layout: "OutputLayout" = dataclasses.field(default_factory=lambda: OutputLayout())
     memory: Optional["FunctionMemory"] = None
+    vma: bool = False
 
 
 @dataclasses.dataclass(eq=False)

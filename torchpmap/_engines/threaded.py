@@ -27,6 +27,7 @@ from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
+from torchpmap._state.faults import OutputVaries
 from torchpmap._placement.devices import Device
 from torchpmap._engines import MappedCall, vectorized
 from torchpmap._engines.multi_device import device_thread, run_threads
@@ -129,9 +130,10 @@ def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) ->
     for k, path in call.must_be_unmapped().items():
         first = per_thread[0][k]
         if any(not torch.equal(first, outs[k].to(first.device)) for outs in per_thread[1:]):
-            raise ValueError(
+            raise OutputVaries(
                 f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output differs between "
-                "instances. Give it an out axis (e.g. 0), or return a value that is the same for every instance."
+                "instances. Give it an out axis (e.g. 0), or return a value that is the same for every instance.",
+                path,
             )
 
 

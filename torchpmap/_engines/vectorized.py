@@ -18,6 +18,7 @@ from torchpmap._placement import devices as _devices
 from torchpmap._placement.sharded import ShardedTensor, as_local
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import torch_private as private
+from torchpmap._state.faults import OutputVaries
 
 
 def place(value: Any, device: torch.device | None) -> Any:
@@ -70,7 +71,9 @@ def run(
     def _on_axis(token_slice: torch.Tensor, slices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if call.axis_name is None:
             return _checked(call.body(slices, broadcast))
-        frame = _axis_env.AxisFrame(call.axis_name, axis_size or call.size, token_slice, call.size, offset, exchange)
+        frame = _axis_env.AxisFrame(
+            call.axis_name, axis_size or call.size, token_slice, call.size, offset, exchange, vma=call.vma
+        )
         with _axis_env.bound(frame):
             return _checked(call.body(slices, broadcast))
 
@@ -122,7 +125,7 @@ def run_one(
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else torch.device("cpu")
     token = torch.zeros((), dtype=torch.long, device=here)
-    frame = _axis_env.AxisFrame(call.axis_name, axis_size, token, 1, offset, exchange, vectorized=False)
+    frame = _axis_env.AxisFrame(call.axis_name, axis_size, token, 1, offset, exchange, vectorized=False, vma=call.vma)
     if on_frame is not None:
         on_frame(frame)
     per_instance = call.randomness == "per_instance"
@@ -198,8 +201,9 @@ def _check_unmapped(outputs: Sequence[torch.Tensor], required: dict[int, str]) -
     level = private.current_vmap_level()  # this vmap's: one_instance runs directly inside it
     for k, path in required.items():
         if private.vmap_level_of(outputs[k]) == level:
-            raise ValueError(
+            raise OutputVaries(
                 f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output varies along "
                 "the mapped axis. Give it an out axis (e.g. 0), or return a value that is the same for every "
-                "instance, such as the result of psum."
+                "instance, such as the result of psum.",
+                path,
             )

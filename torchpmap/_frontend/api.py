@@ -1,7 +1,8 @@
-"""The public transforms ``pmap`` and ``vmap``: signatures and documentation.
+"""The public transforms ``pmap``, ``vmap`` and ``shard_map``: signatures and documentation.
 
-The machinery is in :mod:`torchpmap._frontend.call` (arguments and axes) and
-:mod:`torchpmap._engines` (running the instances).
+The machinery is in :mod:`torchpmap._frontend.call` (arguments and axes),
+:mod:`torchpmap._frontend.shard_map` (blocks over a mesh) and :mod:`torchpmap._engines`
+(running the instances).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from torchpmap._frontend.call import MapOptions, MappedFunction, _as_int_tuple
+from torchpmap._frontend.shard_map import AnyMesh, ShardMapOptions, ShardMapped
 
 
 def pmap(
@@ -177,3 +179,67 @@ def vmap(
         jit=jit,
     )
     return MappedFunction(fun, opts)
+
+
+def shard_map(
+    fun: Optional[Callable] = None,
+    *,
+    mesh: AnyMesh,
+    in_specs: Any,
+    out_specs: Any,
+    check_vma: bool = True,
+    jit: bool | Mapping[str, Any] = False,
+) -> Any:
+    """Runs ``fun`` on every position of ``mesh``, each on its blocks of the arguments.
+
+    Like ``jax.shard_map`` (with ``Auto`` mesh axes): global tensors go in, and each
+    argument is split by its :class:`~torchpmap.PartitionSpec`: ``P('x', None)`` splits
+    dim 0 over mesh axis ``x``, ``P(('x', 'y'))`` over ``x`` and ``y`` together (``x``
+    major), and a mesh axis a spec does not name replicates the argument over it.
+    ``fun`` sees its blocks with their rank kept (an ``(8, 4)`` tensor split 4 ways is a
+    ``(2, 4)`` block) and calls collectives by mesh axis name. Its results are put
+    together by ``out_specs``: blocks are concatenated along the dims a spec names; an
+    axis a spec leaves out means the result is the same on every position along it.
+
+    Args:
+        fun: a function of the blocks (of each positional argument's leaves).
+        mesh: a :class:`~torchpmap.Mesh`, or what :func:`~torchpmap.make_mesh` returns
+            (with fewer devices than positions, the positions run vectorized: the same
+            numbers on one device as on many).
+        in_specs: a PartitionSpec per positional argument: a pytree prefix of the
+            arguments tuple (a single spec applies to every argument). None, like
+            ``P()``, replicates.
+        out_specs: a PartitionSpec per output, a pytree prefix of the output.
+        check_vma: an output whose spec leaves out an axis along which it varies raises
+            (JAX's varying-manual-axes check). Values vary along the axes their input
+            specs name; ``psum``, ``pmean`` and ``all_gather`` over an axis make them the
+            same along it; :func:`~torchpmap.pvary` marks a value as varying. False
+            takes the first position's value unchecked.
+        jit: compile the program, as ``pmap(jit=True)``.
+
+    Returns:
+        A function taking the global arguments and returning the global results (also
+        usable as a decorator through ``functools.partial``).
+
+    Example:
+        >>> import torch, torchpmap as tp
+        >>> from torchpmap import P
+        >>> mesh = tp.make_mesh((4, 2), ("batch", "model"))
+        >>> def matmul(x, w):  # x: (2, 3) block of rows; w: (3, 2) block of columns
+        ...     return x @ w
+        >>> f = tp.shard_map(matmul, mesh=mesh, in_specs=(P("batch", None), P(None, "model")),
+        ...                  out_specs=P("batch", "model"))
+        >>> x, w = torch.randn(8, 3), torch.randn(3, 4)
+        >>> torch.allclose(f(x, w), x @ w)
+        True
+        >>> @tp.shard_map(mesh=mesh, in_specs=P("batch"), out_specs=P())
+        ... def total(x):
+        ...     return tp.psum(x.sum(0), ("batch", "model")) / 2  # each row counted on both model positions
+        >>> torch.allclose(total(x), x.sum(0))
+        True
+    """
+    if fun is None:
+        return functools.partial(
+            shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, jit=jit
+        )
+    return ShardMapped(fun, ShardMapOptions(mesh, in_specs, out_specs, check_vma, jit))

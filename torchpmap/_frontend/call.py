@@ -44,6 +44,9 @@ class MapOptions:
     devices: Optional[tuple[Any, ...]] = None
     mesh: Any = None
     jit: Any = False  # False, True, or keyword arguments for torch.compile
+    # shard_map's check_vma: out_axes=None checked as vmap checks it (OutputVaries if the output
+    # varies), and collectives transpose by JAX's varying-manual-axes rules (see AxisFrame.vma)
+    vma: bool = False
 
 
 def check_options(opts: MapOptions) -> None:
@@ -209,11 +212,14 @@ class MappedFunction:
             randomness=self.opts.randomness,
             devices=self._devices_for(flat.size, mesh) if what == "pmap" else None,
             mesh=mesh,
-            must_be_unmapped=(lambda: self._replicated_outputs(layout)) if what == "vmap" else None,
+            must_be_unmapped=(
+                (lambda: self._replicated_outputs(layout)) if what == "vmap" or self.opts.vma else None
+            ),
             programs=self._programs,
             signature=signature_of(flat.structure, statics, flat.leaves) if self._programs is not None else None,
             output_layout=layout,
             memory=self._memory,
+            vma=self.opts.vma,
         )
         outputs = _engines.run(call)
         return self._stack_outputs(outputs, layout)

@@ -7,7 +7,7 @@ two trees itself and names the key path where they part.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torchpmap._state.torch_private import pytree
 
@@ -56,13 +56,16 @@ def _describe(x: Any) -> str:
     return f"a {getattr(kind, '__name__', kind)} of {len(_children(x)[0])} entries"
 
 
-def broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> Iterator[tuple[Any, str]]:
+def broadcast_prefix(
+    prefix: Any, tree: Any, what: str, path: str = "", is_leaf: Callable[[Any], bool] = is_axis_spec_leaf
+) -> Iterator[tuple[Any, str]]:
     """Yields ``(axis, key path)`` for every leaf of ``tree``, in pytree flatten order.
 
-    ``prefix`` must be a pytree prefix of ``tree`` (its leaves ints or None); a mismatch
-    raises ValueError naming ``what`` and the key path where the structures differ.
+    ``prefix`` must be a pytree prefix of ``tree`` (its leaves ints or None, or what
+    ``is_leaf`` accepts: shard_map's PartitionSpecs); a mismatch raises ValueError naming
+    ``what`` and the key path where the structures differ.
     """
-    if is_axis_spec_leaf(prefix):
+    if is_leaf(prefix):
         for sub, _ in pytree.tree_leaves_with_path(tree):
             yield prefix, path + pytree.keystr(sub)
         return
@@ -83,4 +86,4 @@ def broadcast_prefix(prefix: Any, tree: Any, what: str, path: str = "") -> Itera
             f"value's structure."
         )
     for p_child, t_child, key in zip(p_children, t_children, keys):
-        yield from broadcast_prefix(p_child, t_child, what, path + key)
+        yield from broadcast_prefix(p_child, t_child, what, path + key, is_leaf)

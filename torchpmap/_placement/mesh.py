@@ -69,6 +69,78 @@ class Mesh:
 
 
 
+class AbstractMesh:
+    """Named mesh axes with more positions than devices: what :func:`make_mesh` returns
+    when there are too few devices for one position each.
+
+    A map over it runs as ``pmap`` runs an axis larger than its devices: the positions
+    of the first axis are spread evenly over ``devices``, and each device runs its
+    positions vectorized (the other axes vectorized within them). The numbers are those
+    of a mesh with one device per position, to rounding.
+
+    Attributes:
+        axis_names: the axes, major first.
+        devices: the devices that hold the positions (their count divides the first axis).
+    """
+
+    def __init__(self, shape: Sequence[int], axis_names: Sequence[Hashable], devices: Sequence[_devices.Device]):
+        self.axis_names = tuple(axis_names)
+        self._shape = tuple(int(n) for n in shape)
+        self.devices = tuple(devices)
+
+    @property
+    def shape(self) -> dict[Hashable, int]:
+        return dict(zip(self.axis_names, self._shape))
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._shape))
+
+    def __repr__(self) -> str:
+        return f"AbstractMesh(shape={self.shape}, devices={list(self.devices)})"
+
+
+def make_mesh(
+    axis_shapes: Sequence[int], axis_names: Sequence[Hashable], *, devices: Sequence[Any] | None = None
+) -> Mesh | AbstractMesh:
+    """A mesh of the given shape and axis names over ``devices`` (default: all of them).
+
+    With at least as many devices as positions, a :class:`Mesh` of the first
+    ``prod(axis_shapes)`` devices, laid out row-major. With fewer, an
+    :class:`AbstractMesh`: the positions run vectorized, several per device (the device
+    count must divide the first axis), so that the same program runs on one device and
+    on many. Like ``jax.make_mesh`` with ``AxisType.Auto`` axes.
+
+    Example:
+        >>> import torchpmap as tp
+        >>> mesh = tp.make_mesh((4, 2), ("batch", "model"), devices=tp.devices()[:1])
+        >>> mesh.shape
+        {'batch': 4, 'model': 2}
+    """
+    shape, names = tuple(axis_shapes), tuple(axis_names)
+    if not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape):
+        raise ValueError(f"make_mesh: axis_shapes must be positive ints, one per axis, got {axis_shapes!r}")
+    if len(shape) != len(names):
+        raise ValueError(
+            f"make_mesh: axis_shapes {shape} has {len(shape)} axes but {len(names)} axis names were given: {names}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"make_mesh: axis names must be distinct, got {names}")
+    chosen = list(_devices.resolve(devices)) if devices is not None else _devices.devices()
+    positions = int(np.prod(shape))
+    if len(chosen) >= positions:
+        return Mesh(np.array(chosen[:positions], dtype=object).reshape(shape), names)
+    if shape[0] % len(chosen):
+        usable = [d for d in range(len(chosen), 0, -1) if shape[0] % d == 0][0]
+        raise ValueError(
+            f"make_mesh: {positions} positions (shape {dict(zip(names, shape))}) on {len(chosen)} devices: with fewer "
+            f"devices than positions, the positions of the first axis {names[0]!r} ({shape[0]}) are spread evenly "
+            f"over the devices, and {len(chosen)} does not divide {shape[0]}. Pass devices=torchpmap.devices()"
+            f"[:{usable}], or a first axis that {len(chosen)} divides."
+        )
+    return AbstractMesh(shape, names, chosen)
+
+
 def current() -> Mesh | None:
     """The mesh of the enclosing mesh pmap in this thread, else the innermost ``with mesh``."""
     state = _context.instance_thread.get()

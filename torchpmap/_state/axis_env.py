@@ -93,6 +93,10 @@ class AxisFrame:
             whole axis runs in one vectorized slice.
         vectorized: False when this slice is a single instance run without a vmap level
             (a mesh axis with one instance per device); collectives then apply directly.
+        vma: the axis is a shard_map mesh axis under ``check_vma``: a value that is the
+            same on every instance (unbatched at this axis' level) is *invariant*, and
+            the collectives transpose by JAX's varying-manual-axes rules (the transpose
+            of ``psum`` on an invariant cotangent is ``pvary``, not ``psum``).
     """
 
     name: AxisName
@@ -102,6 +106,7 @@ class AxisFrame:
     offset: int = 0
     exchange: Optional[Exchange] = None
     vectorized: bool = True
+    vma: bool = False
 
 
 def _stack() -> tuple[AxisFrame, ...]:

@@ -26,3 +26,16 @@ class ExchangeMismatch(ValueError):
     def __init__(self, message: str, ranks: Sequence[int] = ()):
         super().__init__(message)
         self.ranks = list(ranks)
+
+
+class OutputVaries(ValueError):
+    """An output whose out axis is None (vmap's ``out_axes=None``, a shard_map out spec
+    that leaves a mesh axis out) varies along the mapped axis.
+
+    Attributes:
+        path: the output's key path (``""`` for the root).
+    """
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = path

@@ -1,0 +1,339 @@
+"""shard_map against jax.shard_map, and against itself on one device and on several.
+
+Each program of JAX's shard_map notebook is written once against a backend (torch or
+JAX: the array module, the collectives, shard_map, grad) and run by both, on a (4, 2)
+mesh named ("batch", "model"): torchpmap's on 1 CPU device (every position vectorized),
+on 2 (an AbstractMesh: 4 positions per device) and on 8 (a Mesh: one device per
+position), JAX's with ``Auto`` axes on its 8 host devices. Values and gradients must
+agree; so must the placements.
+"""
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch.func import grad
+
+import torchpmap as tp
+from torchpmap import P
+from torchpmap._placement import devices as _devices
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+from jax import lax  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+from jax.sharding import PartitionSpec as JP  # noqa: E402
+
+SHAPE, NAMES = (4, 2), ("batch", "model")
+
+
+@pytest.fixture
+def cpu_devices(monkeypatch):
+    """``use(n)``: n CPU devices for this test, whatever TORCHPMAP_NUM_CPU_DEVICES the run uses."""
+
+    def use(n: int) -> list:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", str(n))
+        _devices._local_devices.cache_clear()
+        return tp.devices()
+
+    yield use
+    monkeypatch.undo()
+    _devices._local_devices.cache_clear()
+
+
+def torch_side() -> SimpleNamespace:
+    mesh = tp.make_mesh(SHAPE, NAMES)
+    return SimpleNamespace(
+        xp=torch, P=P, psum=tp.psum, pmean=tp.pmean, all_gather=tp.all_gather, psum_scatter=tp.psum_scatter,
+        ppermute=tp.ppermute, axis_index=tp.axis_index, relu=torch.relu, tanh=torch.tanh, grad=grad,
+        shard_map=lambda f, **kw: tp.shard_map(f, mesh=mesh, **kw), mesh=mesh, gather_is_invariant=True,
+    )
+
+
+def jax_side() -> SimpleNamespace:
+    mesh = jax.make_mesh(SHAPE, NAMES, axis_types=(AxisType.Auto,) * len(SHAPE))
+    return SimpleNamespace(
+        xp=jnp, P=JP, psum=lax.psum, pmean=lax.pmean, all_gather=lax.all_gather, psum_scatter=lax.psum_scatter,
+        ppermute=lax.ppermute, axis_index=lax.axis_index, relu=jax.nn.relu, tanh=jnp.tanh, grad=jax.grad,
+        shard_map=lambda f, **kw: jax.shard_map(f, mesh=mesh, **kw), mesh=mesh, gather_is_invariant=False,
+    )
+
+
+# --------------------------------------------------------------------------- the notebook's programs
+
+
+def matmul_psum(B, x, w):
+    """Contracting over a split dim: each position multiplies its blocks, psum adds them."""
+    f = B.shard_map(lambda x, w: B.psum(x @ w, "model"), in_specs=(B.P("batch", "model"), B.P("model", None)),
+                    out_specs=B.P("batch", None))
+    return f(x, w)
+
+
+def gathered(B, x, w):
+    """all_gather(tiled) makes the blocks whole: the same on every position. torchpmap's
+    check counts its result as the same along the axis (what JAX's all_gather_invariant
+    does); JAX 0.10's all_gather keeps it varying, so JAX's side runs unchecked."""
+    f = B.shard_map(lambda x: B.all_gather(x, "batch", tiled=True) * 2, in_specs=B.P("batch"), out_specs=B.P(),
+                    check_vma=B.gather_is_invariant)
+    return f(x)
+
+
+def reduce_scattered(B, x, w):
+    """Tensor parallel with the output kept split: psum_scatter(tiled) over the contracted axis."""
+    def block(x, w):
+        return B.psum_scatter(x @ w, "model", scatter_dimension=1, tiled=True)
+
+    f = B.shard_map(block, in_specs=(B.P("batch", "model"), B.P("model", None)), out_specs=B.P("batch", "model"))
+    return f(x, w)
+
+
+def megatron_mlp(B, x, w1, w2):
+    """2-D: batch split over "batch"; W1's columns and W2's rows over "model"."""
+    def block(x, w1, w2):
+        return B.psum(B.relu(x @ w1) @ w2, "model")
+
+    f = B.shard_map(block, in_specs=(B.P("batch", None), B.P(None, "model"), B.P("model", None)),
+                    out_specs=B.P("batch", None))
+    return f(x, w1, w2)
+
+
+def ring(B, x, w):
+    """A ring over "batch", and each block's position along both axes."""
+    perm = [(j, (j + 1) % SHAPE[0]) for j in range(SHAPE[0])]
+
+    def block(x):
+        return B.ppermute(x, "batch", perm) + B.axis_index("model") + 10 * B.axis_index("batch")
+
+    f = B.shard_map(block, in_specs=B.P("batch", "model"), out_specs=B.P("batch", "model"))
+    return f(x)
+
+
+def fsdp_step(B, x, w):
+    """FSDP: parameters split along dim 0 over "batch", gathered per layer; the gradient
+    of a gathered weight comes back reduce-scattered (all_gather's transpose)."""
+    def loss(params, x, y):
+        w1 = B.all_gather(params["w1"], "batch", tiled=True)
+        w2 = B.all_gather(params["w2"], "batch", tiled=True)
+        return B.pmean(((B.tanh(x @ w1) @ w2 - y) ** 2).mean(), "batch")
+
+    def step(params, x, y):
+        return loss(params, x, y), B.grad(loss)(params, x, y)
+
+    params = {"w1": w, "w2": w.T * 0.5}  # (4, 8) and (8, 4): dim 0 split over "batch"
+    spec = B.P("batch")
+    f = B.shard_map(step, in_specs=({"w1": spec, "w2": spec}, spec, spec), out_specs=(B.P(), {"w1": spec, "w2": spec}))
+    return f(params, x, x * 0.5 + 1)
+
+
+PROGRAMS = {
+    "matmul_psum": (matmul_psum, [(8, 4), (4, 3)]),
+    "all_gather": (gathered, [(8, 3), (1,)]),
+    "reduce_scatter": (reduce_scattered, [(8, 4), (4, 6)]),
+    "megatron_mlp": (megatron_mlp, [(8, 4), (4, 6), (6, 4)]),
+    "ring": (ring, [(8, 4), (1,)]),
+    "fsdp_step": (fsdp_step, [(8, 4), (4, 8)]),
+}
+
+
+def _inputs(shapes: list, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_result(name: str):
+    program, shapes = PROGRAMS[name]
+    return jax.tree_util.tree_map(np.asarray, program(jax_side(), *map(jnp.asarray, _inputs(shapes))))
+
+
+def _assert_close(got, want, what: str) -> None:
+    got_leaves = [np.asarray(torch.as_tensor(t).detach()) for t in torch.utils._pytree.tree_leaves(got)]
+    want_leaves = jax.tree_util.tree_leaves(want)
+    assert len(got_leaves) == len(want_leaves), what
+    for g, w in zip(got_leaves, want_leaves):
+        assert g.shape == w.shape, (what, g.shape, w.shape)
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 8])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_the_notebook_programs_give_jax_numbers_on_every_placement(cpu_devices, name, n_devices):
+    cpu_devices(n_devices)
+    program, shapes = PROGRAMS[name]
+    B = torch_side()
+    assert isinstance(B.mesh, tp.Mesh if n_devices == 8 else tp.AbstractMesh)
+    got = program(B, *map(torch.from_numpy, _inputs(shapes)))
+    _assert_close(got, _jax_result(name), f"{name} on {n_devices} devices")
+
+
+GRADIENT_PROGRAMS = ["matmul_psum", "reduce_scatter", "megatron_mlp", "all_gather"]
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_gradient(name: str):
+    program, shapes = PROGRAMS[name]
+    args = list(map(jnp.asarray, _inputs(shapes)))
+    weights = jnp.asarray(_inputs([np.shape(program(jax_side(), *args))], seed=1)[0])
+
+    def scalar(*args):
+        return (program(jax_side(), *args) * weights).sum()
+
+    return jax.tree_util.tree_map(np.asarray, jax.grad(scalar, argnums=tuple(range(len(args))))(*args)), weights
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+@pytest.mark.parametrize("name", GRADIENT_PROGRAMS)
+def test_gradients_around_the_map_are_jax_gradients(cpu_devices, name, n_devices):
+    """grad outside, and .backward() through the result: each argument's gradient,
+    assembled from its blocks' (all_gather's transpose is psum_scatter, psum's psum)."""
+    cpu_devices(n_devices)
+    program, shapes = PROGRAMS[name]
+    want, weights = _jax_gradient(name)
+    weights = torch.from_numpy(np.array(weights))
+    args = list(map(torch.from_numpy, _inputs(shapes)))
+    B = torch_side()
+
+    def scalar(*args):
+        return (torch.as_tensor(program(B, *args)) * weights).sum()
+
+    got = grad(scalar, argnums=tuple(range(len(args))))(*args)
+    _assert_close(list(got), list(want), f"grad of {name} on {n_devices} devices")
+    leaves = [a.clone().requires_grad_() for a in args]
+    scalar(*leaves).backward()
+    grads = [torch.zeros_like(a) if a.grad is None else a.grad for a in leaves]  # an unused argument: None
+    _assert_close(grads, list(want), f".backward() of {name} on {n_devices} devices")
+
+
+def test_one_device_is_the_oracle_for_eight(cpu_devices):
+    results = {}
+    for n in (1, 8):
+        cpu_devices(n)
+        program, shapes = PROGRAMS["fsdp_step"]
+        results[n] = program(torch_side(), *map(torch.from_numpy, _inputs(shapes)))
+    for a, b in zip(torch.utils._pytree.tree_leaves(results[1]), torch.utils._pytree.tree_leaves(results[8])):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b))
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_jit_compiles_the_program(cpu_devices, n_devices):
+    cpu_devices(n_devices)
+    x, w = map(torch.from_numpy, _inputs([(8, 4), (4, 3)]))
+    mesh = tp.make_mesh(SHAPE, NAMES)
+    f = tp.shard_map(lambda x, w: tp.psum(x @ w, "model"), mesh=mesh, in_specs=(P("batch", "model"), P("model", None)),
+                     out_specs=P("batch", None), jit=True)
+    if n_devices == 1:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tp.JitFallbackWarning)
+            out = f(x, w)
+    else:  # one thread per mesh position: eager, and says so (issue 29)
+        with pytest.warns(tp.JitFallbackWarning):
+            out = f(x, w)
+    torch.testing.assert_close(torch.as_tensor(out), x @ w, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- check_vma
+
+
+def test_an_output_that_varies_along_an_axis_its_spec_leaves_out_raises():
+    mesh = tp.make_mesh(SHAPE, NAMES, devices=tp.devices()[:1])
+    x = torch.randn(8, 4)
+    f = tp.shard_map(lambda x: x.sum(0), mesh=mesh, in_specs=P("batch"), out_specs=P())
+    with pytest.raises(ValueError, match="varies along a mesh axis that its out_spec leaves out.*check_vma=False"):
+        f(x)
+    # unchecked: the first position's value, as JAX with check_vma=False
+    unchecked = tp.shard_map(lambda x: x.sum(0), mesh=mesh, in_specs=P("batch"), out_specs=P(), check_vma=False)
+    torch.testing.assert_close(unchecked(x), x[:2].sum(0))
+    # psum, pmean and all_gather make it the same along the axis
+    for reduce in (lambda v: tp.psum(v, "batch"), lambda v: tp.pmean(v, "batch")):
+        tp.shard_map(lambda x: reduce(x.sum(0)), mesh=mesh, in_specs=P("batch"), out_specs=P())(x)
+    # replicated inputs are the same along every axis; pvary marks a value as varying
+    w = torch.randn(4)
+    torch.testing.assert_close(tp.shard_map(lambda w: w * 2, mesh=mesh, in_specs=P(), out_specs=P())(w), w * 2)
+    with pytest.raises(ValueError, match="varies along a mesh axis"):
+        tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P())(w)
+    out = tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P("model"))(w)
+    torch.testing.assert_close(out, torch.cat([w, w]))
+
+
+def test_pvary_transposes_to_psum():
+    """The gradient of a replicated value made varying sums every position's cotangent."""
+    mesh = tp.make_mesh(SHAPE, NAMES, devices=tp.devices()[:1])
+    w = torch.randn(3)
+
+    def total(w):
+        out = tp.shard_map(lambda w: tp.pvary(w, ("batch", "model")) * (tp.axis_index("batch") + 1),
+                           mesh=mesh, in_specs=P(), out_specs=P(("batch", "model")))(w)
+        return out.sum()
+
+    # positions (b, m) contribute (b + 1) each: 2 * (1 + 2 + 3 + 4) = 20 per element
+    torch.testing.assert_close(grad(total)(w), torch.full((3,), 20.0))
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "in_specs, x_shape, match",
+    [
+        (P("batch", None, None), (8, 4), r"PartitionSpec\('batch', None, None\), with 3 entries, but the tensor has rank 2 \(shape \(8, 4\)\)"),
+        (P("depth"), (8, 4), r"names mesh axis 'depth', but the mesh's axes are \('batch', 'model'\)"),
+        (P("batch", "batch"), (8, 4), r"names mesh axis 'batch' twice"),
+        (P(("batch", "model")), (12, 4), r"dim 0 of argument 0 has size 12.*\('batch', 'model'\).*8 blocks.*Pad"),
+        (P(None, "batch"), (8, 6), r"dim 1 of argument 0 has size 6.*'batch': 4"),
+    ],
+)
+def test_bad_specs_are_named_with_sizes_and_a_way_out(in_specs, x_shape, match):
+    mesh = tp.make_mesh(SHAPE, NAMES, devices=tp.devices()[:1])
+    with pytest.raises((ValueError, TypeError), match=match):
+        tp.shard_map(lambda x: x, mesh=mesh, in_specs=in_specs, out_specs=P("batch"))(torch.zeros(x_shape))
+
+
+def test_other_misuse_is_named():
+    mesh = tp.make_mesh(SHAPE, NAMES, devices=tp.devices()[:1])
+    with pytest.raises(TypeError, match="mesh must be a torchpmap.Mesh"):
+        tp.shard_map(lambda x: x, mesh="mesh", in_specs=P(), out_specs=P())
+    with pytest.raises(TypeError, match=r"in_specs\[0\] is 'batch' of type str; the leaves of in_specs are PartitionSpecs"):
+        tp.shard_map(lambda x: x, mesh=mesh, in_specs=("batch",), out_specs=P())
+    with pytest.raises(TypeError, match="keyword arguments"):
+        tp.shard_map(lambda x: x, mesh=mesh, in_specs=P(), out_specs=P())(x=torch.zeros(2))
+    with pytest.raises(TypeError, match="is float, not a tensor"):
+        tp.shard_map(lambda x: x, mesh=mesh, in_specs=P("batch"), out_specs=P())(1.5)
+    with pytest.raises(ValueError, match=r"out_spec of the output at \(the root\) is P.*3 entries.*rank 2"):
+        tp.shard_map(lambda x: x, mesh=mesh, in_specs=P("batch"), out_specs=P("batch", None, None))(torch.zeros(8, 2))
+    with pytest.raises(TypeError, match="tuple, got the list"):
+        P(["batch", "model"])
+
+
+def test_make_mesh():
+    mesh = tp.make_mesh((1,), ("x",))
+    assert isinstance(mesh, tp.Mesh) and mesh.shape == {"x": 1}
+    with pytest.raises(ValueError, match="2 axes but 1 axis names"):
+        tp.make_mesh((2, 2), ("x",))
+    with pytest.raises(ValueError, match="positive ints"):
+        tp.make_mesh((0,), ("x",))
+    with pytest.raises(ValueError, match="distinct"):
+        tp.make_mesh((2, 2), ("x", "x"))
+
+
+def test_make_mesh_spreads_the_first_axis_over_fewer_devices(cpu_devices):
+    devs = cpu_devices(3)
+    with pytest.raises(ValueError, match=r"3 does not divide 4\. Pass devices=torchpmap.devices\(\)\[:2\]"):
+        tp.make_mesh((4, 2), NAMES)
+    mesh = tp.make_mesh((4, 2), NAMES, devices=devs[:2])
+    assert isinstance(mesh, tp.AbstractMesh) and mesh.devices == tuple(devs[:2])
+
+
+def test_shard_map_is_a_decorator():
+    mesh = tp.make_mesh(SHAPE, NAMES, devices=tp.devices()[:1])
+
+    @tp.shard_map(mesh=mesh, in_specs=P("batch"), out_specs=P("batch"))
+    def double(x):
+        return x * 2
+
+    torch.testing.assert_close(double(torch.arange(8.0)), torch.arange(8.0) * 2)
+    assert double.__name__ == "double"

@@ -1,0 +1,283 @@
+"""shard_map: a function of blocks, mapped over every axis of a mesh.
+
+A call is planned once per argument structure and then runs as nested pmaps, one per
+mesh axis (major first):
+
+1. **Blocks in.** Each argument leaf is reshaped (a view) so that every mesh axis its
+   spec names becomes a leading dim of its own, in mesh order, followed by the block:
+   ``(8, 6)`` with ``P(('x', 'y'))`` on a ``{x: 2, y: 2}`` mesh becomes ``(2, 2, 2, 6)``.
+2. **Nested maps.** The pmap over mesh axis ``a`` maps dim 0 of the leaves whose spec
+   names ``a`` and broadcasts the others, so ``f`` sees each leaf's block with its rank
+   kept, and collectives over mesh axis names run among the positions of that axis.
+   With a :class:`~torchpmap.Mesh`, position ``(i, j)`` runs on ``mesh.devices[i, j]``;
+   with an :class:`~torchpmap.AbstractMesh`, the first axis' positions are spread over
+   its devices and the rest run vectorized within them.
+3. **Blocks out.** An output whose out spec names ``a`` is stacked along ``a``; one
+   whose spec leaves ``a`` out is the same on every position of ``a`` (with
+   ``check_vma``, a value that varies along ``a`` raises instead); the stacked leading
+   dims are then merged back into the dims the spec names.
+
+The same program gives the same numbers on any placement of the mesh positions, to
+rounding (one device is the oracle, as for pmap).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Hashable, Mapping, Sequence
+
+import torch
+
+from torchpmap._frontend.call import MapOptions, MappedFunction
+from torchpmap._frontend.tree_prefix import broadcast_prefix
+from torchpmap._placement.mesh import AbstractMesh, Mesh
+from torchpmap._placement.partition_spec import PartitionSpec
+from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state.faults import OutputVaries
+from torchpmap._state.torch_private import pytree
+
+#: What shard_map runs over: a mesh with one device per position, or positions on fewer devices.
+AnyMesh = Mesh | AbstractMesh
+
+
+def is_spec(x: Any) -> bool:
+    """A leaf of an in_specs/out_specs pytree: a PartitionSpec, or None (replicated)."""
+    return x is None or isinstance(x, PartitionSpec)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMapOptions:
+    """Everything about a shard_map except the function."""
+
+    mesh: AnyMesh
+    in_specs: Any
+    out_specs: Any
+    check_vma: bool
+    jit: bool | Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocked:
+    """One argument leaf, its blocks' axes and its description for messages."""
+
+    value: Any
+    axes: frozenset[Hashable]  # the mesh axes its spec names
+    label: str
+
+
+def check_options(opts: ShardMapOptions) -> None:
+    mesh = opts.mesh
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise TypeError(
+            f"shard_map: mesh must be a torchpmap.Mesh or what torchpmap.make_mesh returns, got {mesh!r} of type "
+            f"{type(mesh).__name__}. Build one with torchpmap.make_mesh((4, 2), ('data', 'model'))."
+        )
+    for what, specs in (("in_specs", opts.in_specs), ("out_specs", opts.out_specs)):
+        for path, spec in pytree.tree_leaves_with_path(specs, is_leaf=is_spec):
+            where = f"shard_map {what}{pytree.keystr(path)}"
+            if not is_spec(spec):
+                raise TypeError(
+                    f"{where} is {spec!r} of type {type(spec).__name__}; the leaves of {what} are PartitionSpecs "
+                    f"(torchpmap.P('data', None)), or None for an argument replicated over the whole mesh"
+                )
+            _check_spec_axes(spec, mesh, where)
+    if not isinstance(opts.jit, (bool, Mapping)):
+        raise TypeError(f"shard_map: jit must be True, False or a dict of torch.compile keyword arguments, got {opts.jit!r}")
+
+
+def _check_spec_axes(spec: PartitionSpec | None, mesh: AnyMesh, where: str) -> None:
+    if spec is None:
+        return
+    seen: set[Hashable] = set()
+    for axis in spec.axes():
+        if axis not in mesh.shape:
+            raise ValueError(
+                f"{where} = {spec!r} names mesh axis {axis!r}, but the mesh's axes are {mesh.axis_names} "
+                f"(shape {mesh.shape}); name one of those, or None for a dim that is not split"
+            )
+        if axis in seen:
+            raise ValueError(
+                f"{where} = {spec!r} names mesh axis {axis!r} twice; a mesh axis splits at most one dim of a "
+                "tensor (to split one dim over several axes, give them as a tuple: P(('x', 'y')))"
+            )
+        seen.add(axis)
+
+
+class ShardMapped:
+    """A function mapped by ``shard_map``; calling it runs it on every mesh position."""
+
+    def __init__(self, fun: Callable, opts: ShardMapOptions):
+        if not callable(fun):
+            raise TypeError(f"shard_map: the first argument must be a callable, got {fun!r}")
+        check_options(opts)
+        self.fun, self.opts = fun, opts
+        self._maps: dict[tuple, MappedFunction] = {}  # argument structure -> the nested pmaps
+        functools.update_wrapper(self, fun, updated=())
+
+    def __repr__(self) -> str:
+        return f"<shard_map of {getattr(self.fun, '__qualname__', self.fun)!r} over {self.opts.mesh!r}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(
+                f"shard_map: keyword arguments ({', '.join(kwargs)}) are not supported: in_specs describes the "
+                "positional arguments. Pass them positionally, with a spec each."
+            )
+        leaves, tree = pytree.tree_flatten(args)
+        specs = [spec for spec, _ in broadcast_prefix(self.opts.in_specs, args, "shard_map in_specs", is_leaf=is_spec)]
+        labels = _leaf_labels(args)
+        blocked = [self._block(leaf, spec, label) for leaf, spec, label in zip(leaves, specs, labels)]
+        key = (tree, tuple(b.axes for b in blocked))
+        mapped = self._maps.get(key)
+        if mapped is None:
+            mapped = self._maps[key] = self._nest(tree, [b.axes for b in blocked])
+        try:
+            stacked = mapped(*(b.value for b in blocked))
+        except OutputVaries as varies:
+            raise self._varies(varies) from None
+        return self._unblock_all(stacked)
+
+    # ------------------------------------------------------------------ blocks in
+
+    def _block(self, leaf: Any, spec: PartitionSpec | None, label: str) -> _Blocked:
+        """``leaf`` with each mesh axis its spec names as a leading dim (mesh order)."""
+        mesh_shape = self.opts.mesh.shape
+        if spec is None or not spec.axes():
+            if spec is not None and isinstance(leaf, (torch.Tensor, ShardedTensor)) and len(spec) > leaf.dim():
+                raise self._rank_error(spec, leaf, label)
+            return _Blocked(leaf, frozenset(), label)
+        if isinstance(leaf, ShardedTensor):
+            leaf = torch.as_tensor(leaf)
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"shard_map: {label} is {type(leaf).__name__}, not a tensor, but its in_spec {spec!r} splits it over "
+                f"mesh axes {spec.axes()}; give it the spec P() (replicated), or pass a tensor"
+            )
+        if len(spec) > leaf.dim():
+            raise self._rank_error(spec, leaf, label)
+        shape: list[int] = []
+        where: dict[Hashable, int] = {}  # mesh axis -> its dim in `shape`
+        block_dims: list[int] = []
+        for d, n in enumerate(leaf.shape):
+            axes = spec.axes_of(d)
+            k = math.prod(mesh_shape[a] for a in axes)
+            if n % k:
+                sizes = ", ".join(f"{a!r}: {mesh_shape[a]}" for a in axes)
+                raise ValueError(
+                    f"shard_map: dim {d} of {label} has size {n}, which its in_spec {spec!r} splits over mesh axes "
+                    f"{axes} ({sizes}: {k} blocks), but {k} does not divide {n}. Pad the dim to a multiple of {k}, "
+                    "or split it over other axes."
+                )
+            for a in axes:
+                where[a] = len(shape)
+                shape.append(mesh_shape[a])
+            block_dims.append(len(shape))
+            shape.append(n // k)
+        named = [a for a in self.opts.mesh.axis_names if a in where]
+        value = leaf.reshape(shape).permute([where[a] for a in named] + block_dims)
+        return _Blocked(value, frozenset(named), label)
+
+    @staticmethod
+    def _rank_error(spec: PartitionSpec, leaf: Any, label: str) -> ValueError:
+        return ValueError(
+            f"shard_map: the in_spec of {label} is {spec!r}, with {len(spec)} entries, but the tensor has rank "
+            f"{leaf.dim()} (shape {tuple(leaf.shape)}); a spec has at most one entry per dim"
+        )
+
+    # ------------------------------------------------------------------ the nested maps
+
+    def _nest(self, tree: pytree.TreeSpec, leaf_axes: Sequence[frozenset[Hashable]]) -> MappedFunction:
+        """The nested pmaps over the mesh axes, for one argument structure."""
+        fun, mesh, out_specs = self.fun, self.opts.mesh, self.opts.out_specs
+
+        def blocks(*leaves: Any) -> Any:
+            return fun(*pytree.tree_unflatten(list(leaves), tree))
+
+        mapped: Callable = blocks
+        names = mesh.axis_names
+        for level in reversed(range(len(names))):
+            axis = names[level]
+            in_axes = tuple(0 if axis in axes else None for axes in leaf_axes)
+            out_axes = pytree.tree_map(
+                lambda spec, axis=axis: 0 if spec is not None and axis in spec.axes() else None, out_specs, is_leaf=is_spec
+            )
+            # the first axis spread over the devices, the rest vectorized inside (see first_axis_devices)
+            placement = {"devices": first_axis_devices(mesh) if level == 0 else None}
+            opts = MapOptions(
+                kind="pmap",
+                axis_name=axis,
+                in_axes=in_axes,
+                out_axes=out_axes,
+                axis_size=mesh.shape[axis],
+                randomness="different",
+                jit=self.opts.jit if level == 0 else False,
+                vma=self.opts.check_vma,
+                **placement,
+            )
+            mapped = MappedFunction(mapped, opts)
+        return mapped  # type: ignore[return-value]
+
+    def _varies(self, varies: OutputVaries) -> ValueError:
+        return ValueError(
+            f"shard_map: the output at {varies.path or '(the root)'} varies along a mesh axis that its out_spec "
+            f"leaves out (out_specs = {self.opts.out_specs!r}), so it cannot be taken as the same on every position "
+            "of that axis. Reduce it over the axis (psum, pmean, all_gather), name the axis in the out_spec to "
+            "stack the blocks, or pass check_vma=False to take the first position's value unchecked."
+        )
+
+    # ------------------------------------------------------------------ blocks out
+
+    def _unblock_all(self, stacked: Any) -> Any:
+        out_specs = self.opts.out_specs
+        pairs = list(broadcast_prefix(out_specs, stacked, "shard_map out_specs", is_leaf=is_spec))
+        leaves, tree = pytree.tree_flatten(stacked)
+        return pytree.tree_unflatten([self._unblock(x, s, p) for x, (s, p) in zip(leaves, pairs)], tree)
+
+    def _unblock(self, x: Any, spec: PartitionSpec | None, path: str) -> Any:
+        """A stacked output (a leading dim per mesh axis its spec names, then the block)
+        -> the global value: each dim of the block with its axes' dims merged in."""
+        if spec is None or not spec.axes():
+            return x
+        mesh_names = self.opts.mesh.axis_names
+        named = [a for a in mesh_names if a in spec.axes()]
+        rank = x.dim() - len(named)
+        if len(spec) > rank:
+            raise ValueError(
+                f"shard_map: the out_spec of the output at {path or '(the root)'} is {spec!r}, with {len(spec)} "
+                f"entries, but each position returns a block of rank {rank} (shape {tuple(x.shape[len(named):])}); "
+                "a spec has at most one entry per dim"
+            )
+        order: list[int] = []
+        merged: list[int] = []
+        for d in range(rank):
+            axes = spec.axes_of(d)
+            order += [named.index(a) for a in axes] + [len(named) + d]
+            merged.append(x.shape[len(named) + d] * math.prod(x.shape[named.index(a)] for a in axes))
+        if isinstance(x, ShardedTensor):
+            x = torch.as_tensor(x)
+        return x.permute(order).reshape(merged)
+
+
+def first_axis_devices(mesh: AnyMesh) -> tuple[Any, ...]:
+    """The devices the first mesh axis' positions run on: an AbstractMesh's own; a Mesh's
+    devices along its first axis (the other axes at index 0).
+
+    The positions along the other axes run vectorized on their first-axis position's
+    device, not on their own devices: vmap levels are what tell a value that is the same
+    on every position of an axis (invariant) from one that varies, which check_vma's
+    transposes need, and a device thread per position has none. A mesh with one
+    device per position therefore uses the devices of its first axis only (issue 29's
+    compiled multi-device engine is where the others will be used)."""
+    if isinstance(mesh, AbstractMesh):
+        return mesh.devices
+    return tuple(mesh.devices[(slice(None),) + (0,) * (mesh.devices.ndim - 1)].tolist())
+
+
+def _leaf_labels(args: tuple) -> list[str]:
+    """How messages name each argument leaf: ``argument 0 at ['w']``."""
+    labels = []
+    for i, arg in enumerate(args):
+        for path, _ in pytree.tree_leaves_with_path(arg):
+            labels.append(f"argument {i}{' at ' + pytree.keystr(path) if path else ''}")
+    return labels
