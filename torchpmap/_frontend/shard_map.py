@@ -267,8 +267,7 @@ def first_axis_devices(mesh: AnyMesh) -> tuple[Any, ...]:
     device, not on their own devices: vmap levels are what tell a value that is the same
     on every position of an axis (invariant) from one that varies, which check_vma's
     transposes need, and a device thread per position has none. A mesh with one
-    device per position therefore uses the devices of its first axis only (issue 29's
-    compiled multi-device engine is where the others will be used)."""
+    device per position therefore uses the devices of its first axis only, for now."""
     if isinstance(mesh, AbstractMesh):
         return mesh.devices
     return tuple(mesh.devices[(slice(None),) + (0,) * (mesh.devices.ndim - 1)].tolist())
