@@ -49,7 +49,7 @@ def torch_side() -> SimpleNamespace:
     mesh = tp.make_mesh(SHAPE, NAMES)
     return SimpleNamespace(
         xp=torch, P=P, psum=tp.psum, pmean=tp.pmean, all_gather=tp.all_gather, psum_scatter=tp.psum_scatter,
-        ppermute=tp.ppermute, axis_index=tp.axis_index, relu=torch.relu, tanh=torch.tanh, grad=grad,
+        ppermute=tp.ppermute, axis_index=tp.axis_index, relu=torch.relu, tanh=torch.tanh, grad=grad, pvary=tp.pvary,
         shard_map=lambda f, **kw: tp.shard_map(f, mesh=mesh, **kw), mesh=mesh, gather_is_invariant=True,
     )
 
@@ -59,6 +59,7 @@ def jax_side() -> SimpleNamespace:
     return SimpleNamespace(
         xp=jnp, P=JP, psum=lax.psum, pmean=lax.pmean, all_gather=lax.all_gather, psum_scatter=lax.psum_scatter,
         ppermute=lax.ppermute, axis_index=lax.axis_index, relu=jax.nn.relu, tanh=jnp.tanh, grad=jax.grad,
+        pvary=lambda x, axes: lax.pcast(x, axes, to="varying"),
         shard_map=lambda f, **kw: jax.shard_map(f, mesh=mesh, **kw), mesh=mesh, gather_is_invariant=False,
     )
 
@@ -129,6 +130,35 @@ def fsdp_step(B, x, w):
     return f(params, x, x * 0.5 + 1)
 
 
+def fsdp_and_tp(B, x, w):
+    """Both on a 2-D mesh: the weight split along dim 0 over ("model", "batch") together,
+    gathered over both for the forward; the batch split over "batch"; the loss' gradient
+    comes back split as the weight is."""
+    def loss(w, x):
+        full = B.all_gather(w, ("model", "batch"), tiled=True)
+        # the mean over both axes: JAX counts the gathered weight as varying along "model"
+        return B.pmean((B.tanh(x @ full) ** 2).mean(), ("batch", "model"))
+
+    f = B.shard_map(lambda w, x: (loss(w, x), B.grad(loss)(w, x)), in_specs=(B.P(("model", "batch")), B.P("batch")),
+                    out_specs=(B.P(), B.P(("model", "batch"))))
+    return f(w, x)
+
+
+def invariant_gradients(B, x, w):
+    """Gradients of a replicated weight through psums of it (implicitly varied first) and
+    of its product with the split batch: each position's contribution counted once.
+    JAX varies the weight implicitly where it meets the split batch; torchpmap asks for
+    that pvary explicitly (torch.func's gradient is per position: without it the
+    gradient varies, and check_vma refuses an out_spec that says otherwise)."""
+    def block(x, w):
+        def loss(w):
+            return B.psum((w ** 2).sum(), "model") + B.psum((x @ B.pvary(w, "batch")).sum(), "batch")
+
+        return B.grad(loss)(w)
+
+    return B.shard_map(block, in_specs=(B.P("batch", None), B.P()), out_specs=B.P())(x, w)
+
+
 PROGRAMS = {
     "matmul_psum": (matmul_psum, [(8, 4), (4, 3)]),
     "all_gather": (gathered, [(8, 3), (1,)]),
@@ -136,6 +166,8 @@ PROGRAMS = {
     "megatron_mlp": (megatron_mlp, [(8, 4), (4, 6), (6, 4)]),
     "ring": (ring, [(8, 4), (1,)]),
     "fsdp_step": (fsdp_step, [(8, 4), (4, 8)]),
+    "fsdp_and_tp": (fsdp_and_tp, [(8, 16), (16, 8)]),
+    "invariant_gradients": (invariant_gradients, [(8, 4), (4,)]),
 }
 
 
@@ -258,6 +290,16 @@ def test_an_output_that_varies_along_an_axis_its_spec_leaves_out_raises():
         tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P())(w)
     out = tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P("model"))(w)
     torch.testing.assert_close(out, torch.cat([w, w]))
+    # a gradient inside the map is per position: of a replicated weight used with the split
+    # batch it varies, unless the weight is varied first (JAX does that implicitly)
+    def per_position(x, w):
+        return grad(lambda w: tp.psum((x @ w).sum(), "batch"))(w)
+
+    with pytest.raises(ValueError, match="varies along a mesh axis"):
+        tp.shard_map(per_position, mesh=mesh, in_specs=(P("batch"), P()), out_specs=P())(x, w)
+    summed = tp.shard_map(lambda x, w: grad(lambda w: tp.psum((x @ tp.pvary(w, "batch")).sum(), "batch"))(w),
+                          mesh=mesh, in_specs=(P("batch"), P()), out_specs=P())(x, w)
+    torch.testing.assert_close(summed, x.sum(0))
 
 
 def test_pvary_transposes_to_psum():

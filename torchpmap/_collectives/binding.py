@@ -30,6 +30,16 @@ from torchpmap._state import torch_private as private
 from torchpmap._state.axis_env import AxisFrame
 
 
+@dataclasses.dataclass(eq=False)
+class InputKind:
+    """Whether a primitive's input was the same on every instance of its axis (invariant:
+    unbatched at the axis' vmap level), recorded when it ran there; None if it never did
+    (one instance run without a vmap level). Under shard_map's ``check_vma`` the
+    transpose depends on it, as JAX's does on the input's type."""
+
+    invariant: Optional[bool] = None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Primitive:
     """A collective over one named axis. Subclasses define the math.
@@ -47,6 +57,8 @@ class Primitive:
     #: A value that is the same on every instance passes unchanged, without an exchange
     #: (see :class:`~torchpmap._collectives.math.PsumOfCotangent`).
     keeps_invariant = False
+    #: Computed on this slice's own instances: no exchange with the other slices.
+    local = False
 
     @property
     def reduces(self) -> bool:
@@ -83,7 +95,7 @@ class Primitive:
         shown = [
             f"{f.name}={getattr(self, f.name)!r}"
             for f in dataclasses.fields(self)
-            if f.name not in ("frame", "lead") and getattr(self, f.name) != f.default
+            if f.name not in ("frame", "lead", "kind") and getattr(self, f.name) != f.default
         ]
         return f"({', '.join(shown)})" if shown else ""
 
@@ -233,7 +245,11 @@ def _run_at_owner(
     """At the vmap level that owns the axis: ``xs[k]`` is batched along ``x_dims[k]``, or
     is the same on every instance (None)."""
     frame = prims[0].frame
-    if frame.exchange is None:
+    for p, d in zip(prims, x_dims):
+        kind = getattr(p, "kind", None)
+        if kind is not None:
+            kind.invariant = d is None
+    if frame.exchange is None or all(p.local for p in prims):
         return [
             p.compute_unbatched(x) if d is None else p.compute(x.movedim(d, 0)) for p, x, d in zip(prims, xs, x_dims)
         ]

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from torchpmap._collectives.binding import Primitive
+from torchpmap._collectives.binding import InputKind, Primitive
 
 Groups = Optional[tuple[tuple[int, ...], ...]]
 
@@ -43,6 +43,7 @@ def _sum_dtype(x: torch.Tensor) -> torch.dtype:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Psum(Primitive):
     groups: Groups = None
+    kind: InputKind = dataclasses.field(default_factory=InputKind)
     name = "psum"
 
     @property
@@ -71,8 +72,10 @@ class Psum(Primitive):
 
     def transpose(self):
         if self.frame.vma and self.groups is None:  # shard_map's check_vma: JAX's rule
-            return PsumOfCotangent(self.frame, self.lead)
-        return self
+            # of an invariant input, JAX's psum is psum(pvary(x)): pvary's transpose adds a psum
+            scale = self.frame.size if self.kind.invariant else 1
+            return PsumOfCotangent(self.frame, self.lead, scale=scale)
+        return Psum(self.frame, self.lead, self.groups)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -81,17 +84,50 @@ class PsumOfCotangent(Psum):
     rule): a cotangent that varies along the axis is summed, as ``psum`` does, but one
     that is the same on every instance (invariant: the gradient of an invariant result,
     such as a loss after ``pmean``) passes through unchanged, as ``pvary`` would: it is
-    counted once, not once per instance. Without ``check_vma`` (and in ``pmap``),
-    ``psum``'s transpose is ``psum``, which multiplies an invariant cotangent by the
-    axis size, as JAX does there too."""
+    counted once, not once per instance. ``scale``: the axis size when the psum's input
+    was itself invariant (JAX varies it first, and pvary's transpose is a psum).
+    Without ``check_vma`` (and in ``pmap``), ``psum``'s transpose is ``psum``, which
+    multiplies an invariant cotangent by the axis size, as JAX does there too."""
 
+    scale: int = 1
     keeps_invariant = True
 
+    def compute(self, X):
+        total, dim = super().compute(X)
+        return (total * self.scale if self.scale != 1 else total), dim
+
     def compute_unbatched(self, x):
-        return x.to(_sum_dtype(x)), None
+        x = x.to(_sum_dtype(x))
+        return (x * self.scale if self.scale != 1 else x), None
+
+    @property
+    def reduces(self) -> bool:  # a scaled sum: the slices' partial sums would be scaled twice
+        return self.scale == 1
 
     def transpose(self):
         return Psum(self.frame, self.lead)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pvary(Primitive):
+    """``pvary``: the value unchanged, each instance holding its own copy. Its transpose
+    is ``psum`` for an input that was the same on every instance (the instances'
+    cotangents add up into it), and nothing at all for one that already varied."""
+
+    kind: InputKind = dataclasses.field(default_factory=InputKind)
+    name = "pvary"
+    local = True
+
+    def compute(self, X):
+        return X, 0
+
+    def compute_unbatched(self, x):
+        return x.unsqueeze(0).expand(self.frame.local_size, *x.shape), 0
+
+    def transpose(self):
+        if self.kind.invariant:
+            return Psum(self.frame, self.lead)
+        return Pvary(self.frame, self.lead)
 
 
 class _NotDifferentiable(torch.autograd.Function):
@@ -177,6 +213,8 @@ class AllGather(Primitive):
         return (out.flatten(1 + at, 2 + at) if self.tiled else out), 0
 
     def transpose(self):
+        if self.frame.vma and self.groups is None:  # shard_map's check_vma: JAX's rule
+            return ScatterOfCotangent(self.frame, self.lead, dimension=self.axis, tiled=self.tiled)
         return PsumScatter(self.frame, self.lead, dimension=self.axis, tiled=self.tiled, groups=self.groups)
 
 
@@ -211,6 +249,27 @@ class PsumScatter(Primitive):
 
     def transpose(self):
         return AllGather(self.frame, self.lead, axis=self.dimension, tiled=self.tiled, groups=self.groups)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScatterOfCotangent(PsumScatter):
+    """``all_gather``'s transpose under shard_map's ``check_vma``: a cotangent that
+    varies along the axis is summed and scattered (``psum_scatter``), one that is the
+    same on every instance (the gradient of an invariant use of the gathered value) gives
+    each instance its own slice, unsummed: counted once, not once per instance."""
+
+    keeps_invariant = True
+
+    def compute_unbatched(self, x):
+        frame = self.frame
+        at = self.lead + self.dimension
+        if self.tiled:
+            x = x.unflatten(at, (frame.size, x.shape[at] // frame.size))
+        own = x.narrow(at, frame.offset, frame.local_size)
+        return own.movedim(at, 0), 0
+
+    def transpose(self):
+        return AllGather(self.frame, self.lead, axis=self.dimension, tiled=self.tiled)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

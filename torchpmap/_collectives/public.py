@@ -21,7 +21,7 @@ from torchpmap._state import axis_env as _axis_env
 from torchpmap._state.axis_env import AxisFrame
 from torchpmap._state.compile_guard import refuse_under_compile
 from torchpmap._collectives.binding import bind_many
-from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter
+from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter, Pvary
 from torchpmap._state.torch_private import pytree
 
 AxisNames = Any  # a name or a tuple of names
@@ -209,7 +209,8 @@ def _per_instance(table: list[int], axis_name: AxisNames, device: torch.device) 
 
 def _reduce(ts: Leaves, frames: list[AxisFrame], prim: Callable[[AxisFrame], Any]) -> Leaves:
     for frame in frames:  # a reduction over a product of axes is one reduction per axis
-        ts = bind_many((prim(frame),) * len(ts), ts)
+        # one primitive per leaf: each records whether its own input varies (see InputKind)
+        ts = bind_many([prim(frame) for _ in ts], ts)
     return ts
 
 
@@ -489,11 +490,5 @@ def pvary(x: Any, axis_name: AxisNames) -> Any:
         tensor([0., 2., 4.])
     """
     refuse_under_compile("pvary")
-    index = axis_index(axis_name)
-
-    def vary(t: torch.Tensor) -> torch.Tensor:  # t plus a zero of this instance's own
-        if t.dtype is torch.bool:
-            return t | (index < 0)
-        return t + torch.zeros_like(index, dtype=t.dtype)
-
-    return pytree.tree_map(lambda t: vary(_leaf_tensor(t, "pvary")), x)
+    frames = _frames(axis_name, "pvary")
+    return _tree_apply("pvary", x, lambda ts: _reduce(ts, frames, Pvary))
