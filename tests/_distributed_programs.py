@@ -699,6 +699,72 @@ def _expect_failure(fn) -> dict:
     return result
 
 
+# --------------------------------------------------------------------------- shard_map on a process mesh
+
+SHARD_MAP_MESH = ((2, 2), ("data", "model"))
+
+
+def shard_map_data():
+    g = torch.Generator().manual_seed(7)
+    return {"x": torch.randn(8, 4, generator=g), "w": torch.randn(4, 6, generator=g), "w1": torch.randn(4, 8, generator=g)}
+
+
+def shard_map_programs(mesh, d: dict) -> dict:
+    """The programs of tests/test_distributed.py's shard_map test, on any mesh: their
+    results as plain global tensors (DTensors made whole)."""
+    P = tp.P
+
+    def whole(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    out = {}
+    matmul = tp.shard_map(lambda x, w: tp.psum(x @ w, "model"), mesh=mesh,
+                          in_specs=(P("data", "model"), P("model", None)), out_specs=P("data", None))
+    out["matmul"] = whole(matmul(d["x"], d["w"]))
+
+    def loss(w1, x):
+        full = tp.all_gather(w1, "data", tiled=True)
+        return tp.pmean((torch.tanh(x @ full) ** 2).mean(), "data")
+
+    fsdp = tp.shard_map(lambda w1, x: (loss(w1, x), grad(loss)(w1, x)), mesh=mesh,
+                        in_specs=(P("data"), P("data")), out_specs=(P(), P("data")))
+    value, gradient = fsdp(d["w1"], d["x"])
+    out["fsdp_loss"], out["fsdp_grad"] = whole(value), whole(gradient)
+    ring = tp.shard_map(lambda x: tp.ppermute(x, "data", [(0, 1), (1, 0)]) + tp.axis_index("model"), mesh=mesh,
+                        in_specs=P("data", "model"), out_specs=P("data", "model"))
+    out["ring"] = whole(ring(d["x"]))
+    return out
+
+
+def scenario_shard_map(rank: int, nproc: int) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import torchpmap.distributed as tpd
+
+    mesh = tpd.mesh(*SHARD_MAP_MESH)
+    d = shard_map_data()
+    out = {"plain": shard_map_programs(mesh, d)}
+    # DTensors in: the spec's placements (taken as they are) and others (redistributed), and a torch DeviceMesh
+    as_spec = {"x": distribute_tensor(d["x"], mesh.device_mesh, [Shard(0), Shard(1)]),
+               "w": distribute_tensor(d["w"], mesh.device_mesh, [Replicate(), Shard(0)]),
+               "w1": distribute_tensor(d["w1"], mesh.device_mesh, [Shard(0), Replicate()])}
+    out["dtensor_as_spec"] = shard_map_programs(mesh.device_mesh, as_spec)
+    others = {k: distribute_tensor(v, mesh.device_mesh, [Replicate(), Replicate()]) for k, v in d.items()}
+    out["dtensor_redistributed"] = shard_map_programs(mesh, others)
+    f = tp.shard_map(lambda x, w: tp.psum(x @ w, "model"), mesh=mesh, in_specs=(tp.P("data", "model"),
+                     tp.P("model", None)), out_specs=tp.P("data", None))
+    y = f(d["x"], d["w"])
+    out["placements"] = [(type(p).__name__, getattr(p, "dim", None)) for p in y.placements]
+    out["local_shape"] = tuple(y.to_local().shape)
+    leaf = d["x"].clone().requires_grad_()
+    try:
+        f(leaf, d["w"]).full_tensor().sum().backward()
+        out["backward"] = "no error"
+    except NotImplementedError as e:
+        out["backward"] = str(e)
+    return out
+
+
 def main() -> None:
     scenario, outdir = sys.argv[1], sys.argv[2]
     timeout = float(os.environ.get("TEST_TIMEOUT", "30"))

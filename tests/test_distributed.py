@@ -440,3 +440,25 @@ def test_a_process_raising_while_its_buckets_travel_is_named_by_every_other(npro
         assert "rank 1" in res["message"] and "boom on purpose" in res["message"], res["message"]
         assert res["seconds"] < 15, res  # well within the 30 s timeout
         assert "out of step" in res["after"]
+
+
+def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
+    """shard_map over a 2 x 2 mesh of processes (torchpmap.distributed.mesh and a torch
+    DeviceMesh): plain tensors that every process holds, DTensors with the specs'
+    placements and DTensors that must be redistributed all give the numbers of the same
+    programs in one process (the positions vectorized on one device); results are
+    DTensors with the out specs' placements; gradients taken inside the map follow
+    check_vma (the FSDP step), and .backward() through a result refuses, saying why."""
+    finished, results = _run("shard_map", 4, tmp_path, timeout=60)
+    logs = _logs(finished)
+    assert all(f.returncode == 0 for f in finished), logs
+    one_device = tp.make_mesh(*progs.SHARD_MAP_MESH, devices=tp.local_devices()[:1])
+    reference = progs.shard_map_programs(one_device, progs.shard_map_data())
+    for r in range(4):
+        res = results[r]
+        assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
+        for how in ("plain", "dtensor_as_spec", "dtensor_redistributed"):
+            for name, want in reference.items():
+                torch.testing.assert_close(res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}")
+        assert res["placements"] == [("Shard", 0), ("Replicate", None)] and res["local_shape"] == (4, 6), res
+        assert "not supported yet" in res["backward"] and "inside the map" in res["backward"], res["backward"]

@@ -31,7 +31,8 @@ import torch
 
 from torchpmap._frontend.call import MapOptions, MappedFunction
 from torchpmap._frontend.tree_prefix import broadcast_prefix
-from torchpmap._placement.mesh import AbstractMesh, Mesh
+from torchpmap._placement import dtensor as _dtensor
+from torchpmap._placement.mesh import AbstractMesh, Mesh, ProcessMesh
 from torchpmap._placement.partition_spec import PartitionSpec
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.faults import OutputVaries
@@ -66,13 +67,21 @@ class _Blocked:
     label: str
 
 
+def resolve_mesh(mesh: Any) -> AnyMesh:
+    """``mesh`` as shard_map uses it: a torch ``DeviceMesh`` becomes a ProcessMesh."""
+    if isinstance(mesh, (Mesh, AbstractMesh)):
+        return mesh
+    if type(mesh).__name__ == "DeviceMesh":
+        return _dtensor.process_mesh_of(mesh, "shard_map")
+    raise TypeError(
+        f"shard_map: mesh must be a torchpmap.Mesh, what torchpmap.make_mesh returns, a process mesh "
+        f"(torchpmap.distributed.mesh) or a torch DeviceMesh; got {mesh!r} of type {type(mesh).__name__}. "
+        "Build one with torchpmap.make_mesh((4, 2), ('data', 'model'))."
+    )
+
+
 def check_options(opts: ShardMapOptions) -> None:
     mesh = opts.mesh
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"shard_map: mesh must be a torchpmap.Mesh or what torchpmap.make_mesh returns, got {mesh!r} of type "
-            f"{type(mesh).__name__}. Build one with torchpmap.make_mesh((4, 2), ('data', 'model'))."
-        )
     for what, specs in (("in_specs", opts.in_specs), ("out_specs", opts.out_specs)):
         for path, spec in pytree.tree_leaves_with_path(specs, is_leaf=is_spec):
             where = f"shard_map {what}{pytree.keystr(path)}"
@@ -110,6 +119,7 @@ class ShardMapped:
     def __init__(self, fun: Callable, opts: ShardMapOptions):
         if not callable(fun):
             raise TypeError(f"shard_map: the first argument must be a callable, got {fun!r}")
+        opts = dataclasses.replace(opts, mesh=resolve_mesh(opts.mesh))
         check_options(opts)
         self.fun, self.opts = fun, opts
         self._maps: dict[tuple, MappedFunction] = {}  # argument structure -> the nested pmaps
@@ -141,7 +151,45 @@ class ShardMapped:
     # ------------------------------------------------------------------ blocks in
 
     def _block(self, leaf: Any, spec: PartitionSpec | None, label: str) -> _Blocked:
-        """``leaf`` with each mesh axis its spec names as a leading dim (mesh order)."""
+        """``leaf`` with each mesh axis its spec names as a leading dim (mesh order); on a
+        mesh of processes, this process' block only (those dims of size 1)."""
+        mesh = self.opts.mesh
+        if isinstance(mesh, ProcessMesh):
+            return self._process_block(leaf, spec, label, mesh)
+        return self._global_block(leaf, spec, label)
+
+    def _process_block(self, leaf: Any, spec: PartitionSpec | None, label: str, mesh: ProcessMesh) -> _Blocked:
+        """A DTensor's local block (redistributed to the spec if need be), or this process'
+        block of a tensor that every process holds whole."""
+        named = [a for a in mesh.axis_names if spec is not None and a in spec.axes()]
+        if _dtensor.is_dtensor(leaf):
+            if spec is not None and len(spec) > leaf.dim():
+                raise self._rank_error(spec, leaf, label)
+            for d in range(leaf.dim()):
+                self._check_divides(leaf.shape[d], spec, d, label)
+            local = _dtensor.local_block(leaf, spec, mesh, f"shard_map: {label}")
+            return _Blocked(local.reshape([1] * len(named) + list(local.shape)), frozenset(named), label)
+        blocked = self._global_block(leaf, spec, label)
+        value = blocked.value
+        for k, axis in enumerate(named):
+            value = value.narrow(k, mesh.coordinate(axis), 1)
+        return _Blocked(value, blocked.axes, label)
+
+    def _check_divides(self, n: int, spec: PartitionSpec | None, d: int, label: str) -> int:
+        """The number of blocks dim ``d`` is split into; ValueError unless they divide its size."""
+        mesh_shape = self.opts.mesh.shape
+        axes = spec.axes_of(d) if spec is not None else ()
+        k = math.prod(mesh_shape[a] for a in axes)
+        if n % k:
+            sizes = ", ".join(f"{a!r}: {mesh_shape[a]}" for a in axes)
+            raise ValueError(
+                f"shard_map: dim {d} of {label} has size {n}, which its in_spec {spec!r} splits over mesh axes "
+                f"{axes} ({sizes}: {k} blocks), but {k} does not divide {n}. Pad the dim to a multiple of {k}, "
+                "or split it over other axes."
+            )
+        return k
+
+    def _global_block(self, leaf: Any, spec: PartitionSpec | None, label: str) -> _Blocked:
         mesh_shape = self.opts.mesh.shape
         if spec is None or not spec.axes():
             if spec is not None and isinstance(leaf, (torch.Tensor, ShardedTensor)) and len(spec) > leaf.dim():
@@ -161,14 +209,7 @@ class ShardMapped:
         block_dims: list[int] = []
         for d, n in enumerate(leaf.shape):
             axes = spec.axes_of(d)
-            k = math.prod(mesh_shape[a] for a in axes)
-            if n % k:
-                sizes = ", ".join(f"{a!r}: {mesh_shape[a]}" for a in axes)
-                raise ValueError(
-                    f"shard_map: dim {d} of {label} has size {n}, which its in_spec {spec!r} splits over mesh axes "
-                    f"{axes} ({sizes}: {k} blocks), but {k} does not divide {n}. Pad the dim to a multiple of {k}, "
-                    "or split it over other axes."
-                )
+            k = self._check_divides(n, spec, d, label)
             for a in axes:
                 where[a] = len(shape)
                 shape.append(mesh_shape[a])
@@ -202,14 +243,18 @@ class ShardMapped:
             out_axes = pytree.tree_map(
                 lambda spec, axis=axis: 0 if spec is not None and axis in spec.axes() else None, out_specs, is_leaf=is_spec
             )
-            # the first axis spread over the devices, the rest vectorized inside (see first_axis_devices)
-            placement = {"devices": first_axis_devices(mesh) if level == 0 else None}
+            if isinstance(mesh, ProcessMesh):  # one position per process: a local portion of one
+                placement: dict[str, Any] = {"mesh": mesh}
+                local_size = 1
+            else:  # the first axis spread over the devices, the rest vectorized inside (see first_axis_devices)
+                placement = {"devices": first_axis_devices(mesh) if level == 0 else None}
+                local_size = mesh.shape[axis]
             opts = MapOptions(
                 kind="pmap",
                 axis_name=axis,
                 in_axes=in_axes,
                 out_axes=out_axes,
-                axis_size=mesh.shape[axis],
+                axis_size=local_size,
                 randomness="different",
                 jit=self.opts.jit if level == 0 else False,
                 vma=self.opts.check_vma,
@@ -237,6 +282,11 @@ class ShardMapped:
     def _unblock(self, x: Any, spec: PartitionSpec | None, path: str) -> Any:
         """A stacked output (a leading dim per mesh axis its spec names, then the block)
         -> the global value: each dim of the block with its axes' dims merged in."""
+        mesh = self.opts.mesh
+        if isinstance(mesh, ProcessMesh):  # this process' block (its stacked dims of size 1) as a DTensor
+            named = [a for a in mesh.axis_names if spec is not None and a in spec.axes()]
+            local = x.reshape(x.shape[len(named):]) if named else x
+            return _dtensor.as_dtensor(local, spec, mesh, f"shard_map: the output at {path or '(the root)'}")
         if spec is None or not spec.axes():
             return x
         mesh_names = self.opts.mesh.axis_names
