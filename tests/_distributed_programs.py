@@ -736,6 +736,21 @@ def shard_map_programs(mesh, d: dict) -> dict:
     return out
 
 
+def scenario_shard_map_checkpoint(rank: int, nproc: int) -> dict:
+    """FSDP-style sharded weights (a shard_map's DTensor results) saved with
+    torch.distributed.checkpoint by every process; the test loads them in one."""
+    import torch.distributed.checkpoint as dcp
+
+    import torchpmap.distributed as tpd
+
+    mesh = tpd.mesh((nproc,), ("data",))
+    d = shard_map_data()
+    step = tp.shard_map(lambda w: w * 2 + tp.axis_index("data"), mesh=mesh, in_specs=tp.P("data"), out_specs=tp.P("data"))
+    state = {"w1": step(d["w1"])}
+    dcp.save(state, checkpoint_id=os.environ["TEST_CHECKPOINT"])
+    return {"local": state["w1"].to_local()}
+
+
 def scenario_shard_map(rank: int, nproc: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

@@ -462,3 +462,22 @@ def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
                 torch.testing.assert_close(res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}")
         assert res["placements"] == [("Shard", 0), ("Replicate", None)] and res["local_shape"] == (4, 6), res
         assert "not supported yet" in res["backward"] and "inside the map" in res["backward"], res["backward"]
+
+
+# loading in a process without a process group is what this test does on purpose; DCP says so
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_shard_map_results_save_on_two_processes_and_load_on_one(tmp_path):
+    """DTensor results of a shard_map (weights split over "data") go through
+    torch.distributed.checkpoint: saved by 2 processes, loaded whole by one."""
+    import torch.distributed.checkpoint as dcp
+
+    where = tmp_path / "checkpoint"
+    finished, results = _run("shard_map_checkpoint", 2, tmp_path, env={"TEST_CHECKPOINT": str(where)})
+    assert all(f.returncode == 0 for f in finished), _logs(finished)
+    w1 = progs.shard_map_data()["w1"]
+    expected = w1 * 2 + torch.arange(2.0).repeat_interleave(2).unsqueeze(1)  # position 0 adds 0, position 1 adds 1
+    for r in range(2):
+        torch.testing.assert_close(results[r]["local"], expected[2 * r : 2 * r + 2])
+    loaded = {"w1": torch.zeros(4, 8)}
+    dcp.load(loaded, checkpoint_id=str(where), no_dist=True)
+    torch.testing.assert_close(loaded["w1"], expected)
