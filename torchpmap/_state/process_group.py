@@ -559,6 +559,37 @@ def wait(work: Any, what: str, host: bool = False) -> None:
         st.waiting_in = ""
 
 
+# torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
+_all_gather_flat = getattr(dist, "all_gather_single", None) if _DIST_AVAILABLE else None
+if _DIST_AVAILABLE and _all_gather_flat is None:
+    _all_gather_flat = dist.all_gather_into_tensor
+
+
+def all_gather_bytes(data: bytes, what: str) -> list[bytes]:
+    """Every process' ``data``, in rank order, through the default group: two transfers
+    (the lengths, then the bytes), each waited on by :func:`wait`, so that a process that
+    fails or dies makes the others raise :class:`RankFailed` naming it instead of the
+    backend's own error ("Connection closed by peer"), and a process that never comes
+    ``TimeoutError``. For the collectives outside a pmap that must fail like those inside
+    one (:mod:`torchpmap.checkpoint`)."""
+    st = state()
+    st.check_usable()
+    backend = str(dist.get_backend())
+    on_host = "gloo" in backend and (":" not in backend or "cpu:gloo" in backend)  # gloo moves CPU tensors
+    device = torch.device("cpu") if on_host else st.local_device.torch_device
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    lengths = length.new_empty(st.world_size)
+    wait(_all_gather_flat(lengths, length, async_op=True), what, host=on_host)
+    longest = int(lengths.max())
+    padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine.to(device)
+    received = padded.new_empty(st.world_size * padded.numel())
+    wait(_all_gather_flat(received, padded, async_op=True), what, host=on_host)
+    rows = received.view(st.world_size, -1).cpu()
+    return [rows[r, : int(n)].numpy().tobytes() for r, n in enumerate(lengths.tolist())]
+
+
 def _fail(st: ProcessState, exc: BaseException) -> BaseException:
     if st.poisoned is None:
         st.poisoned = str(exc).removeprefix("torchpmap: ")
