@@ -223,19 +223,3 @@ def _offsets(t: torch.Tensor, d: int) -> torch.Tensor:
         shape[i] = length
         index = index + (torch.arange(length, dtype=torch.int64) * stride).view(shape)
     return index.movedim(d, 0).reshape(t.shape[d], -1)
-
-
-def run_watched(w: Optional[Watch], run: Callable[[], Any]) -> Any:
-    """``run()``, then ``w.check()``; torch's refusal of a write to an argument that ``w``
-    watches becomes its explanation."""
-    if w is None:
-        return run()
-    try:
-        out = run()
-    except RuntimeError as error:
-        explained = w.explain(error)
-        if explained is None:
-            raise
-        raise explained from error
-    w.check()
-    return out

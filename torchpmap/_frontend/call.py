@@ -225,14 +225,22 @@ class MappedFunction:
             output_layout=layout,
             memory=self._memory,
         )
-        if what == "pmap":  # writes to memory that several instances share raise on every placement
-            watched = aliasing.watch(
-                flat.leaves, flat.mapped_slots, flat.in_dims, broadcast_slots, flat.size, _devices.process_count,
-                lambda slot: self._in_label(flat, slot), what,
-            )
-            outputs = aliasing.run_watched(watched, lambda: _engines.run(call)) if watched is not None else _engines.run(call)
-        else:
+        # pmap: a write to memory that several instances share raises on every placement
+        watched = aliasing.watch(
+            flat.leaves, flat.mapped_slots, flat.in_dims, broadcast_slots, flat.size, _devices.process_count,
+            lambda slot: self._in_label(flat, slot), what,
+        ) if what == "pmap" else None
+        if watched is None:
             outputs = _engines.run(call)
+        else:  # called from here too, so that the engines' warnings point at the same frame
+            try:
+                outputs = _engines.run(call)
+            except RuntimeError as error:
+                explained = watched.explain(error)
+                if explained is None:
+                    raise
+                raise explained from error
+            watched.check()
         return self._stack_outputs(outputs, layout)
 
     def _in_label(self, flat: _Flat, slot: int) -> tuple[str, Any]:
