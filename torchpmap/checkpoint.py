@@ -33,7 +33,8 @@ process id: a process that no longer runs left it).
 **All or nothing.** :func:`load` checks every object against the checkpoint before it
 changes any: the names, each module's keys, shapes and dtypes through
 ``load_state_dict`` on a copy whose tensors are on the ``meta`` device (no memory, no
-data), each optimizer's parameter groups the same way, and the generators. If something
+data), each optimizer's parameter groups the same way, each
+:class:`torchpmap.data.ShardedLoader`'s data order on a copy, and the generators. If something
 still fails while the objects are restored (an object whose ``load_state_dict`` has no
 such copy, a device out of memory), the objects restored so far, the failing one and the
 generators are put back as they were, from a copy of their ``state_dict()`` taken before,
@@ -83,6 +84,7 @@ import torch
 import torch.distributed as dist
 
 from torchpmap._placement.sharded import ShardedTensor
+from torchpmap.data import ShardedLoader
 from torchpmap._state import process_group as _process_group
 from torchpmap._state.log import logger
 
@@ -613,6 +615,11 @@ def _check_restorable(payload: dict, state: Mapping[str, Any], rng: bool, proces
             _check_module(obj, saved[name], name, path)
         elif isinstance(obj, torch.optim.Optimizer):
             _check_optimizer(obj, saved[name], name, path)
+        elif isinstance(obj, ShardedLoader):  # its load_state_dict only rebinds attributes: a shallow copy is a dry run
+            try:
+                copy.copy(obj).load_state_dict(saved[name])
+            except Exception as error:  # noqa: BLE001 -- its own words, then ours
+                raise _refusal(obj, name, path, f"its load_state_dict refuses it: {_describe(error)}") from error
 
 
 def _refusal(obj: Any, name: str, path: str, problem: str) -> ValueError:
