@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, SubsetRandomSampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, SubsetRandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import torchpmap as tp
@@ -243,6 +243,18 @@ def test_errors_name_the_sizes_and_the_fix():
         ShardedLoader(DataLoader(Indexed(), batch_size=4, sampler=DistributedSampler(Indexed(), num_replicas=2, rank=0)))
     with pytest.raises(ValueError, match="differs from the loader's global batch of 4"):
         ShardedLoader(DataLoader(Indexed(), batch_size=4), 8)
+
+
+@pytest.mark.parametrize("options", [{}, {"shuffle": False}, {"last_batch": "pad"}, {"n": 1}])
+def test_an_empty_dataset_gets_torchpmaps_own_message(options):
+    """It used to get the RandomSampler's "num_samples should be a positive integer value"."""
+    with pytest.raises(ValueError) as e:
+        ShardedLoader(TensorDataset(torch.zeros(0, 3)), B, **options)
+    assert str(e.value).startswith(
+        f"ShardedLoader: the dataset (TensorDataset) is empty: len(dataset) == 0, so there is nothing to load (a global "
+        f"batch needs {B} examples)."
+    ), str(e.value)
+    assert "Check that it found its data" in str(e.value)
 
 
 def test_a_failing_example_is_raised_in_the_loop():

@@ -311,6 +311,40 @@ def per_instance_grad_through_dropout(devices):
     return tp.pmap(f, randomness="per_instance", devices=devices)(X)
 
 
+# --------------------------------------------------------------------------- in-place writes to inputs
+# An instance may write its own slice of a mapped argument (the caller sees the write, as
+# with torch.func.vmap): the same on every placement. Each program returns the output and
+# the arguments as the caller sees them afterwards.
+
+
+def _grid(seed: int = 15) -> torch.Tensor:
+    return _data(8, 8, seed=seed)
+
+
+def write_contiguous(devices):
+    x = _grid()
+    out = tp.pmap(lambda w: w.mul_(2).add_(1) * w, devices=devices)(x)
+    return out, x
+
+
+def write_a_column_view(devices):  # not contiguous, but no two instances share an element
+    base = _grid()
+    out = tp.pmap(lambda w: w.add_(1).sum(), in_axes=1, devices=devices)(base[:, 2:6])  # columns 2..5
+    return out, base
+
+
+def write_disjoint_views_of_one_tensor(devices):  # both halves of one tensor, each mapped
+    base = _data(16, 3, seed=16)
+    out = tp.pmap(lambda a, b: a.add_(b), devices=devices)(base[:8], base[8:])
+    return out, base
+
+
+def write_an_input_passed_twice(devices):  # the same tensor, the same axes: instance i sees row i twice
+    x = _grid()
+    out = tp.pmap(lambda a, b: a.add_(1) * b, devices=devices)(x, x)
+    return out, x
+
+
 PROGRAMS: dict[str, Program] = {
     f.__name__: f
     for f in [
@@ -321,6 +355,7 @@ PROGRAMS: dict[str, Program] = {
         backward_through_torch_ops,
         shared_module_data_parallel, batch_norm_training_step, dropout_eval_mode,
         per_instance_draws, per_instance_dropouts, per_instance_dropout_training, per_instance_grad_through_dropout,
+        write_contiguous, write_a_column_view, write_disjoint_views_of_one_tensor, write_an_input_passed_twice,
     ]
 }
 
@@ -368,6 +403,88 @@ def test_same_answers_on_one_and_on_n_devices(eight_devices, name, n):
     program = PROGRAMS[name]
     one = program(eight_devices[:1])
     assert_same(one, program(eight_devices[:n]), f"{name} on {n} devices", exact=name not in ROUNDING)
+
+
+#: Arguments whose instances share memory: function, arguments (made fresh per run), in_axes, the argument named.
+SHARED_MEMORY = {
+    # the example of the issue: each device's slice of an expanded tensor is a view of the same row
+    "expanded": (lambda w: w.add_(1), lambda: (torch.zeros(1, 3).expand(8, 3),), 0, "w"),
+    "expanded_written_by_copy": (lambda w: w.copy_(torch.ones(3)), lambda: (torch.zeros(3, 1).expand(3, 8).T,), 0, "w"),
+    # overlapping windows (row i is elements i..i+2): no stride is 0, torch cannot tell on one device
+    "overlapping_views": (lambda w: w.mul_(2), lambda: (torch.arange(10.0).unfold(0, 3, 1)[:8],), 0, "w"),
+    # one matrix passed twice, as rows and as columns: instance i writes row i, instance j reads column j
+    "passed_twice_as_rows_and_columns": (lambda a, b: a.add_(1) + b, lambda: (lambda m: (m, m))(_grid()), (0, 1), "a"),
+    # passed twice, mapped and whole: every instance reads what the others write
+    "passed_twice_mapped_and_whole": (lambda a, b: a.add_(b.sum()), lambda: (lambda m: (m, m))(_grid()), (0, None), "b"),
+    # every instance sees all of an unmapped argument
+    "unmapped": (lambda w, x: w.add_(1) + x, lambda: (torch.zeros(3), _data(8, 3)), (None, 0), "w"),
+}
+
+
+@pytest.mark.parametrize("bitwise", [True, False])
+@pytest.mark.parametrize("case", list(SHARED_MEMORY))
+def test_an_in_place_write_to_shared_memory_raises_on_every_placement(eight_devices, monkeypatch, case, bitwise):
+    """One device refuses such a write (torch, for an expanded argument) or makes it once (an
+    unmapped one); several devices used to write the shared memory once each (4.0 everywhere
+    from ``w.add_(1)`` on an expanded zero). Every placement raises now, naming the argument,
+    with torch's reason; reading the same arguments works everywhere."""
+    monkeypatch.setattr(tp.config, "bitwise_placement", bitwise)
+    fun, arguments, in_axes, name = SHARED_MEMORY[case]
+    reads = []
+    for n in (1, 2, 4, 8):  # vectorized on 1 device, 4 or 2 instances per device, and one per device
+        with pytest.raises(RuntimeError) as error:
+            tp.pmap(fun, in_axes=in_axes, devices=eight_devices[:n])(*arguments())
+        message = str(error.value)
+        assert f"pmap: the mapped function wrote in place to the memory of argument {name!r}" in message, (n, message)
+        assert "more than one element of the written-to tensor refers to a single memory location" in message, message
+        assert "instances share that memory" in message and "x.clone()" in message, message
+        reads.append(tp.pmap(lambda *a: sum(t.sum() for t in a), in_axes=in_axes, devices=eight_devices[:n])(*arguments()))
+    for n, read in zip((2, 4, 8), reads[1:]):
+        assert_same(reads[0], read, f"{case}: reading on {n} devices", exact=bitwise)
+
+
+def _sparse(layout=torch.sparse_coo) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Sparse CSR tensor support is in beta state"
+        return _data(8, 3, seed=17).relu().to_sparse(layout=layout)
+
+
+def _nested(layout=torch.strided) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the prototype warning of strided nested tensors
+        return torch.nested.nested_tensor([_data(k % 3 + 1, seed=k) for k in range(8)], layout=layout)
+
+
+#: Sparse and nested tensors pmap cannot map or return on every placement: function, arguments, in_axes, message.
+REFUSED_KINDS = {
+    "mapped_sparse_coo": (lambda v: v * 2, lambda: (_sparse(),), 0, r"argument 'v' is mapped along axis 0, but it is a sparse_coo tensor"),
+    "mapped_sparse_csr": (lambda v: v * 2, lambda: (_sparse(torch.sparse_csr),), 0, r"argument 'v' is mapped .* a sparse_csr tensor"),
+    "mapped_nested": (lambda v: v * 2, lambda: (_nested(),), 0, r"argument 'v' is mapped along axis 0, but it is a nested tensor \(layout torch.strided\)"),
+    "mapped_jagged": (lambda v: v * 2, lambda: (_nested(torch.jagged),), 0, r"argument 'v' is mapped .* a nested tensor \(layout torch.jagged\)"),
+    "returned_sparse": (lambda s, x: (x, s * 2), lambda: (_sparse(), X), (None, 0), r"returned output leaf 1 at \[1\], but it is a sparse_coo tensor"),
+    "returned_nested": (lambda n, x: n, lambda: (_nested(), X), (None, 0), r"returned output leaf 0, but it is a nested tensor"),
+}
+
+
+def test_sparse_and_nested_tensors_are_refused_alike_on_every_placement_unless_passed_whole(eight_devices):
+    """Mapped sparse COO tensors used to work on one device and fail on four (aten::as_strided on
+    SparseCPU); nested ones failed with "Internal error ... Please file an issue". Mapped or
+    returned, they are refused on every placement; passed whole (in_axes None), they work on
+    every placement, with the answers of one device."""
+    for case, (fun, arguments, in_axes, match) in REFUSED_KINDS.items():
+        for n in (1, 2, 4, 8):
+            with pytest.raises(TypeError, match=match) as error:
+                tp.pmap(fun, in_axes=in_axes, devices=eight_devices[:n])(*arguments())
+            assert "dense (strided) tensors only" in str(error.value) and "to_dense()" in str(error.value), (case, n)
+    sparse, nested = _sparse(), _nested()
+
+    def whole(devices):
+        f = lambda s, n, x: (s @ x, n.to_padded_tensor(0.0)[:, 0].sum() * x)  # noqa: E731
+        return tp.pmap(f, in_axes=(None, None, 0), devices=devices)(sparse, nested, X)
+
+    one = whole(eight_devices[:1])
+    for n in (2, 4, 8):
+        assert_same(one, whole(eight_devices[:n]), f"sparse and nested, whole, on {n} devices")
 
 
 def test_per_instance_streams_are_those_of_the_debug_mode(eight_devices):

@@ -243,6 +243,38 @@ def test_mesh_errors(cpu_devices):
         tp.pmap(lambda v: v, axis_name="data")(torch.zeros(3))
 
 
+@pytest.mark.parametrize("count", [1, 4])
+def test_device_at_refuses_unknown_axes_and_asks_for_missing_ones(cpu_devices, count):
+    devs = cpu_devices(count)
+    mesh = tp.Mesh(np.array(devs).reshape(-1, 1) if count == 1 else np.array(devs).reshape(2, 2), ("data", "model"))
+    last = mesh.shape["data"] - 1
+    assert mesh.device_at({"data": last, "model": 0}) == mesh.devices[last, 0]
+    assert mesh.device_at({"model": 0, "data": -1}) == mesh.devices[-1, 0]  # any order, negative from the end
+    with pytest.raises(KeyError, match=r"'zzz' is not an axis of this mesh and no index was given for 'data'; give one "
+                                       r"index per axis of the mesh, \{'data': \d, 'model': \d\}"):
+        mesh.device_at({"zzz": 1, "model": 0})
+    with pytest.raises(KeyError, match=r"no index was given for 'data', 'model'"):
+        mesh.device_at({})
+    with pytest.raises(IndexError, match=rf"index for axis 'data' must be an int in 0..{last} .* got {last + 1}"):
+        mesh.device_at({"data": last + 1, "model": 0})
+    with pytest.raises(IndexError, match=r"index for axis 'model' must be an int .* got True"):
+        mesh.device_at({"data": 0, "model": True})
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_a_ragged_device_list_is_described_as_ragged(cpu_devices, count):
+    d = cpu_devices(count)
+    with pytest.raises(ValueError, match=r"the device list is ragged: its rows have different lengths \[1, 2\]\. A mesh "
+                                         r"is a full grid: give every row the same number of devices"):
+        tp.Mesh([[d[0]], [d[-1], d[0]]], ("data", "model"))
+    with pytest.raises(ValueError, match=r"ragged: at nesting level 1, some entries are lists and others are devices"):
+        tp.Mesh([[d[0]], d[-1]], ("data", "model"))
+    with pytest.raises(ValueError, match=r"ragged: the lists at nesting level 2 have different lengths \[1, 1, 1, 2\]"):
+        tp.Mesh([[[d[0]], [d[0]]], [[d[0]], [d[0], d[-1]]]], ("a", "b", "c"))
+    with pytest.raises(ValueError, match="the device grid has 2 dimensions .* but 1 axis names"):  # not ragged: too deep
+        tp.Mesh([[d[0]], [d[-1]]], ("data",))
+
+
 def test_debug_mode_runs_instances_one_at_a_time(cpu_devices, capsys):
     cpu_devices(2)
     seen = []

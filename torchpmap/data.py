@@ -255,12 +255,21 @@ class ShardedLoader:
             self._real = share if last_batch == "drop" else len(range(rank, self._size, processes))
         else:
             self._order = torch.Generator()
-            self._sampler = RandomSampler(dataset, generator=self._order) if self.shuffle else SequentialSampler(dataset)
+            if self._size == 0:  # refused below, after the processes agree (RandomSampler refuses it in its own words)
+                self._sampler = SequentialSampler(dataset)
+            else:
+                self._sampler = RandomSampler(dataset, generator=self._order) if self.shuffle else SequentialSampler(dataset)
             share = self._real = self._size
         b = self.process_batch_size
         self.steps_per_epoch = share // b if last_batch == "drop" else -(-share // b)
         self._epoch, self._step = 0, 0
         self._agree(processes)
+        if self._size == 0:
+            raise ValueError(
+                f"ShardedLoader: the dataset ({type(dataset).__name__}) is empty: len(dataset) == 0, so there is "
+                f"nothing to load (a global batch needs {global_batch_size} examples). Check that it found its data "
+                "(a path, a filter, a split that left nothing), or pass a dataset with at least one global batch."
+            )
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"ShardedLoader: a dataset of {self._size} examples holds no whole global batch of {global_batch_size}, "

@@ -96,6 +96,7 @@ import torch.distributed as dist
 
 from torchpmap._state import process_group as _pg
 from torchpmap._state import store as _store
+from torchpmap._state.config import TIMEOUT_MAX
 from torchpmap._placement.devices import Device, devices, local_devices, process_count, process_index
 from torchpmap._placement.mesh import ProcessMesh
 from torchpmap._state.faults import ExchangeMismatch, SizeMismatch
@@ -149,6 +150,11 @@ def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = date
     """
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"initialize: timeout must be a datetime.timedelta, got {timeout!r}")
+    if not 0 < timeout.total_seconds() < TIMEOUT_MAX:
+        raise ValueError(
+            f"initialize: timeout must be above 0 and below {int(TIMEOUT_MAX)} s (threading.TIMEOUT_MAX: the longest "
+            f"wait this platform accepts), got {timeout!r} ({timeout.total_seconds():g} s)"
+        )
     if backend is not None and backend not in ("nccl", "gloo", "mpi", "ucc", "xccl"):
         raise ValueError(f"initialize: unknown backend {backend!r}; use 'nccl' or 'gloo' (or None to pick one)")
     if dist.is_available() and dist.is_initialized():
@@ -179,6 +185,7 @@ def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = date
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not 0 <= rank < world_size:
         raise ValueError(f"initialize: RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
+    _pg.heartbeat_interval()  # a bad TORCHPMAP_HEARTBEAT_INTERVAL raises here, naming it, before joining
     cuda = torch.cuda.is_available()
     if backend is None:
         backend = "nccl" if cuda else "gloo"

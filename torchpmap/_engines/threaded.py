@@ -153,7 +153,7 @@ def run_mesh(call: MappedCall, mesh: _mesh.Mesh) -> list:
             f"pmap over mesh axis {axis!r}: the mapped axis has size {call.size}, which is not a multiple of the "
             f"{count} devices along that mesh axis (mesh shape {mesh.shape})"
         )
-    return run(call, lambda coords: [mesh.device_at({**coords, axis: j}) for j in range(count)], count, mesh)
+    return run(call, lambda coords: [mesh._device_at({**coords, axis: j}) for j in range(count)], count, mesh)
 
 
 def run_one_at_a_time(call: MappedCall) -> list:

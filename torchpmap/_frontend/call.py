@@ -16,6 +16,7 @@ import torch
 
 from torchpmap import _engines
 from torchpmap._engines.compiled import ProgramCache, signature_of
+from torchpmap._frontend import aliasing
 from torchpmap._frontend.tree_prefix import broadcast_prefix, check_axis_spec
 from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
@@ -138,11 +139,20 @@ class _Flat:
     """The flattened positional and keyword arguments of one call."""
 
     leaves: list[Any]
+    layout: list[tuple[Any, str]]  # each leaf's (axis, label for messages)
     spec: Optional[pytree.TreeSpec]  # None: the arguments are just positional tensors
     structure: Hashable  # the arguments' structure: what the leaf axes depend on
     mapped_slots: list[int]
     in_dims: list[int]
     size: int
+
+
+def _at_path(spec: Any, k: int) -> str:
+    """`` at <key path>`` of leaf ``k`` of an output with pytree ``spec`` ('' for a lone leaf)."""
+    if spec.num_leaves == 1:
+        return ""
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_leaves_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))]
+    return f" at {paths[k]}"
 
 
 class MappedFunction:
@@ -221,8 +231,27 @@ class MappedFunction:
             memory=self._memory,
             vma=self.opts.vma,
         )
-        outputs = _engines.run(call)
+        # pmap: a write to memory that several instances share raises on every placement
+        watched = aliasing.watch(
+            flat.leaves, flat.mapped_slots, flat.in_dims, broadcast_slots, flat.size, _devices.process_count,
+            lambda slot: self._in_label(flat, slot), what,
+        ) if what == "pmap" else None
+        if watched is None:
+            outputs = _engines.run(call)
+        else:  # called from here too, so that the engines' warnings point at the same frame
+            try:
+                outputs = _engines.run(call)
+            except RuntimeError as error:
+                explained = watched.explain(error)
+                if explained is None:
+                    raise
+                raise explained from error
+            watched.check()
         return self._stack_outputs(outputs, layout)
+
+    def _in_label(self, flat: _Flat, slot: int) -> tuple[str, Any]:
+        axis, label = flat.layout[slot]
+        return label, axis
 
     # ------------------------------------------------------------------ arguments
 
@@ -313,7 +342,7 @@ class MappedFunction:
             sizes.append(leaf.shape[axis])
         if len(set(sizes)) > 1:
             self._raise_inconsistent(leaves, layout, mapped_slots)
-        return _Flat(leaves, spec, structure, mapped_slots, in_dims, self._common_size(sizes))
+        return _Flat(leaves, layout, spec, structure, mapped_slots, in_dims, self._common_size(sizes))
 
     def _leaf_axes(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> list[tuple[Any, str]]:
         """(axis, label for messages) of every argument leaf, in flatten order."""
@@ -338,6 +367,8 @@ class MappedFunction:
                 f"({leaf!r}), which has no axes. Only tensors and numpy arrays can be mapped: give it "
                 f"in_axes None to pass it unchanged to every instance, or pass a tensor."
             )
+        if leaf.is_nested or (leaf.layout is not torch.strided and what == "pmap"):
+            self._refuse_kind(leaf, f"{label} is mapped along axis {axis}")
         rank = leaf.dim()
         if not -rank <= axis < rank:
             raise ValueError(
@@ -346,6 +377,22 @@ class MappedFunction:
                 f"Fix in_axes for it, or give it None to broadcast it."
             )
         return axis % rank
+
+    def _refuse_kind(self, t: torch.Tensor, where: str, output: bool = False) -> None:
+        """A sparse or nested tensor where pmap needs a dense one: the same TypeError on every placement."""
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        fix = (
+            "Return it dense (x.to_dense()), or return what it is made of (indices and values) as dense tensors."
+            if output else
+            "Convert it (x.to_dense(); for a nested tensor whose pieces have one shape, torch.stack(x.unbind())), "
+            "or pass it with in_axes None: every instance then sees it whole, unchanged, on every placement."
+        )
+        raise TypeError(
+            f"{self.opts.kind}: {where}, but it is a {kind} tensor (layout {t.layout}). {self.opts.kind} maps and "
+            "returns dense (strided) tensors only: an instance's argument is a slice of a mapped tensor and its "
+            "results are stacked (on several devices, sent between them), which sparse and nested tensors do not "
+            f"support alike on every placement. {fix}"
+        )
 
     def _raise_inconsistent(self, leaves: list, layout: list[tuple[Any, str]], mapped_slots: list[int]) -> None:
         found = [(leaves[k].shape[layout[k][0]], layout[k]) for k in mapped_slots]
@@ -400,13 +447,15 @@ class MappedFunction:
     # ------------------------------------------------------------------ outputs
 
     def _flatten_output(self, out: Any, layout: _engines.OutputLayout) -> list[torch.Tensor]:
-        if type(out) is torch.Tensor:  # the common case needs no pytree pass
+        if type(out) is torch.Tensor and out.layout is torch.strided and not out.is_nested:  # the common case: no pytree pass
             layout.record(_LEAF_SPEC, 1, _NO_NONES)
             return [out]
         leaves, spec = pytree.tree_flatten(out)
         tensors, constants = [], {}
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, (torch.Tensor, ShardedTensor)):
+                if (leaf.layout is not torch.strided or leaf.is_nested) and self.opts.kind == "pmap":
+                    self._refuse_kind(leaf, f"the mapped function returned output leaf {k}{_at_path(spec, k)}", output=True)
                 tensors.append(leaf)
             elif isinstance(leaf, (bool, int, float, complex, np.ndarray, np.generic)):
                 tensors.append(torch.as_tensor(leaf))

@@ -31,6 +31,12 @@ class Mesh:
     def __init__(self, devices: Any, axis_names: Sequence[Hashable]):
         grid = np.array(devices, dtype=object)
         axis_names = tuple(axis_names)
+        ragged = _ragged(devices)
+        if ragged is not None:
+            raise ValueError(
+                f"Mesh: the device list is ragged: {ragged}. A mesh is a full grid: give every row the same number "
+                f"of devices ({len(axis_names)} nested level(s) of lists for the axis names {axis_names})"
+            )
         if grid.ndim != len(axis_names):
             raise ValueError(
                 f"Mesh: the device grid has {grid.ndim} dimensions (shape {grid.shape}) but {len(axis_names)} axis "
@@ -52,8 +58,41 @@ class Mesh:
         return int(self.devices.size)
 
     def device_at(self, coords: dict[Hashable, int]) -> _devices.Device:
-        """The device at ``coords`` (axes not named there are taken at index 0)."""
-        return self.devices[tuple(coords.get(a, 0) for a in self.axis_names)]
+        """The device at ``coords``, which names every axis of the mesh with an index.
+
+        Raises:
+            KeyError: for an axis the mesh does not have, or one of its axes left out.
+            IndexError: for an index outside an axis (negative indices count from the end).
+        """
+        if not isinstance(coords, dict):
+            raise TypeError(f"Mesh.device_at: coords must be a dict from axis names to indices, got {coords!r}")
+        unknown = [a for a in coords if a not in self.axis_names]
+        missing = [a for a in self.axis_names if a not in coords]
+        if unknown or missing:
+            problems = []
+            if unknown:
+                problems.append(f"{', '.join(map(repr, unknown))} {'is not an axis' if len(unknown) == 1 else 'are not axes'} of this mesh")
+            if missing:
+                problems.append(f"no index was given for {', '.join(map(repr, missing))}")
+            raise KeyError(
+                f"Mesh.device_at({coords!r}): {' and '.join(problems)}; give one index per axis of the mesh, "
+                f"{self.shape}, e.g. {{{', '.join(f'{a!r}: 0' for a in self.axis_names)}}}"
+            )
+        return self._device_at(coords)
+
+    def _device_at(self, coords: dict[Hashable, int]) -> _devices.Device:
+        """The device at ``coords``; axes not named there are taken at index 0 (the engine's
+        lookups: a pmap over one mesh axis, outside the maps of the others)."""
+        index = []
+        for a, size in zip(self.axis_names, self.devices.shape):
+            i = coords.get(a, 0)
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -size <= i < size:
+                raise IndexError(
+                    f"Mesh.device_at: the index for axis {a!r} must be an int in 0..{size - 1} (or -{size}..-1 from the "
+                    f"end): the mesh has {size} device(s) along it (shape {self.shape}); got {i!r}"
+                )
+            index.append(int(i))
+        return self.devices[tuple(index)]
 
     def __enter__(self) -> "Mesh":
         # per context (and so per thread): another thread's pmaps never see this mesh
@@ -139,6 +178,25 @@ def make_mesh(
             f"[:{usable}], or a first axis that {len(chosen)} divides."
         )
     return AbstractMesh(shape, names, chosen)
+
+
+def _ragged(devices: Any) -> str | None:
+    """How a nested list of devices is ragged (the first place where lists of one level
+    differ in length, or mix lists and devices), or None for a full grid."""
+    level = [devices]
+    depth = 0
+    while True:
+        nested = [isinstance(x, (list, tuple, np.ndarray)) for x in level]
+        if not any(nested):
+            return None
+        if not all(nested):
+            return f"at nesting level {depth}, some entries are lists and others are devices"
+        lengths = [len(x) for x in level]
+        if len(set(lengths)) > 1:
+            where = "its rows" if depth == 1 else f"the lists at nesting level {depth}"
+            return f"{where} have different lengths {lengths}"
+        level = [y for x in level for y in x]
+        depth += 1
 
 
 def current() -> Mesh | None:

@@ -7,7 +7,7 @@ engine (:mod:`torchpmap._engines.distributed`) and :mod:`torchpmap._placement.de
   process, and this process' :class:`ProcessState` (rank, devices, the rendezvous store).
 * :func:`wait`: waits for a collective while watching for failures elsewhere.
 * Faults. Every process keeps a *heartbeat* in the rendezvous store (a daemon thread
-  writes a counter every :data:`HEARTBEAT_INTERVAL` seconds). A process whose pmapped
+  writes a counter every :func:`heartbeat_interval` seconds). A process whose pmapped
   function raises writes a *failure record* before it re-raises. A process waiting in a
   collective polls for failure records; when the collective errors (gloo reports a
   closed connection when a peer dies) or its deadline passes, it looks at the records
@@ -43,13 +43,23 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from torchpmap._state import config as _config
 from torchpmap._state import torch_private as private
 from torchpmap._state.device_record import Device
 from torchpmap._state.faults import PeerFailed
 from torchpmap._state.log import logger
 
-#: Seconds between two heartbeats of a process (environment: ``TORCHPMAP_HEARTBEAT_INTERVAL``).
-HEARTBEAT_INTERVAL = float(os.environ.get("TORCHPMAP_HEARTBEAT_INTERVAL", "0.5"))
+#: The default of :func:`heartbeat_interval`, in seconds.
+DEFAULT_HEARTBEAT_INTERVAL = 0.5
+
+
+def heartbeat_interval() -> float:
+    """Seconds between two heartbeats of a process: ``TORCHPMAP_HEARTBEAT_INTERVAL``, read
+    when a process state is made (by :func:`torchpmap.distributed.initialize`, before it
+    joins), not at import; a bad value raises a ValueError naming the variable."""
+    return _config.seconds("TORCHPMAP_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL)
+
+
 #: A process whose heartbeat has not moved for this many intervals is taken for dead.
 _DEAD_AFTER_BEATS = 3
 #: The first wait slice of a collective: the failure records are polled only when a
@@ -97,6 +107,7 @@ class ProcessState:
     heartbeat: Optional["_Heartbeat"] = None
     world_group: Any = None  # the default process group this state belongs to
     token: str = ""  # this group's job token (see the module docstring); empty without a store
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL  # seconds between two heartbeats
     _devices: Optional[tuple[Device, ...]] = None
 
     @property
@@ -262,6 +273,7 @@ def _make_state(
     """This process' state for the default group; ``token`` None agrees on one through
     ``base_store`` (:func:`_store_token`)."""
     global _generation
+    interval = heartbeat_interval()  # validated before anything is made
     _generation += 1
     store = None
     if base_store is not None:
@@ -284,6 +296,7 @@ def _make_state(
         exact_devices=exact_devices,
         world_group=dist.group.WORLD,
         token=token if store is not None and token is not None else "",
+        heartbeat_interval=interval,
     )
     if store is not None:
         try:
@@ -351,7 +364,7 @@ class _Heartbeat(threading.Thread):
                 self.st.store.set(f"alive/{self.st.rank}", f"{self.beat}|{self.st.calls}|{self.st.waiting_in}")
             except Exception:  # the store is gone (shutdown, or its host died): nothing left to tell
                 return
-            if self._stop_event.wait(HEARTBEAT_INTERVAL):
+            if self._stop_event.wait(self.st.heartbeat_interval):
                 return
 
     def stop(self, exited: bool) -> None:
@@ -360,7 +373,7 @@ class _Heartbeat(threading.Thread):
             # Join before the store goes: a daemon thread still inside a C++ store call when
             # the interpreter finalizes aborts the process ("terminate called without an
             # active exception").
-            self.join(timeout=HEARTBEAT_INTERVAL + 5.0)
+            self.join(timeout=self.st.heartbeat_interval + 5.0)
         if exited and self.st.store is not None:
             try:  # so that the others do not take a finished process for a dead one
                 self.st.store.set(f"alive/{self.st.rank}", f"exited|{self.st.calls}|")
@@ -371,7 +384,9 @@ class _Heartbeat(threading.Thread):
 def linger_seconds() -> float:
     """How long the process hosting the rendezvous store stays after a failure, so that
     the others can still read the failure records instead of losing the store."""
-    return _MAX_SLICE + _DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL + 0.5
+    st = _state
+    interval = st.heartbeat_interval if st is not None else heartbeat_interval()
+    return _MAX_SLICE + _DEAD_AFTER_BEATS * interval + 0.5
 
 
 def _hosts_store(st: ProcessState) -> bool:
@@ -534,7 +549,7 @@ def wait(work: Any, what: str, host: bool = False) -> None:
                 raise _fail(
                     st, _diagnose(st, what, cause=None, waited=now - started, timed_out=True, snapshot=snapshot)
                 )
-            if snapshot is None and now >= deadline - _verdict_window():
+            if snapshot is None and now >= deadline - _verdict_window(st):
                 try:
                     snapshot = _Heartbeats.read(st)
                 except _StoreUnreachable as e:
@@ -542,6 +557,37 @@ def wait(work: Any, what: str, host: bool = False) -> None:
             slice_s = min(slice_s * 2, _MAX_SLICE, max(0.01, deadline - now))
     finally:
         st.waiting_in = ""
+
+
+# torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
+_all_gather_flat = getattr(dist, "all_gather_single", None) if _DIST_AVAILABLE else None
+if _DIST_AVAILABLE and _all_gather_flat is None:
+    _all_gather_flat = dist.all_gather_into_tensor
+
+
+def all_gather_bytes(data: bytes, what: str) -> list[bytes]:
+    """Every process' ``data``, in rank order, through the default group: two transfers
+    (the lengths, then the bytes), each waited on by :func:`wait`, so that a process that
+    fails or dies makes the others raise :class:`RankFailed` naming it instead of the
+    backend's own error ("Connection closed by peer"), and a process that never comes
+    ``TimeoutError``. For the collectives outside a pmap that must fail like those inside
+    one (:mod:`torchpmap.checkpoint`)."""
+    st = state()
+    st.check_usable()
+    backend = str(dist.get_backend())
+    on_host = "gloo" in backend and (":" not in backend or "cpu:gloo" in backend)  # gloo moves CPU tensors
+    device = torch.device("cpu") if on_host else st.local_device.torch_device
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    lengths = length.new_empty(st.world_size)
+    wait(_all_gather_flat(lengths, length, async_op=True), what, host=on_host)
+    longest = int(lengths.max())
+    padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
+    padded[: mine.numel()] = mine.to(device)
+    received = padded.new_empty(st.world_size * padded.numel())
+    wait(_all_gather_flat(received, padded, async_op=True), what, host=on_host)
+    rows = received.view(st.world_size, -1).cpu()
+    return [rows[r, : int(n)].numpy().tobytes() for r, n in enumerate(lengths.tolist())]
 
 
 def _fail(st: ProcessState, exc: BaseException) -> BaseException:
@@ -559,9 +605,9 @@ def _store_lost(st: ProcessState, what: str, e: BaseException) -> RankFailed:
     )
 
 
-def _verdict_window() -> float:
+def _verdict_window(st: ProcessState) -> float:
     """Seconds over which a heartbeat that has not moved means a dead (or hung) process."""
-    return _DEAD_AFTER_BEATS * HEARTBEAT_INTERVAL
+    return _DEAD_AFTER_BEATS * st.heartbeat_interval
 
 
 @dataclasses.dataclass(frozen=True)
@@ -600,9 +646,9 @@ def _diagnose(
             if snapshot is None:
                 snapshot = _Heartbeats.read(st)
             before = snapshot.alive
-            end = snapshot.at + _verdict_window()
+            end = snapshot.at + _verdict_window(st)
             while not records and time.monotonic() < end:
-                time.sleep(min(HEARTBEAT_INTERVAL / 2, max(0.0, end - time.monotonic())))
+                time.sleep(min(st.heartbeat_interval / 2, max(0.0, end - time.monotonic())))
                 records = _read_failures(st)
             if not records:
                 after = {r: _read_alive(st, r) for r in before}

@@ -698,6 +698,25 @@ def op_schema(op: Any) -> Any:
     return getattr(op, "_schema", None)
 
 
+def version_counter(t: torch.Tensor) -> Optional[int]:
+    """``t._version``: how many in-place writes the memory of ``t`` has had (a count that
+    every view of one tensor shares); None for a tensor that keeps no count (an inference
+    tensor).
+
+    For: a pmap raises when its function writes in place to an argument whose memory
+    several instances share (:mod:`torchpmap._frontend.aliasing`): the count before and
+    after the call tells whether it was written, at the cost of reading an attribute.
+    Public replacement: none (what we'd need: a public version counter, or tensors that
+    can be made read-only).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``Tensor._version``)."""
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return None
+    except AttributeError as error:
+        raise TorchPrivateError("version_counter", f"is missing ({type(error).__name__}: {error})") from None
+
+
 # ======================================================================= ShardedTensor: a tensor subclass
 
 
@@ -1121,6 +1140,16 @@ def _probe_wrapper_subclass() -> None:
     _expect(torch.ops.aten.add.Tensor in seen, "ops reach __torch_dispatch__")
 
 
+def _probe_version_counter() -> None:
+    base = torch.zeros(2, 3)
+    view = base[0]
+    before = version_counter(base)
+    view.add_(1)  # a write through a view moves the count of every view of the base
+    _expect(version_counter(base) == before + 1 == version_counter(view), "a write through a view moves the shared count")
+    with torch.inference_mode():
+        _expect(version_counter(torch.zeros(1)) is None, "an inference tensor has no count")
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One door entry: ``name`` is its attribute here, ``private`` the torch API behind it."""
@@ -1218,6 +1247,7 @@ ENTRIES: dict[str, Entry] = {
             "torch._C._functorch.get_unwrapped, is_functorch_wrapped_tensor",
             _probe_functorch_value,
         ),
+        Entry("version_counter", "Tensor._version", _probe_version_counter),
         Entry("make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass", _probe_wrapper_subclass),
         Entry("disabled_torch_function", "torch._C._disabled_torch_function_impl", _probe_wrapper_subclass),
     )
