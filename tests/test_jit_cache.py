@@ -58,3 +58,37 @@ def test_a_function_that_recompiles_on_most_calls_is_told_why():
         warnings.simplefilter("error", tp.JitRecompileWarning)  # a steady shape never warns
         for i in range(20):
             g(torch.ones(2, 3))
+
+
+def test_threads_calling_one_program_first_compile_it_once():
+    """Four threads call a new pmap(jit=True) at once: the first traces and compiles it, the
+    others wait for it and run that program (make_fx's patches are global: concurrent
+    traces failed with an AssertionError and ran eagerly, with a JitFallbackWarning)."""
+    import threading
+
+    f = tp.pmap(lambda v: tp.psum(v * 2, "i") + v, axis_name="i", jit=True, devices=tp.devices()[:1])
+    g = tp.pmap(lambda v: tp.pmax(v, "i") - v, axis_name="i", jit=True, devices=tp.devices()[:1])
+    x = torch.arange(12.0).reshape(4, 3)
+    start, results, failures = threading.Barrier(4), {}, []
+
+    def call(k: int) -> None:
+        start.wait()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", tp.JitFallbackWarning)
+                results[k] = (f if k % 2 else g)(x + k)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    for k in range(4):
+        v = x + k
+        want = v.sum(0) * 2 + v if k % 2 else v.amax(0) - v
+        assert torch.equal(results[k], want), k
+    for fun in (f, g):  # each traced once (two threads waited), and compiled
+        assert fun._programs._traces == 1 and fun._programs.compiled_count() == 1

@@ -195,7 +195,9 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
 
     Raises:
         ValueError: naming the key path of the first leaf whose batch size is not
-            divisible by ``n`` (or that is a scalar).
+            divisible by ``n`` (or that is a scalar), or the key paths and batch sizes of
+            leaves whose batch sizes differ (each would be split its own way, and
+            instance ``i`` would see rows of different examples).
 
     Example:
         >>> import torch
@@ -210,8 +212,13 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
         Traceback (most recent call last):
         ...
         ValueError: shard: batch['x'] has 10 rows along its leading (batch) axis (shape (10, 3)), which do not split evenly into n=4 instances (10 % 4 = 2). Use a batch size that is a multiple of 4 (8 or 12, say), or drop the last incomplete batch.
+        >>> shard({"x": torch.zeros(8, 3), "y": torch.zeros(12)}, n=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: shard: the leaves of batch have different batch sizes (their leading axes), so each would be split its own way: batch['x'] has 8 rows (shape (8, 3)), batch['y'] has 12 rows (shape (12,)). Every leaf must hold the same examples along axis 0: slice them to one batch size.
     """
     n = _instances(n, "shard")
+    seen: list[tuple[pytree.KeyPath, int, tuple[int, ...]]] = []
 
     def split(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
         x = _as_tensor(leaf, path, "shard", "batch")
@@ -225,9 +232,17 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
                 f"({rows} % {n} = {rows % n}). Use a batch size that is a multiple of {n} "
                 f"({suggestion}, say), or drop the last incomplete batch."
             )
+        seen.append((path, rows, tuple(x.shape)))
         return x.reshape(n, rows // n, *x.shape[1:])
 
-    return pytree.tree_map_with_path(split, batch)
+    out = pytree.tree_map_with_path(split, batch)
+    if len({rows for _, rows, _ in seen}) > 1:
+        leaves = ", ".join(f"{_where('batch', path)} has {rows} rows (shape {shape})" for path, rows, shape in seen)
+        raise ValueError(
+            "shard: the leaves of batch have different batch sizes (their leading axes), so each would be split its "
+            f"own way: {leaves}. Every leaf must hold the same examples along axis 0: slice them to one batch size."
+        )
+    return out
 
 
 def unshard(tree: PyTree) -> PyTree:

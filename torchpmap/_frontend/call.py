@@ -16,7 +16,7 @@ import torch
 
 from torchpmap import _engines
 from torchpmap._engines.compiled import ProgramCache, signature_of
-from torchpmap._frontend.tree_prefix import broadcast_prefix, check_axis_spec
+from torchpmap._frontend.tree_prefix import as_index, broadcast_prefix, check_axis_spec, normalize_axis_spec
 from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
 from torchpmap._placement.sharded import ShardedTensor
@@ -46,6 +46,15 @@ class MapOptions:
     jit: Any = False  # False, True, or keyword arguments for torch.compile
 
 
+def normalized(opts: MapOptions) -> MapOptions:
+    """``opts`` with integers of other types (numpy's) as Python ints, as JAX accepts them."""
+    in_axes, out_axes = normalize_axis_spec(opts.in_axes), normalize_axis_spec(opts.out_axes)
+    axis_size = as_index(opts.axis_size)
+    if in_axes is opts.in_axes and out_axes is opts.out_axes and axis_size is opts.axis_size:
+        return opts
+    return dataclasses.replace(opts, in_axes=in_axes, out_axes=out_axes, axis_size=axis_size)
+
+
 def check_options(opts: MapOptions) -> None:
     what = opts.kind
     if isinstance(opts.in_axes, list):
@@ -64,8 +73,16 @@ def check_options(opts: MapOptions) -> None:
         ) from None
     if opts.randomness not in _RANDOMNESS:
         raise ValueError(f"{what}: randomness must be one of {_RANDOMNESS}, got {opts.randomness!r}")
-    if opts.axis_size is not None and (not isinstance(opts.axis_size, int) or opts.axis_size < 1):
+    if opts.axis_size is not None and (
+        not isinstance(opts.axis_size, int) or isinstance(opts.axis_size, bool) or opts.axis_size < 1
+    ):
         raise ValueError(f"{what}: axis_size must be a positive int or None, got {opts.axis_size!r}")
+    if opts.mesh is not None and not isinstance(opts.mesh, _mesh.Mesh):
+        raise TypeError(
+            f"{what}: mesh must be a torchpmap.Mesh (or None for the one of an enclosing `with mesh:`), got "
+            f"{type(opts.mesh).__name__} {opts.mesh!r}. Build one with torchpmap.Mesh(devices, axis_names), or "
+            "torchpmap.distributed.mesh(shape, axis_names) across processes."
+        )
     if opts.devices is not None:
         _devices.resolve(opts.devices)
     if opts.jit and opts.randomness == "per_instance":
@@ -83,7 +100,8 @@ def check_options(opts: MapOptions) -> None:
 
 def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
     """``static_broadcasted_argnums``/``donate_argnums`` as a tuple of ints."""
-    items = (x,) if isinstance(x, int) else tuple(x) if isinstance(x, (tuple, list, range)) else None
+    x = as_index(x)
+    items = (x,) if isinstance(x, int) else tuple(map(as_index, x)) if isinstance(x, (tuple, list, range)) else None
     if items is None or any(not isinstance(i, int) or isinstance(i, bool) for i in items):
         raise TypeError(f"pmap: {name} must be an int or a sequence of ints, got {x!r}")
     return items
@@ -148,6 +166,7 @@ class MappedFunction:
     def __init__(self, fun: Callable, opts: MapOptions):
         if not callable(fun):
             raise TypeError(f"{opts.kind}: the first argument must be a callable, got {fun!r}")
+        opts = normalized(opts)
         check_options(opts)
         self.fun, self.opts = fun, opts
         # argument structure -> (leaf axes, the structure's number, its pytree spec)
@@ -436,7 +455,7 @@ class MappedFunction:
 
     def _stack_outputs(self, outputs: list[torch.Tensor], layout: _engines.OutputLayout) -> Any:
         spec, constants = layout.spec, layout.none_leaves
-        if spec is _LEAF_SPEC and self.opts.out_axes == 0:  # one tensor, stacked where the engine put it
+        if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:  # one tensor, stacked where the engine put it
             return outputs[0]
         plan = self._out_plan(layout)
         result, it = [], iter(outputs)
