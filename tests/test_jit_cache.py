@@ -92,3 +92,26 @@ def test_threads_calling_one_program_first_compile_it_once():
         assert torch.equal(results[k], want), k
     for fun in (f, g):  # each traced once (two threads waited), and compiled
         assert fun._programs._traces == 1 and fun._programs.compiled_count() == 1
+
+
+def test_a_first_compile_in_a_thread_that_exits_leaves_later_compiles_working():
+    """torch 2.11 (a CUDA build without a GPU) crashed the process on the next trace
+    (segmentation fault) once the thread of the first one had exited; torchpmap registers
+    what that first trace registers from the importing thread instead
+    (torch_private.ensure_cuda_device_guard). A fresh process: the first trace counts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import threading, torch, torchpmap as tp\n"
+        "f = tp.pmap(lambda v: v * 2, jit=True, devices=tp.devices()[:1])\n"
+        "t = threading.Thread(target=lambda: f(torch.ones(2, 3))); t.start(); t.join()\n"
+        "g = tp.pmap(lambda v: v * 3, jit=True, devices=tp.devices()[:1])\n"
+        "print(g(torch.ones(2, 3)).sum().item(), g._programs.compiled_count())\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["18.0", "1"], (done.returncode, done.stdout, done.stderr[-2000:])

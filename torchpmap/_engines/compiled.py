@@ -52,6 +52,10 @@ from torchpmap._engines import MappedCall, OutputLayout, graph_rewrites, vectori
 from torchpmap._state.log import logger
 from torchpmap._placement.sharded import ShardedTensor, as_local
 
+# Fake-tensor traces in threads that exit crashed torch 2.11 later: register what the
+# first trace would, from the importing thread (see the entry's docstring).
+private.ensure_cuda_device_guard()
+
 #: Runs a mapped call: the vectorized engine, or one slice of a split axis.
 Engine = Callable[[MappedCall], list[torch.Tensor]]
 
