@@ -45,6 +45,11 @@ class MappedCall:
         output_layout: what ``body`` records about the outputs as it runs (an
             :class:`OutputLayout`). When a compiled program answers a call without
             running ``body``, it copies in what ``body`` recorded when it was traced.
+        program: ``(digest, description)`` of the mapped program (its function's
+            qualified name, ``in_axes``, ``out_axes``, axis name), the same in every
+            process that runs the same program: the headers of exchanges between
+            processes carry the digest, so that processes running different programs
+            raise at their first exchange. None for a ``vmap``.
     """
 
     body: Callable[[Sequence[torch.Tensor], Sequence[Any]], Sequence[torch.Tensor]]
@@ -61,6 +66,7 @@ class MappedCall:
     signature: Hashable = None
     output_layout: "OutputLayout" = dataclasses.field(default_factory=lambda: OutputLayout())
     memory: Optional["FunctionMemory"] = None
+    program: Optional[tuple[int, str]] = None
 
 
 @dataclasses.dataclass(eq=False)

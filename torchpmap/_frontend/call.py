@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
@@ -98,6 +99,26 @@ def check_options(opts: MapOptions) -> None:
         )
 
 
+def qualified_name(fun: Callable) -> str:
+    """``fun``'s qualified name (a partial's function's, a callable object's class')."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    name = getattr(fun, "__qualname__", None)
+    return name if isinstance(name, str) else type(fun).__qualname__
+
+
+def program_of(fun: Callable, opts: MapOptions) -> tuple[int, str]:
+    """``(digest, description)`` of a mapped program: its function's qualified name,
+    ``in_axes``, ``out_axes`` and axis name (see ``MappedCall.program``). The digest is
+    stable across processes (not Python's ``hash``, which varies per process)."""
+    description = (
+        f"{opts.kind} of {qualified_name(fun)!r} with in_axes={opts.in_axes!r}, out_axes={opts.out_axes!r}, "
+        f"axis_name={opts.axis_name!r}"
+    )
+    raw = hashlib.blake2b(description.encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True), description
+
+
 def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
     """``static_broadcasted_argnums``/``donate_argnums`` as a tuple of ints."""
     x = as_index(x)
@@ -175,6 +196,7 @@ class MappedFunction:
         self._last_out_plan: Optional[tuple[Any, _OutPlan]] = None  # the last one, by identity
         self._memory = _engines.FunctionMemory()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
+        self._program = program_of(fun, opts) if opts.kind == "pmap" else None
         functools.update_wrapper(self, fun, updated=())
 
     def __repr__(self) -> str:
@@ -233,6 +255,7 @@ class MappedFunction:
             signature=signature_of(flat.structure, statics, flat.leaves) if self._programs is not None else None,
             output_layout=layout,
             memory=self._memory,
+            program=self._program,
         )
         outputs = _engines.run(call)
         return self._stack_outputs(outputs, layout)
