@@ -18,7 +18,7 @@ from torchpmap._state.config import config, disable_vectorization
 from torchpmap._engines import VectorizationFallbackWarning
 from torchpmap._engines.compiled import JitFallbackWarning, JitRecompileWarning
 from torchpmap._placement.mesh import Mesh
-from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor, ShardedView
 from torchpmap._placement.devices import (
     Device,
     device_count,
@@ -61,6 +61,7 @@ __all__ = [
     "axis_size",
     "Mesh",
     "ShardedTensor",
+    "ShardedView",
     "config",
     "disable_vectorization",
     "JitFallbackWarning",
