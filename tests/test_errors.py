@@ -596,3 +596,53 @@ def test_complex_values_travel_through_all_gather_and_ppermute(placement, dtype)
     leaf = x.clone().requires_grad_()
     tp.pmap(lambda v: tp.ppermute(v, "i", ring), axis_name="i")(leaf).abs().sum().backward()
     assert torch.allclose(leaf.grad, x / x.abs())
+
+
+# --------------------------------------------------------------------------- errors independent of the placement (issue 27)
+
+
+def _error_of(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_an_error_of_the_function_is_the_same_on_every_placement(placement, size):
+    """torch.vdot of 2-D tensors said "Got wrong shapes for dot" vectorized on one
+    device, naming no instance, and torch's "1D tensors expected" with the instance on 4."""
+    x = torch.zeros(size, 3, 3)
+    errors = {}
+    for where, devices in (("one", placement[:1]), ("all", placement)):
+        errors[where] = _error_of(lambda: tp.pmap(lambda v: torch.vdot(v, v), devices=devices)(x))
+    for where, error in errors.items():
+        assert type(error) is RuntimeError and str(error) == "1D tensors expected, but got 2D and 2D tensors", (where, error)
+    for error in errors.values():
+        assert "torchpmap: raised by instance 0 (on device cpu:0)" in error.__notes__, error.__notes__
+
+
+def test_the_instance_that_raises_is_named_with_its_device(placement):
+    """Only instance 2's matrix is not positive-definite: every placement names instance 2
+    and the device it runs on (on 4 devices with 8 instances: cpu:1)."""
+    x = torch.eye(3).repeat(8, 1, 1)
+    x[2] = -x[2]
+    for devices in (placement[:1], placement):
+        error = _error_of(lambda: tp.pmap(torch.linalg.cholesky, devices=devices)(x))
+        device = devices[2 // (8 // len(devices))]
+        assert isinstance(error, RuntimeError) and "not positive-definite" in str(error), error
+        assert f"torchpmap: raised by instance 2 (on device {device})" in error.__notes__, error.__notes__
+
+
+def test_an_error_only_vectorization_raises_says_so(placement):
+    """When every instance succeeds one at a time, the vectorized run's error is raised
+    with a note saying that vmap failed, and how to run without it."""
+
+    def fails_when_batched(v):
+        if torch._C._functorch.is_batchedtensor(v):  # a limit of vmap alone, not of the function
+            raise RuntimeError("a failure of vmap alone")
+        return v * 2
+
+    error = _error_of(lambda: tp.pmap(fails_when_batched, devices=placement[:1])(torch.ones(4)))
+    assert str(error) == "a failure of vmap alone"
+    assert any("every instance succeeds, so torch.func.vmap is what failed" in n and "disable_vectorization" in n
+               for n in error.__notes__), error.__notes__
