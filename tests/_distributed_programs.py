@@ -683,6 +683,119 @@ def scenario_raise_in_backward(rank: int, nproc: int) -> dict:
     return _expect_failure(lambda: step((x, y)))
 
 
+# --------------------------------------------------------------------------- same answers as plain PyTorch (issue 27)
+
+
+class WithSpare(torch.nn.Module):
+    """A small model with batch norm and a layer its forward never uses."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        # no bias before the batch norm: its gradient is zero up to rounding, which AdamW would amplify
+        self.body = torch.nn.Sequential(torch.nn.Linear(5, 8, bias=False), torch.nn.BatchNorm1d(8), torch.nn.Tanh())
+        self.head, self.spare = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def same_answers_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def metrics_loss(out, y):
+    return torch.nn.functional.cross_entropy(out, y), {"accuracy": (out.argmax(-1) == y).float().mean()}
+
+
+def train_with_spare(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, steps: int = 3) -> dict:
+    """data_parallel_step with AdamW (weight decay) and metrics; what the model holds after."""
+    from torchpmap.training import data_parallel_step, shard
+
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+    step = data_parallel_step(model, metrics_loss, opt, has_aux=True)
+    losses, accuracies = [], []
+    for _ in range(steps):
+        loss, aux = step(shard((x, y), n=n))
+        losses.append(loss)
+        accuracies.append(aux["accuracy"])
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "no_grad": sorted(k for k, p in model.named_parameters() if p.grad is None),
+        "losses": torch.stack(losses),
+        "accuracies": torch.stack(accuracies),
+    }
+
+
+def scenario_same_answers(rank: int, nproc: int) -> dict:
+    """Unseeded models trained by data_parallel_step (pmean, and gradient buckets), the
+    programs' digests, broadcast and check_same, complex collectives."""
+    import torchpmap.distributed as tpd
+    from torchpmap.distributed import ReplicasDiffer
+
+    out: dict[str, object] = {}
+    x, y = (local(t, rank, nproc) for t in same_answers_data())
+    # 1. every process builds its model from its own seed, as the DDP tutorial does
+    model = WithSpare(seed=100 + rank)
+    out["initial"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out["trained"] = train_with_spare(model, x, y, n=2)  # two instances per process: one pmean per step
+    saved = tp.config.all_reduce_bytes, tp.config.bucket_bytes
+    tp.config.all_reduce_bytes, tp.config.bucket_bytes = 1 << 8, 1 << 8  # gradient buckets in the backward
+    try:
+        out["bucketed"] = train_with_spare(WithSpare(seed=200 + rank), x, y, n=1)
+    finally:
+        tp.config.all_reduce_bytes, tp.config.bucket_bytes = saved
+    # 2. processes running different programs with the same shapes raise at the first exchange
+    v = torch.arange(4.0).reshape(1, 1, 4) + rank
+    last = rank == nproc - 1
+
+    def psum_of(w):
+        return tp.psum(w, "i")
+
+    def psum_too(w):
+        return tp.psum(w, "i")
+
+    cases = {
+        "in_axes": lambda: tp.pmap(psum_of, axis_name="i", in_axes=1 if last else 0)(v),
+        "out_axes": lambda: tp.pmap(psum_of, axis_name="i", out_axes=1 if last else 0)(v),
+        "function": lambda: tp.pmap(psum_too if last else psum_of, axis_name="i")(v),
+        "no_collective": lambda: tp.pmap(lambda w: w * 2, axis_name="i", in_axes=1 if last else 0)(v),
+    }
+    for name, run in cases.items():
+        out[f"differ_{name}"] = _failure_of(run)
+        out[f"differ_{name}_after"] = tp.pmap(psum_of, axis_name="i")(v)  # still in step
+    # 3. broadcast gives process 0's bits; check_same names the first leaf that differs
+    nan = torch.tensor([float("nan")]).view(torch.int32).add(rank).view(torch.float32)  # a NaN payload per rank
+    mine = {
+        "f32": torch.cat([torch.tensor([-0.0 if rank == 0 else 0.0, 1.5 + rank]), nan]),
+        "i64": torch.arange(3) * (rank + 1),
+        "flag": torch.tensor([rank == 0, True]),
+        "c128": torch.tensor([1 + 2j * rank], dtype=torch.complex128),
+        "scalar": torch.tensor(float(rank)),
+    }
+    first = tpd.broadcast(mine)
+    out["broadcast"] = {k: (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).clone()) for k, t in first.items()}
+    out["check_same_equal"] = _failure_of(lambda: tpd.check_same(first, what="broadcast"))
+    same_but_b = {"a": torch.ones(3), "b": torch.ones(2) * (1 if rank == 0 else 2), "c": torch.zeros(1) + rank}
+    try:
+        tpd.check_same(same_but_b, what="params")
+        out["check_same_differ"] = None
+    except ReplicasDiffer as e:
+        out["check_same_differ"] = {"message": str(e), "path": e.path, "ranks": e.ranks}
+    # 4. complex values through all_gather and ppermute
+    z = (torch.arange(3.0) + 1j * rank).to(torch.complex128).reshape(1, 3)
+    out["complex_all_gather"] = tp.pmap(lambda w: tp.all_gather(w, "i"), axis_name="i")(z)
+    out["complex_ppermute"] = tp.pmap(lambda w: tp.ppermute(w, "i", _ring(nproc)), axis_name="i")(z)
+    return out
+
+
+def same_answers_reference(seed: int, n: int) -> dict:
+    """One process, every instance: the model of process 0's seed on the global batch."""
+    x, y = same_answers_data()
+    return train_with_spare(WithSpare(seed=seed), x, y, n=n)
+
+
 def _expect_failure(fn) -> dict:
     t = time.monotonic()
     try:

@@ -74,7 +74,7 @@ def _assert_same(name: str, got, want, bitwise: bool) -> None:
         if bitwise:
             assert torch.equal(g, w), f"{name}: not bitwise equal\n{g}\n{w}"
         else:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @contextlib.contextmanager
@@ -481,3 +481,57 @@ def test_shard_map_results_save_on_two_processes_and_load_on_one(tmp_path):
     loaded = {"w1": torch.zeros(4, 8)}
     dcp.load(loaded, checkpoint_id=str(where), no_dist=True)
     torch.testing.assert_close(loaded["w1"], expected)
+
+
+# --------------------------------------------------------------------------- same answers as plain PyTorch (issue 27)
+
+
+def test_processes_give_the_answers_of_one_process(tmp_path):
+    """Two processes that build their models from different seeds (as the DDP tutorial
+    does, relying on DDP's wrap-time copy) train process 0's model, bitwise the same in
+    both, the model one process trains on the whole batch; a parameter the loss never
+    reaches keeps p.grad None and its value; metrics are averaged over every instance.
+    Processes that run different programs with the same shapes raise at their first
+    exchange. broadcast, check_same, complex collectives."""
+    finished, results = _run("same_answers", 2, tmp_path, timeout=60)
+    logs = _logs(finished)
+    assert all(f.returncode == 0 for f in finished), logs
+    per_rank = [results[r] for r in range(2)]
+    for res in per_rank:
+        assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
+    assert not torch.equal(per_rank[0]["initial"]["head.weight"], per_rank[1]["initial"]["head.weight"])
+    with _on_one_device():
+        reference = {"trained": progs.same_answers_reference(seed=100, n=4), "bucketed": progs.same_answers_reference(seed=200, n=2)}
+    for run in ("trained", "bucketed"):
+        got = [res[run] for res in per_rank]
+        for r in range(2):
+            assert got[r]["no_grad"] == ["spare.bias", "spare.weight"], (run, got[r]["no_grad"])
+            for k in ("state", "losses", "accuracies"):
+                _assert_same(f"{run}: {k} of rank {r} vs rank 0", got[r][k], got[0][k], bitwise=True)
+        assert torch.equal(got[0]["state"]["spare.weight"], reference[run]["state"]["spare.weight"])  # untouched by AdamW
+        for k in ("state", "losses", "accuracies"):
+            _assert_same(f"{run}: {k} vs one process", got[0][k], reference[run][k], bitwise=False)
+    for res in per_rank:
+        for case in ("in_axes", "out_axes", "function", "no_collective"):
+            err = res[f"differ_{case}"]
+            assert err is not None and err["error"] == "ExchangeMismatch", (case, err)
+            assert "still in step" in err["message"] and err["ranks"] == [1], (case, err["message"])
+            assert torch.equal(res[f"differ_{case}_after"], torch.full((1, 1, 4), 0.0) + torch.arange(4.0) * 2 + 1), case
+        message = lambda case: res[f"differ_{case}"]["message"]  # noqa: E731
+        assert "in_axes=0," in message("in_axes") and "in_axes=1," in message("in_axes")
+        assert "out_axes=0," in message("out_axes") and "out_axes=1," in message("out_axes")
+        assert "psum_of'" in message("function") and "psum_too'" in message("function")
+        assert "reached the end of pmap call" in message("no_collective") and "in_axes=1," in message("no_collective")
+        # process 0's bits in every process: -0.0 and a NaN's payload included
+        for k, (dtype, shape, bits) in res["broadcast"].items():
+            assert (dtype, shape) == per_rank[0]["broadcast"][k][:2] and torch.equal(bits, per_rank[0]["broadcast"][k][2]), k
+        assert res["check_same_equal"] is None
+        differ = res["check_same_differ"]
+        assert differ is not None and differ["path"] == "['b']" and differ["ranks"] == [1], differ
+        assert "params['b'] (shape (2,), float32) differs" in differ["message"] and "broadcast" in differ["message"]
+    f32 = per_rank[0]["broadcast"]["f32"][2].view(torch.float32)
+    assert f32[0].item() == 0.0 and torch.signbit(f32[0]) and f32[1].item() == 1.5 and torch.isnan(f32[2])
+    assert per_rank[1]["broadcast"]["flag"][2].tolist() == [1, 1]
+    z = torch.stack([(torch.arange(3.0) + 1j * r).to(torch.complex128) for r in range(2)])
+    _assert_same("complex all_gather", _concat(per_rank, "complex_all_gather"), z.expand(2, 2, 3), bitwise=True)
+    _assert_same("complex ppermute", _concat(per_rank, "complex_ppermute"), z.roll(1, 0), bitwise=True)

@@ -523,3 +523,126 @@ def test_an_extremum_of_complex_values_is_refused_clearly(name):
 def test_an_axis_name_list_is_refused_at_once():
     with raises(TypeError, "axis_name must be hashable", "axis_name='i'"):
         tp.pmap(lambda v: v, axis_name=["i"])
+
+
+# --------------------------------------------------------------------------- cryptic errors of the battery (issue 27)
+
+
+def test_numpy_integers_are_axes_as_in_jax(placement):
+    import numpy as np
+
+    x = torch.arange(24.0).reshape(2, 4, 3)
+    want = tp.pmap(lambda v: v * 2, in_axes=1, out_axes=1)(x)
+    got = tp.pmap(lambda v: v * 2, in_axes=np.int64(1), out_axes=np.int32(1))(x)
+    assert torch.equal(torch.as_tensor(got), torch.as_tensor(want))
+    nested = tp.pmap(lambda v, w: v + w, in_axes=(np.int64(1), None), axis_size=np.int64(4))(x, torch.ones(3))
+    assert torch.equal(torch.as_tensor(nested), x.movedim(1, 0) + 1)
+    static = tp.pmap(lambda v, k: v * k, static_broadcasted_argnums=np.int64(1))(X4, 3)
+    assert torch.equal(torch.as_tensor(static), X4 * 3)
+    with raises(TypeError, "in_axes must be an int", "True"):  # a bool is still no axis
+        tp.pmap(lambda v: v, in_axes=np.bool_(True))
+
+
+def test_a_function_returning_none_returns_none_as_in_jax(placement):
+    assert tp.pmap(lambda v: None)(X4) is None
+    assert tp.vmap(lambda v: None)(X4) is None
+    none, doubled = tp.pmap(lambda v: (None, v * 2))(X4)
+    assert none is None and torch.equal(torch.as_tensor(doubled), X4 * 2)
+
+
+def test_a_mesh_that_is_no_mesh_is_refused_naming_it():
+    with raises(TypeError, "mesh must be a torchpmap.Mesh", "got str 'notamesh'", "torchpmap.Mesh(devices, axis_names)"):
+        tp.pmap(lambda v: v, axis_name="i", mesh="notamesh")
+
+
+def test_an_empty_mesh_is_refused_at_once():
+    import numpy as np
+
+    with raises(ValueError, "Mesh: the device grid is empty", "(0,)", "at least one device"):
+        tp.Mesh(np.array([]), ("i",))
+    with raises(ValueError, "the device grid is empty", "(0, 2)"):
+        tp.Mesh(np.empty((0, 2), dtype=object), ("a", "b"))
+
+
+def test_an_absurd_cpu_device_count_is_refused_at_once(monkeypatch):
+    import time
+
+    from torchpmap._placement import devices as _devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", str(10**12))
+    _devices._local_devices.cache_clear()
+    try:
+        start = time.monotonic()
+        with raises(ValueError, "TORCHPMAP_NUM_CPU_DEVICES=1000000000000", "between 1 and 4096"):
+            tp.devices()
+        assert time.monotonic() - start < 1
+        monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "4096")  # the most there may be
+        _devices._local_devices.cache_clear()
+        assert len(_devices._local_devices()) == 4096
+    finally:
+        monkeypatch.undo()
+        _devices._local_devices.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64])
+def test_complex_values_travel_through_all_gather_and_ppermute(placement, dtype):
+    x = torch.randn(4, 3, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+    gathered = tp.pmap(lambda v: tp.all_gather(v, "i"), axis_name="i")(x)
+    shifted = tp.pmap(lambda v: tp.ppermute(v, "i", ring), axis_name="i")(x)
+    assert torch.equal(torch.as_tensor(gathered), x.expand(4, 4, 3))
+    assert torch.equal(torch.as_tensor(shifted), x.roll(1, 0))
+    leaf = x.clone().requires_grad_()
+    tp.pmap(lambda v: tp.ppermute(v, "i", ring), axis_name="i")(leaf).abs().sum().backward()
+    assert torch.allclose(leaf.grad, x / x.abs())
+
+
+# --------------------------------------------------------------------------- errors independent of the placement (issue 27)
+
+
+def _error_of(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_an_error_of_the_function_is_the_same_on_every_placement(placement, size):
+    """torch.vdot of 2-D tensors said "Got wrong shapes for dot" vectorized on one
+    device, naming no instance, and torch's "1D tensors expected" with the instance on 4."""
+    x = torch.zeros(size, 3, 3)
+    errors = {}
+    for where, devices in (("one", placement[:1]), ("all", placement)):
+        errors[where] = _error_of(lambda: tp.pmap(lambda v: torch.vdot(v, v), devices=devices)(x))
+    for where, error in errors.items():
+        assert type(error) is RuntimeError and str(error) == "1D tensors expected, but got 2D and 2D tensors", (where, error)
+    for error in errors.values():
+        assert "torchpmap: raised by instance 0 (on device cpu:0)" in error.__notes__, error.__notes__
+
+
+def test_the_instance_that_raises_is_named_with_its_device(placement):
+    """Only instance 2's matrix is not positive-definite: every placement names instance 2
+    and the device it runs on (on 4 devices with 8 instances: cpu:1)."""
+    x = torch.eye(3).repeat(8, 1, 1)
+    x[2] = -x[2]
+    for devices in (placement[:1], placement):
+        error = _error_of(lambda: tp.pmap(torch.linalg.cholesky, devices=devices)(x))
+        device = devices[2 // (8 // len(devices))]
+        assert isinstance(error, RuntimeError) and "not positive-definite" in str(error), error
+        assert f"torchpmap: raised by instance 2 (on device {device})" in error.__notes__, error.__notes__
+
+
+def test_an_error_only_vectorization_raises_says_so(placement):
+    """When every instance succeeds one at a time, the vectorized run's error is raised
+    with a note saying that vmap failed, and how to run without it."""
+
+    def fails_when_batched(v):
+        if torch._C._functorch.is_batchedtensor(v):  # a limit of vmap alone, not of the function
+            raise RuntimeError("a failure of vmap alone")
+        return v * 2
+
+    error = _error_of(lambda: tp.pmap(fails_when_batched, devices=placement[:1])(torch.ones(4)))
+    assert str(error) == "a failure of vmap alone"
+    assert any("every instance succeeds, so torch.func.vmap is what failed" in n and "disable_vectorization" in n
+               for n in error.__notes__), error.__notes__

@@ -58,3 +58,60 @@ def test_a_function_that_recompiles_on_most_calls_is_told_why():
         warnings.simplefilter("error", tp.JitRecompileWarning)  # a steady shape never warns
         for i in range(20):
             g(torch.ones(2, 3))
+
+
+def test_threads_calling_one_program_first_compile_it_once():
+    """Four threads call a new pmap(jit=True) at once: the first traces and compiles it, the
+    others wait for it and run that program (make_fx's patches are global: concurrent
+    traces failed with an AssertionError and ran eagerly, with a JitFallbackWarning)."""
+    import threading
+
+    f = tp.pmap(lambda v: tp.psum(v * 2, "i") + v, axis_name="i", jit=True, devices=tp.devices()[:1])
+    g = tp.pmap(lambda v: tp.pmax(v, "i") - v, axis_name="i", jit=True, devices=tp.devices()[:1])
+    x = torch.arange(12.0).reshape(4, 3)
+    start, results, failures = threading.Barrier(4), {}, []
+
+    def call(k: int) -> None:
+        start.wait()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", tp.JitFallbackWarning)
+                results[k] = (f if k % 2 else g)(x + k)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    for k in range(4):
+        v = x + k
+        want = v.sum(0) * 2 + v if k % 2 else v.amax(0) - v
+        assert torch.equal(results[k], want), k
+    for fun in (f, g):  # each traced once (two threads waited), and compiled
+        assert fun._programs._traces == 1 and fun._programs.compiled_count() == 1
+
+
+def test_a_first_compile_in_a_thread_that_exits_leaves_later_compiles_working():
+    """torch 2.11 (a CUDA build without a GPU) crashed the process on the next trace
+    (segmentation fault) once the thread of the first one had exited; torchpmap registers
+    what that first trace registers from the importing thread instead
+    (torch_private.ensure_cuda_device_guard). A fresh process: the first trace counts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import threading, torch, torchpmap as tp\n"
+        "f = tp.pmap(lambda v: v * 2, jit=True, devices=tp.devices()[:1])\n"
+        "t = threading.Thread(target=lambda: f(torch.ones(2, 3))); t.start(); t.join()\n"
+        "g = tp.pmap(lambda v: v * 3, jit=True, devices=tp.devices()[:1])\n"
+        "print(g(torch.ones(2, 3)).sum().item(), g._programs.compiled_count())\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["18.0", "1"], (done.returncode, done.stdout, done.stderr[-2000:])

@@ -168,3 +168,248 @@ def test_dlpack_refuses_a_graph_it_cannot_carry(devices):
     _, _, _, many = both(devices, square_and_sum, X)
     with pytest.raises(RuntimeError, match="requires grad.*torch.as_tensor"):
         many.__dlpack__()
+
+
+# --------------------------------------------------------------------------- a tensor, or a refusal (issue 27)
+#
+# A ShardedTensor against a plain tensor with the same values, on 1 and on 4 devices (the
+# `placement` fixture): hypothesis draws the values' shape, where the shards split, the
+# indices and the ops.
+
+import io  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def sharded_values(draw, n_devices):
+    """(plain tensor, shard dim, shard sizes): a 2-D value split into n_devices shards."""
+    dim = draw(st.sampled_from([0, 1]))
+    sizes = [draw(st.integers(1, 3)) for _ in range(n_devices)]
+    other = draw(st.integers(1, 4))
+    shape = (sum(sizes), other) if dim == 0 else (other, sum(sizes))
+    x = torch.arange(float(shape[0] * shape[1])).reshape(shape) - 3
+    return x, dim, sizes
+
+
+def make_sharded(devices, x, dim, sizes, requires_grad=False):
+    parts = x.split(sizes, dim)
+    return ShardedTensor([(d, p.clone().requires_grad_(requires_grad)) for d, p in zip(devices, parts)], dim)
+
+
+def _outcome(fn):
+    """("ok", plain value) or ("raised", exception type)."""
+    try:
+        out = fn()
+    except (IndexError, RuntimeError, ValueError, TypeError) as e:
+        return "raised", type(e)
+    return "ok", torch.as_tensor(out).detach().clone() if not isinstance(out, ShardedTensor) else out.gather().detach().clone()
+
+
+def _same_outcome(got, want, what):
+    assert got[0] == want[0], (what, got, want)
+    if got[0] == "raised":
+        assert got[1] is want[1] or issubclass(got[1], want[1]), (what, got, want)
+    else:
+        assert got[1].dtype == want[1].dtype and torch.equal(got[1], want[1]), (what, got, want)
+
+
+bound = st.integers(-7, 7)
+index_parts = st.one_of(
+    bound,
+    st.builds(slice, st.none() | bound, st.none() | bound, st.none() | st.integers(1, 3)),
+    st.just(None),
+    st.just(Ellipsis),
+    st.lists(st.integers(-7, 6), min_size=1, max_size=3).map(torch.tensor),
+)
+indices = st.one_of(index_parts, st.lists(index_parts, min_size=1, max_size=3).map(tuple))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_indexing_is_torchs_bounds_checks_included(placement, data):
+    """st[10] on 4 rows returned row 2, st[-5] row 3 (the index was taken modulo the length)."""
+    x, dim, sizes = data.draw(sharded_values(len(placement)))
+    sharded = make_sharded(placement, x, dim, sizes)
+    index = data.draw(indices)
+    _same_outcome(_outcome(lambda: sharded[index]), _outcome(lambda: x[index]), index)
+
+
+def test_the_issues_out_of_range_rows_raise(placement):
+    x = torch.arange(12.0).reshape(4, 3)
+    sharded = make_sharded(placement, x, 0, [4] if len(placement) == 1 else [1, 1, 1, 1])
+    for bad in (10, -5, 4):
+        with pytest.raises(IndexError, match=f"index {bad} is out of bounds for dimension 0 with size 4"):
+            sharded[bad]
+    assert torch.equal(sharded[-4], x[0]) and torch.equal(sharded[3], x[3])
+
+
+VIEWS = {
+    "view(-1)": lambda t: t.view(-1),
+    "reshape": lambda t: t.reshape(t.shape[1], t.shape[0]),
+    "flatten": lambda t: t.flatten(),
+    "t()": lambda t: t.t(),
+    "transpose": lambda t: t.transpose(0, 1),
+    "rows 1:": lambda t: t[1:],
+    "every other column": lambda t: t[:, ::2],
+    "select": lambda t: t.select(1, 0),
+    "narrow": lambda t: t.narrow(0, 0, 1),
+    "unsqueeze": lambda t: t.unsqueeze(0),
+    "detach": lambda t: t.detach(),
+    "diagonal": lambda t: t.diagonal(),
+    "unbind": lambda t: t.unbind(1)[0],
+    "a view of a view": lambda t: t.t()[1:].view(-1) if t.t()[1:].is_contiguous() else t.t()[1:],
+}
+WRITES = {
+    "add_": lambda v: v.add_(100),
+    "mul_": lambda v: v.mul_(-2),
+    "fill_": lambda v: v.fill_(7),
+    "zero_": lambda v: v.zero_(),
+    "setitem": lambda v: (v.__setitem__(0, 42.0), v)[1],
+    "copy_": lambda v: v.copy_(torch.full(v.shape, 9.0)),
+    "clamp_": lambda v: v.clamp_(min=1.0),
+}
+
+
+@SETTINGS
+@given(data=st.data())
+def test_writes_through_a_view_reach_the_shards(placement, data):
+    """A write through st.view(-1) did not reach st (the view was of a gathered copy)."""
+    x, dim, sizes = data.draw(sharded_values(len(placement)))
+    sharded = make_sharded(placement, x, dim, sizes)
+    view, write = data.draw(st.sampled_from(sorted(VIEWS))), data.draw(st.sampled_from(sorted(WRITES)))
+    plain = x.clone()
+    want = _outcome(lambda: WRITES[write](VIEWS[view](plain)))
+    got = _outcome(lambda: WRITES[write](VIEWS[view](sharded)))
+    _same_outcome(got, want, (view, write))
+    assert torch.equal(sharded.gather(), plain), (view, write)  # the write reached the shards
+    assert torch.equal(torch.cat([s.tensor for s in sharded.shards], dim), plain)
+    if want[0] == "ok":  # and a view made before a write to the base sees it
+        later = VIEWS[view](sharded)
+        sharded.add_(1)
+        plain.add_(1)
+        assert torch.equal(torch.as_tensor(later * 1), VIEWS[view](plain) * 1), view
+
+
+OPS = {
+    "neg": lambda t: -t,
+    "add scalar": lambda t: t + 1.5,
+    "times itself": lambda t: t * t,
+    "sum over 0": lambda t: t.sum(0),
+    "mean over 1": lambda t: t.mean(1),
+    "max": lambda t: t.max(),
+    "matmul": lambda t: t @ torch.ones(t.shape[1], 2),
+    "compare": lambda t: t > 0,
+    "cumsum": lambda t: t.cumsum(0),
+    "where": lambda t: torch.where(t > 0, t, -t),
+    "to int": lambda t: t.to(torch.int32),
+}
+IN_PLACE = {
+    "add_": lambda t: t.add_(torch.ones(t.shape[1])),
+    "masked_fill_": lambda t: t.masked_fill_(t > 2, -1.0),
+    "setitem row": lambda t: (t.__setitem__(1, 5.0), t)[1],
+    "setitem out of range": lambda t: (t.__setitem__(99, 5.0), t)[1],
+    "setitem mask": lambda t: (t.__setitem__(t < 0, 0.0), t)[1],
+    "index_put_": lambda t: t.index_put_((torch.tensor([0]),), torch.tensor(8.0)),
+    "exp_": lambda t: t.exp_(),
+}
+
+
+@SETTINGS
+@given(data=st.data())
+def test_ops_and_in_place_ops_give_a_tensors_answers(placement, data):
+    x, dim, sizes = data.draw(sharded_values(len(placement)))
+    sharded = make_sharded(placement, x, dim, sizes)
+    op = data.draw(st.sampled_from(sorted(OPS)))
+    _same_outcome(_outcome(lambda: OPS[op](sharded)), _outcome(lambda: OPS[op](x)), op)
+    name = data.draw(st.sampled_from(sorted(IN_PLACE)))
+    plain = x.clone()
+    _same_outcome(_outcome(lambda: IN_PLACE[name](sharded)), _outcome(lambda: IN_PLACE[name](plain)), name)
+    assert torch.equal(sharded.gather(), plain), name
+
+
+def test_in_place_ops_follow_autograds_rules_for_leaves(placement):
+    """Shards that are leaves requiring grad: the ShardedTensor is their memory, so an
+    in-place op on it is one on a view of a leaf, which autograd refuses (it was
+    accepted, and wrote into the leaves)."""
+    x = torch.arange(8.0).reshape(4, 2)
+    sizes = [4] if len(placement) == 1 else [1, 1, 1, 1]
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+        leaf.view(4, 2).add_(1)
+    sharded = make_sharded(placement, x, 0, sizes, requires_grad=True)
+    for write in (lambda t: t.add_(1), lambda t: t.view(-1).mul_(2), lambda t: t.__setitem__(0, 3.0)):
+        with pytest.raises(RuntimeError, match="shards are leaf tensors that require grad"):
+            write(sharded)
+        assert torch.equal(sharded.gather(), x)  # nothing was written
+    with torch.no_grad():  # as for a leaf: allowed without grad mode
+        sharded.add_(1)
+        leaf.add_(1)
+    assert torch.equal(sharded.gather(), leaf.detach())
+    (sharded * sharded).sum().backward()
+    assert torch.equal(torch.cat([s.tensor.grad for s in sharded.shards]), 2 * leaf.detach())
+
+
+def test_a_write_through_a_view_of_a_pmap_result_is_differentiated_as_on_one_device(placement):
+    x = torch.arange(1.0, 9.0).reshape(4, 2)
+    grads = []
+    for devices in (placement[:1], placement):
+        a, w = x.clone().requires_grad_(), torch.tensor(3.0, requires_grad=True)
+        y = tp.pmap(lambda v: v * 2, devices=devices)(a)
+        flat = y.view(-1)
+        flat[1:3] = w * 5
+        y.t().mul_(torch.tensor([[1.0], [2.0]]))
+        ((torch.as_tensor(y) ** 2) * torch.arange(8.0).reshape(4, 2)).sum().add(flat.sum()).backward()
+        grads.append((torch.as_tensor(y).detach(), a.grad, w.grad))
+    assert isinstance(y, ShardedTensor) == (len(placement) > 1)
+    for one, many in zip(*grads):
+        assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: [], "needs at least one shard"),
+    (lambda d: [(d[0], torch.tensor(1.0)), (d[-1], torch.tensor(2.0))], "0-d tensors"),
+    (lambda d: [(d[0], torch.zeros(2)), (d[-1], torch.zeros(2, dtype=torch.int64))], "shard 1 has dtype torch.int64, shard 0 has torch.float32"),
+    (lambda d: [(d[0], torch.zeros(2, 3)), (d[-1], torch.zeros(2, 4))], r"shard 1 has shape \(2, 4\), shard 0 has \(2, 3\)"),
+    (lambda d: [(d[0], torch.zeros(2, 3)), (d[-1], torch.zeros(2))], "shard 1 has rank 1, shard 0 has 2"),
+    (lambda d: [(d[0], torch.zeros(2, 2)), (d[-1], torch.zeros(2, 2).to_sparse())], "layout"),
+    (lambda d: [(d[0], torch.zeros(2))], "dim=1 is not a dim"),
+    (lambda d: [("cpu:0", torch.zeros(2))], r"shard 0 is \(str, Tensor\)"),
+])
+def test_construction_checks_the_shards(placement, make, message):
+    dim = 1 if "dim=1" in message else 0
+    with pytest.raises((ValueError, TypeError), match=message):
+        ShardedTensor(make(placement), dim)
+
+
+@pytest.mark.parametrize("op", [
+    lambda t: t.resize_(8), lambda t: t.t_(), lambda t: t.unsqueeze_(0), lambda t: t.swapdims_(0, 1),
+    lambda t: t.view(-1).resize_(3), lambda t: t.as_strided_((2,), (1,)),
+])
+def test_ops_that_would_change_its_shape_in_place_are_refused(placement, op):
+    """resize_ failed deep inside split_with_sizes; t_ on a square one rewrote the shards
+    with the transposed values."""
+    x = torch.arange(16.0).reshape(4, 4)
+    sharded = make_sharded(placement, x, 0, [4] if len(placement) == 1 else [1, 1, 1, 1])
+    with pytest.raises(RuntimeError, match="cannot change its shape or strides in place.*st.gather"):
+        op(sharded)
+    assert torch.equal(sharded.gather(), x) and sharded.shape == (4, 4)
+    sharded.resize_(4, 4)  # the same size: nothing changes, as on a tensor
+
+
+def test_it_saves_and_loads_with_weights_only(placement):
+    x = torch.arange(8.0).reshape(4, 2)
+    sharded = make_sharded(placement, x, 0, [4] if len(placement) == 1 else [1, 1, 1, 1])
+    columns = placement[:2]  # two columns: one or two shards along dim 1
+    leaf = make_sharded(columns, x, 1, [2] if len(columns) == 1 else [1, 1]).requires_grad_()
+    buffer = io.BytesIO()
+    torch.save({"st": sharded, "leaf": leaf, "view": sharded.view(-1)}, buffer)
+    buffer.seek(0)
+    back = torch.load(buffer, weights_only=True)
+    assert isinstance(back["st"], ShardedTensor) and back["st"].devices() == sharded.devices()
+    assert torch.equal(back["st"], sharded) and back["st"].shard_dim == 0
+    assert back["leaf"].requires_grad and back["leaf"].shard_dim == 1 and torch.equal(back["leaf"].gather().detach(), x)
+    assert type(back["view"]) is torch.Tensor and torch.equal(back["view"], x.view(-1))  # a view is saved as its value

@@ -159,3 +159,85 @@ def test_default_store_adopted_when_present():
                 st.heartbeat.stop(exited=True)
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- probes at run time (issue 27)
+
+#: The first vectorized pmap of a process, under each transform (one fresh process each):
+#: the probe behind torchpmap's batching rules ran in the caller's thread, saw the grad or
+#: jvp level wrap its ops, warned that torch had changed and turned the rules off.
+_FIRST_PMAP = {
+    "grad": "torch.func.grad(lambda v: f(v).sum())(x)",
+    "vmap": "torch.func.vmap(f)(torch.ones(2, 4, 3))",
+    "jvp": "torch.func.jvp(f, (x,), (x,))",
+    "nested_pmaps": "tp.pmap(lambda v: f(v), axis_name='j')(torch.ones(2, 4, 3))",
+    "grad_of_nested_pmaps": "torch.func.grad(lambda v: tp.pmap(lambda w: f(w), axis_name='j')(v).sum())(torch.ones(2, 4, 3))",
+}
+
+
+def _fresh_process(code: str, devices: int) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, "TORCHPMAP_NUM_CPU_DEVICES": str(devices), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+_RULES_ON = (
+    "from torchpmap._state import torch_private as p\n"
+    "flash = p.cpu_flash_attention()\n"
+    "print('rules on:', flash is None or p.has_kernel_for_dispatch_key(flash[0].name(), 'FuncTorchBatched'))\n"
+)
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+@pytest.mark.parametrize("case", list(_FIRST_PMAP))
+def test_the_first_pmap_under_a_transform_keeps_the_batching_rules_on(case, devices):
+    code = (
+        "import warnings, torch, torchpmap as tp\n"
+        "warnings.simplefilter('error', tp._state.torch_private.TorchPrivateWarning)\n"
+        "f = tp.pmap(lambda v: tp.psum(v * v, 'i'), axis_name='i')\n"
+        "x = torch.ones(4, 3)\n"
+        f"{_FIRST_PMAP[case]}\n" + _RULES_ON
+    )
+    done = _fresh_process(code, devices)
+    assert done.returncode == 0 and "TorchPrivateWarning" not in done.stderr, done.stderr[-3000:]
+    assert "rules on: True" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_a_probe_that_cannot_run_turns_nothing_off():
+    """A probe failing for another reason than torch changing (here: no memory) says
+    nothing about torch: the rules stay on, without a warning."""
+    code = (
+        "import warnings, torch, torchpmap as tp\n"
+        "from torchpmap._state import torch_private as p\n"
+        "def no_memory():\n"
+        "    raise RuntimeError('CUDA out of memory (a probe that could not run)')\n"
+        "p.ENTRIES['batching_excluded'] = p.Entry('batching_excluded', 'x', no_memory)\n"
+        "warnings.simplefilter('error', p.TorchPrivateWarning)\n"
+        "tp.pmap(lambda v: v * 2)(torch.ones(4, 3))\n" + _RULES_ON
+    )
+    done = _fresh_process(code, 1)
+    assert done.returncode == 0 and "rules on: True" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_a_probe_that_finds_torch_changed_turns_the_rules_off_and_says_so():
+    code = (
+        "import warnings, torch, torchpmap as tp\n"
+        "from torchpmap._state import torch_private as p\n"
+        "def changed():\n"
+        "    p._expect(False, 'ops run below the level')\n"
+        "p.ENTRIES['batching_excluded'] = p.Entry('batching_excluded', 'x', changed)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    tp.pmap(lambda v: v * 2)(torch.ones(4, 3))\n"
+        "print([str(w.message) for w in caught if issubclass(w.category, p.TorchPrivateWarning)])\n" + _RULES_ON
+    )
+    done = _fresh_process(code, 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "batching_excluded failed its check: AssertionError: ops run below the level" in done.stdout, done.stdout
+    assert "rules on: False" in done.stdout, done.stdout
+
+
+def test_check_runs_every_probe_outside_the_callers_transforms():
+    seen = []
+    torch.func.grad(lambda v: (seen.append(private.check()), (v * v).sum())[1])(torch.ones(2))
+    torch.func.vmap(lambda v: (private.check("batching_excluded", "current_vmap_level"), v)[1])(torch.ones(2, 3))
+    assert seen == [None]

@@ -113,6 +113,20 @@ def test_shard_error_names_key_path_and_sizes():
     assert "10 rows" in message and "n=4" in message and "10 % 4 = 2" in message
 
 
+def test_shard_refuses_leaves_of_different_batch_sizes_naming_them():
+    """Both divisible by n, yet 8 and 12 examples: each leaf used to be split its own way,
+    so instance i saw inputs and targets of different examples."""
+    batch = {"x": torch.zeros(8, 3), "labels": [torch.zeros(8), torch.zeros(12)]}
+    with pytest.raises(ValueError) as info:
+        shard(batch, n=4)
+    message = str(info.value)
+    assert "different batch sizes" in message
+    assert "batch['x'] has 8 rows (shape (8, 3))" in message and "batch['labels'][1] has 12 rows (shape (12,))" in message
+    with pytest.raises(ValueError, match="different batch sizes"):
+        next(iter(prefetch_to_device([batch], n=2)))
+    assert shard({"x": torch.zeros(8, 3), "y": np.zeros(8)}, n=4)["y"].shape == (4, 2)  # the same size: fine
+
+
 def test_shard_of_scalar_names_key_path():
     with pytest.raises(ValueError, match=r"batch\[1\] is a scalar"):
         shard((torch.zeros(4), torch.tensor(1.0)), n=2)

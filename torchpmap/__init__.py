@@ -20,7 +20,7 @@ from torchpmap._engines import VectorizationFallbackWarning
 from torchpmap._engines.compiled import JitFallbackWarning, JitRecompileWarning
 from torchpmap._placement.mesh import AbstractMesh, Mesh, make_mesh
 from torchpmap._placement.partition_spec import P, PartitionSpec
-from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor, ShardedView
 from torchpmap._placement.devices import (
     Device,
     device_count,
@@ -69,6 +69,7 @@ __all__ = [
     "PartitionSpec",
     "P",
     "ShardedTensor",
+    "ShardedView",
     "config",
     "disable_vectorization",
     "JitFallbackWarning",

@@ -64,9 +64,19 @@ at once: restart the job (``torchrun --max-restarts``). With NCCL, faults are le
 NCCL's own watchdog and the process group timeout.
 
 **Disagreements.** Processes that reach an exchange with different collectives,
-parameters, shapes or dtypes all raise :class:`ExchangeMismatch`, naming what each one
+parameters, shapes or dtypes, or from pmaps of different functions, ``in_axes``,
+``out_axes`` or axis names, all raise :class:`ExchangeMismatch`, naming what each one
 called, before any payload is used (different numbers of local instances raise
 :class:`SizeMismatch`). Every transfer carries a small header that every process checks.
+
+**Replicated values.** A value passed with ``in_axes=None`` reaches every instance of a
+process as it is: across processes nothing is copied, so each process must pass the same
+value (DDP's wrap-time copy has no counterpart in ``pmap`` itself). :func:`broadcast`
+gives every process process 0's values (``torch.distributed.broadcast(t, src=0)`` for a
+pytree; ``data_parallel_step`` calls it on its model at its first step, as
+``DistributedDataParallel`` does when it wraps one), and :func:`check_same` checks that
+the processes hold the same values, naming the first leaf that differs (one small
+all-gather of checksums: call it after setting up, or in a debug run).
 
 ``torch.func`` transforms work inside the pmapped function and around the pmap
 (``torch.func.grad`` of a function that calls a distributed pmap, ``vmap`` of it), since
@@ -87,9 +97,10 @@ Example (in a single process everything is local and :func:`initialize` does not
 from __future__ import annotations
 
 import datetime
+import hashlib
 import math
 import os
-from typing import Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,6 +118,9 @@ __all__ = [
     "shutdown",
     "is_initialized",
     "mesh",
+    "broadcast",
+    "check_same",
+    "ReplicasDiffer",
     "ProcessMesh",
     "RankFailed",
     "ExchangeMismatch",
@@ -287,3 +301,158 @@ def mesh(shape: Sequence[int], axis_names: Sequence[Hashable]) -> ProcessMesh:
     st.check_usable()
     device_mesh = init_device_mesh(st.local_device.platform, shape, mesh_dim_names=axis_names)
     return ProcessMesh(device_mesh, axis_names)
+
+
+# --------------------------------------------------------------------------- replicated values
+
+
+class ReplicasDiffer(ValueError):
+    """:func:`check_same`: the processes hold different values for a leaf that must be the
+    same in all of them. Every process raises it.
+
+    Attributes:
+        path: the leaf's key path in the tree (``"['w']"``).
+        ranks: the processes whose value differs from process 0's.
+    """
+
+    def __init__(self, message: str, path: str, ranks: Sequence[int]):
+        super().__init__(message)
+        self.path, self.ranks = path, list(ranks)
+
+
+def _tensor_leaves(tree: Any, what: str) -> tuple[list[tuple[str, torch.Tensor]], Any]:
+    from torchpmap._state.torch_private import pytree
+
+    flat, spec = pytree.tree_flatten_with_path(tree)
+    leaves = []
+    for path, leaf in flat:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{what}: the leaf at tree{pytree.keystr(path)} is a {type(leaf).__name__} ({leaf!r}); only tensors "
+                "can be leaves here (a Python value is the same in every process that computes it alike)"
+            )
+        leaves.append((pytree.keystr(path), leaf.detach()))
+    return leaves, spec
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, a flat uint8 tensor (a copy only when ``t`` is not contiguous)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def broadcast(tree: Any, axis_name: Hashable = "processes") -> Any:
+    """Process 0's value of every tensor leaf of ``tree``, in every process, bitwise:
+    ``torch.distributed.broadcast(t, src=0)`` for a pytree, through torchpmap's agreement
+    check (processes whose trees differ in structure, shapes or dtypes raise
+    :class:`ExchangeMismatch` instead of exchanging garbage). Every process must call it.
+
+    ``data_parallel_step`` calls it on its model's parameters and buffers at its first
+    step, as ``DistributedDataParallel`` does when it wraps a model. Inside ``with m:``
+    for a :func:`mesh` that has ``axis_name`` as an axis, it copies along that axis only
+    (from the process at index 0 of it). In one process it returns ``tree`` unchanged.
+
+    Example (2 processes, ``torchrun --nproc-per-node=2``)::
+
+        torch.manual_seed(torchpmap.process_index())       # a different model in each process
+        model = torch.nn.Linear(4, 2)
+        model.load_state_dict(tpd.broadcast(dict(model.state_dict())))  # process 0's everywhere
+
+    In one process ``tree`` comes back as it is:
+
+    >>> import torch, torchpmap.distributed as tpd
+    >>> tpd.broadcast({"w": torch.ones(2)})
+    {'w': tensor([1., 1.])}
+    """
+    from torchpmap._collectives.public import axis_index, psum
+    from torchpmap._frontend.api import pmap
+    from torchpmap._state.torch_private import pytree
+
+    leaves, spec = _tensor_leaves(tree, "broadcast")
+    if process_count() == 1 or not leaves:
+        return tree
+
+    def from_first(*values: torch.Tensor) -> list[torch.Tensor]:
+        first = axis_index(axis_name) == 0
+        # summed as bytes, everyone else's zeros: the bits of process 0, exactly (-0.0, NaNs)
+        return psum([_as_bytes(v) * first for v in values], axis_name)
+
+    summed = pmap(from_first, axis_name=axis_name, in_axes=None, out_axes=None, axis_size=1)(*(t for _, t in leaves))
+    out = [b.view(t.dtype).reshape(t.shape) for b, (_, t) in zip(summed, leaves)]
+    return pytree.tree_unflatten(out, spec)
+
+
+#: Words of a leaf that a checksum reads at once (bounds its working memory to ~64 MiB).
+_CHECKSUM_CHUNK = 1 << 22
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Two position-weighted sums of ``t``'s bytes as int32 words (a permutation or a
+    flipped bit changes them), on ``t``'s device: int64[2]."""
+    b = _as_bytes(t)
+    if b.numel() % 4:
+        b = torch.cat([b, b.new_zeros(4 - b.numel() % 4)])
+    words = b.view(torch.int32)
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _CHECKSUM_CHUNK):
+        w = words[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        position = torch.arange(start + 1, start + 1 + w.numel(), dtype=torch.int64, device=t.device)
+        total += torch.stack([w.sum(), (w * position).sum()])  # wraps around in int64: a checksum
+    return total
+
+
+def check_same(tree: Any, what: str = "tree", axis_name: Hashable = "processes") -> None:
+    """Raises :class:`ReplicasDiffer` in every process unless every process holds the same
+    bits in every tensor leaf of ``tree``, naming the first leaf that differs and the
+    processes whose value differs from process 0's.
+
+    Use it on the values a pmap receives with ``in_axes=None`` (parameters, a learning
+    rate tensor, a lookup table): pmap copies nothing between processes, so a process
+    that computed such a value differently (another seed, another file) silently runs
+    another program. It costs a checksum of every leaf on its device (about two passes
+    over its bytes) and one all-gather of 32 bytes per leaf: call it once after setting
+    up, every so many steps, or in a debug run. Every process must call it; in one
+    process it does nothing. Inside ``with m:`` for a :func:`mesh` with ``axis_name`` as
+    an axis, it compares along that axis only.
+
+    Example (in one process nothing can differ):
+
+    >>> import torch, torchpmap.distributed as tpd
+    >>> tpd.check_same({"w": torch.ones(2)}, what="parameters")
+    """
+    from torchpmap._collectives.public import all_gather
+    from torchpmap._frontend.api import pmap
+
+    leaves, _ = _tensor_leaves(tree, "check_same")
+    if process_count() == 1 or not leaves:
+        return
+    rows = []
+    for _, t in leaves:
+        kind = hashlib.blake2b(repr((tuple(t.shape), str(t.dtype))).encode(), digest_size=8).digest()
+        rows.append(torch.cat([_checksum(t).cpu(), torch.tensor([int.from_bytes(kind, "little", signed=True), t.numel()])]))
+    mine = torch.stack(rows)  # (leaves, 4) int64
+    everyone = pmap(lambda d: all_gather(d, axis_name), axis_name=axis_name, in_axes=None, out_axes=None, axis_size=1)(mine)
+    everyone = everyone.cpu()
+    ranks = _group_ranks(axis_name)
+    for k, (path, t) in enumerate(leaves):
+        column = everyone[:, k]
+        differ = [ranks[r] for r in range(column.shape[0]) if not torch.equal(column[r], column[0])]
+        if differ:
+            raise ReplicasDiffer(
+                f"check_same: {what}{path} (shape {tuple(t.shape)}, {str(t.dtype).removeprefix('torch.')}) differs "
+                f"between the processes: process{'es' if len(differ) > 1 else ''} {', '.join(map(str, differ))} "
+                f"hold{'' if len(differ) > 1 else 's'} other values than process {ranks[0]} (this is process "
+                f"{process_index()}). A value passed with in_axes=None must be the same in every process: compute "
+                "it from the same seed and data, or copy process 0's with torchpmap.distributed.broadcast.",
+                path,
+                differ,
+            )
+
+
+def _group_ranks(axis_name: Hashable) -> list[int]:
+    """The ranks along ``axis_name``: those of the enclosing process mesh' axis, or all."""
+    from torchpmap._placement import mesh as _mesh
+
+    current = _mesh.current()
+    if isinstance(current, ProcessMesh) and axis_name in current.axis_names:
+        return list(dist.get_process_group_ranks(current.group(axis_name)))
+    return list(range(process_count()))

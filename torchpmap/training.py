@@ -195,7 +195,9 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
 
     Raises:
         ValueError: naming the key path of the first leaf whose batch size is not
-            divisible by ``n`` (or that is a scalar).
+            divisible by ``n`` (or that is a scalar), or the key paths and batch sizes of
+            leaves whose batch sizes differ (each would be split its own way, and
+            instance ``i`` would see rows of different examples).
 
     Example:
         >>> import torch
@@ -210,8 +212,13 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
         Traceback (most recent call last):
         ...
         ValueError: shard: batch['x'] has 10 rows along its leading (batch) axis (shape (10, 3)), which do not split evenly into n=4 instances (10 % 4 = 2). Use a batch size that is a multiple of 4 (8 or 12, say), or drop the last incomplete batch.
+        >>> shard({"x": torch.zeros(8, 3), "y": torch.zeros(12)}, n=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: shard: the leaves of batch have different batch sizes (their leading axes), so each would be split its own way: batch['x'] has 8 rows (shape (8, 3)), batch['y'] has 12 rows (shape (12,)). Every leaf must hold the same examples along axis 0: slice them to one batch size.
     """
     n = _instances(n, "shard")
+    seen: list[tuple[pytree.KeyPath, int, tuple[int, ...]]] = []
 
     def split(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
         x = _as_tensor(leaf, path, "shard", "batch")
@@ -225,9 +232,17 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
                 f"({rows} % {n} = {rows % n}). Use a batch size that is a multiple of {n} "
                 f"({suggestion}, say), or drop the last incomplete batch."
             )
+        seen.append((path, rows, tuple(x.shape)))
         return x.reshape(n, rows // n, *x.shape[1:])
 
-    return pytree.tree_map_with_path(split, batch)
+    out = pytree.tree_map_with_path(split, batch)
+    if len({rows for _, rows, _ in seen}) > 1:
+        leaves = ", ".join(f"{_where('batch', path)} has {rows} rows (shape {shape})" for path, rows, shape in seen)
+        raise ValueError(
+            "shard: the leaves of batch have different batch sizes (their leading axes), so each would be split its "
+            f"own way: {leaves}. Every leaf must hold the same examples along axis 0: slice them to one batch size."
+        )
+    return out
 
 
 def unshard(tree: PyTree) -> PyTree:
@@ -434,7 +449,8 @@ def data_parallel_step(
     devices: Optional[Sequence[Any]] = None,
     jit: bool | Mapping[str, Any] = False,
     randomness: str = "different",
-) -> Callable[[PyTree], torch.Tensor]:
+    has_aux: bool = False,
+) -> Callable[[PyTree], Any]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
 
     Returns ``step(batch) -> loss``. ``batch`` is a sharded pair ``(inputs, targets)``, each
@@ -457,7 +473,23 @@ def data_parallel_step(
        Without one (``optimizer=None``), it *adds* them to ``p.grad``, as
        ``loss.backward()`` does, and steps nothing: clip, accumulate over micro-batches,
        scale or skip the step yourself, exactly as with DDP;
-    4. returns the averaged loss, a detached scalar tensor.
+    4. returns the averaged loss, a detached scalar tensor (with ``has_aux=True``,
+       ``loss_fn`` returns ``(loss, aux)``, ``aux`` any pytree of tensors such as
+       metrics, and the step returns ``(loss, aux)`` with ``aux`` averaged over every
+       instance as the loss is, in the same exchange).
+
+    As after ``loss.backward()`` in plain PyTorch, a parameter that the loss does not
+    reach (an unused branch of the model) gets no gradient: with an optimizer its
+    ``p.grad`` is None after the step (so that ``AdamW`` neither decays nor moves it),
+    without one it is left as it was. Every instance must reach the same parameters
+    (the same program on every instance); processes that reach different ones raise. A
+    loss that reaches none of the parameters, and an optimizer that holds none of the
+    model's parameters, are errors: such a step could change nothing.
+
+    Across processes (``torchrun``), the first call first copies process 0's parameters
+    and buffers into every process, as ``DistributedDataParallel`` does when it wraps
+    the model, so that processes that built their models from different random seeds
+    train one model (``torchpmap.distributed.broadcast``).
 
     Any other batch structure: pass ``model_inputs``, a function from one instance's
     batch (any pytree, every leaf sharded as above) to the model's inputs (a dict for
@@ -515,6 +547,9 @@ def data_parallel_step(
         jit: passed to :func:`torchpmap.pmap`: compile the per-instance step (forward,
             gradient and averages) with ``torch.compile`` (on one device; see ``pmap``).
             Dropout then draws from the compiled code's random generator.
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(loss, aux)``
+            with ``aux`` averaged over every instance (as ``torch.func.grad``'s
+            ``has_aux``; Flax's steps return their ``pmean``'d metrics this way).
 
     Example:
         >>> import torch
@@ -545,39 +580,55 @@ def data_parallel_step(
 
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"data_parallel_step: grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+    if optimizer is not None:
+        _check_optimizer_holds_the_model(model, optimizer)
 
     def instance_step(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: Optional[torch.Tensor]
-    ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors]:
+    ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
 
         # Across processes (one instance each), the gradients' all-reduce starts bucket by
         # bucket while the backward runs, as DDP's; elsewhere this is pmean.
         grad_mean = GradientMean(axis_name)
+        reached: list[str] = []  # the parameters the loss depends on, in the model's order
 
-        def loss_of(params: Tensors) -> tuple[torch.Tensor, tuple[Tensors, torch.Tensor]]:
+        def loss_of(params: Tensors) -> tuple[torch.Tensor, tuple[Tensors, torch.Tensor, PyTree]]:
             # This instance's own copy of the buffers, created inside the transform so
             # that modules may update it in place (batch norm does).
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
             output = _functional_call(model, {**grad_mean.watch(params), **frozen, **state}, inputs)
-            loss = loss_fn(output, seen_by_loss)
+            loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
+            reached.extend(_reached(loss, params))
             if grad_mean.buckets:
                 # Bucketed gradients: the loss and buffer means start now, with the buckets'
                 # agreement, and travel while the backward runs (the processes meet only
-                # at the buckets' waits).
-                grad_mean.average_later([loss.detach(), *(state[k].detach() - floating[k] for k in floating)])
-            return (loss if scale is None else loss * scale), (state, loss)
+                # at the buckets' waits). Which parameters get a gradient is part of what
+                # the processes agree on.
+                unused = [k for k in params if k not in reached]
+                grad_mean.average_later(
+                    [loss.detach(), *(state[k].detach() - floating[k] for k in floating),
+                     *(a.detach() for a in pytree.tree_leaves(aux))],
+                    note=f"; parameters the loss does not reach: {unused}" if unused else "",
+                )
+            return (loss if scale is None else loss * scale), (state, loss, aux)
 
-        grads, (_, (state, loss)) = grad_and_value(loss_of, has_aux=True)(params)
+        grads, (_, (state, loss, aux)) = grad_and_value(loss_of, has_aux=True)(params)
         counters = {k: state[k] for k in other}
         if grad_mean.buckets:  # the gradients are on their way already, bucket by bucket
             grads = grad_mean(grads)
-            loss, *changes = grad_mean.averages()
-            buffer_change = dict(zip(floating, changes))
+            loss, *means = grad_mean.averages()
+            buffer_change = dict(zip(floating, means))
+            aux = pytree.tree_unflatten(means[len(floating):], pytree.tree_flatten(aux)[1])
+            grads = {k: grads[k] for k in reached}
         else:  # one pmean of everything: across devices or processes, one exchange instead of three
             buffer_change = {k: state[k] - floating[k] for k in floating}
-            grads, loss, buffer_change = pmean((grads, loss, buffer_change), axis_name)
-        return grads, loss, buffer_change, counters
+            grads = {k: grads[k] for k in reached}  # as after loss.backward(): none for the others
+            if has_aux:
+                grads, loss, buffer_change, aux = pmean((grads, loss, buffer_change, aux), axis_name)
+            else:
+                grads, loss, buffer_change = pmean((grads, loss, buffer_change), axis_name)
+        return grads, loss, buffer_change, counters, aux
 
     # Floating buffers are mapped (one copy per instance, updated separately); the
     # others are broadcast: an in-place update must be the same on every instance.
@@ -591,7 +642,12 @@ def data_parallel_step(
         randomness=randomness,
     )
 
-    def step(batch: PyTree) -> torch.Tensor:
+    started = [False]  # across processes: process 0's parameters and buffers copied at the first call
+
+    def step(batch: PyTree) -> Any:
+        if not started[0]:
+            _start_from_process_zero(model, axis_name)
+            started[0] = True
         if model_inputs is None:
             batch = _pair(batch)
         leaves = pytree.tree_leaves(batch)
@@ -606,10 +662,14 @@ def data_parallel_step(
         scale = None
         if grad_scaler is not None and grad_scaler.is_enabled():
             scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
-        grads, loss, buffer_change, counters = p_step(params, frozen, per_instance, other, batch, scale)
+        grads, loss, buffer_change, counters, aux = p_step(params, frozen, per_instance, other, batch, scale)
         with torch.no_grad():
-            for k, g in grads.items():
-                g = g.to(named[k].device)
+            for k, p in params.items():
+                if k not in grads:  # the loss does not reach it: no gradient, as after loss.backward()
+                    if optimizer is not None:
+                        named[k].grad = None
+                    continue
+                g = grads[k].to(named[k].device)
                 if optimizer is None and named[k].grad is not None:
                     named[k].grad.add_(g)  # accumulate, as loss.backward() does
                 else:
@@ -623,6 +683,87 @@ def data_parallel_step(
             grad_scaler.update()
         elif optimizer is not None:
             optimizer.step()
+        if has_aux:
+            return loss.detach(), pytree.tree_map(lambda a: a.detach(), aux)
         return loss.detach()
 
     return step
+
+
+def _check_optimizer_holds_the_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raises unless ``optimizer`` holds at least one of ``model``'s parameters."""
+    mine = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(id(p) in mine for p in held):
+        raise ValueError(
+            f"data_parallel_step: the optimizer holds none of the model's parameters ({len(held)} tensors of its own, "
+            f"{len(mine)} in the model), so the step would never change the model. Build it over this model's "
+            "parameters, e.g. torch.optim.SGD(model.parameters(), ...), after moving the model to its device "
+            "(.to() on a parameter that changes device makes a new tensor)."
+        )
+
+
+def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, PyTree]:
+    """``loss_fn``'s result as (loss, aux), checked."""
+    if not has_aux:
+        return out, ()
+    if not (isinstance(out, tuple) and len(out) == 2):
+        what = f"a {type(out).__name__}" + (f" of {len(out)} items" if isinstance(out, (tuple, list)) else "")
+        raise TypeError(
+            f"data_parallel_step(has_aux=True): loss_fn must return a pair (loss, aux), got {what}. Return the "
+            "auxiliary values (metrics) as the second item, or drop has_aux=True."
+        )
+    loss, aux = out
+    for path, leaf in pytree.tree_leaves_with_path(aux):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"data_parallel_step(has_aux=True): the auxiliary value at aux{pytree.keystr(path)} is of type "
+                f"{type(leaf).__name__} ({leaf!r}); aux must be a pytree of tensors (they are averaged over the "
+                "instances): wrap numbers with torch.tensor(...)"
+            )
+    return loss, aux
+
+
+def _reached(loss: torch.Tensor, params: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of ``params`` that ``loss`` depends on through autograd's graph (those
+    that ``loss.backward()`` would give a ``.grad``), in ``params``' order; raises when it
+    reaches none of them (a detached loss, or one computed from other tensors)."""
+    names = {id(t): k for k, t in params.items()}
+    found: set[str] = set()
+    seen: set[Any] = set()
+    stack = [getattr(loss, "grad_fn", None)]
+    while stack and len(found) < len(names):
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf of the graph
+        if variable is not None:
+            name = names.get(id(variable))
+            if name is not None:
+                found.add(name)
+            continue
+        stack.extend(child for child, _ in node.next_functions)
+    if not found:
+        detached = not isinstance(loss, torch.Tensor) or loss.grad_fn is None
+        raise ValueError(
+            "data_parallel_step: the loss does not depend on any of the model's parameters that require grad "
+            f"({len(params)} of them){' (it carries no autograd graph: detached, or made from plain numbers)' if detached else ''}, "
+            "so the step could not change the model. Compute the loss from the model's output (do not .detach() "
+            "it or call .item()), and check that the parameters you train have requires_grad=True."
+        )
+    return [k for k in params if k in found]
+
+
+def _start_from_process_zero(model: torch.nn.Module, axis_name: Hashable) -> None:
+    """Across processes: copies process 0's parameters and buffers into this process'
+    model, in place (as DDP does when it wraps a model); a no-op in one process."""
+    from torchpmap import distributed as _distributed
+
+    if _devices.process_count() == 1:
+        return
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    first = _distributed.broadcast({k: t.detach() for k, t in tensors.items()}, axis_name=axis_name)
+    with torch.no_grad():
+        for k, t in tensors.items():
+            t.copy_(first[k])

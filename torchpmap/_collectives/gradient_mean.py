@@ -182,11 +182,13 @@ class GradientMean:
             params[k].register_hook(self._hook(pieces))
         return params
 
-    def average_later(self, values: Sequence[torch.Tensor]) -> bool:
+    def average_later(self, values: Sequence[torch.Tensor], note: str = "") -> bool:
         """Starts the mean of ``values`` over the axis, after the forward and before the
         backward (inside the function that ``grad`` differentiates; the values are not
         differentiated): it travels with the buckets' agreement, not waited for. Returns
-        False, doing nothing, when the gradients are not bucketed (call ``pmean``)."""
+        False, doing nothing, when the gradients are not bucketed (call ``pmean``).
+        ``note`` is part of what the processes agree on (a process whose note differs
+        raises), and of how errors name the exchange."""
         if self._sums is None:
             return False
         n, prim = self._frame.local_size, Psum(self._frame)
@@ -195,7 +197,7 @@ class GradientMean:
             value, dim = private.functorch_value(v, self._level)
             X = value.unsqueeze(0).expand(n, *value.shape) if dim is None else value.movedim(dim, 0)
             partials.append(prim.partial(X))
-        self._sums.also_gather(partials, f"pmean over axis {self.axis_name!r} (with the gradient buckets)")
+        self._sums.also_gather(partials, f"pmean over axis {self.axis_name!r} (with the gradient buckets{note})")
         self._averaging = True
         return True
 

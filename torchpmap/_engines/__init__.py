@@ -47,6 +47,11 @@ class MappedCall:
         output_layout: what ``body`` records about the outputs as it runs (an
             :class:`OutputLayout`). When a compiled program answers a call without
             running ``body``, it copies in what ``body`` recorded when it was traced.
+        program: ``(digest, description)`` of the mapped program (its function's
+            qualified name, ``in_axes``, ``out_axes``, axis name), the same in every
+            process that runs the same program: the headers of exchanges between
+            processes carry the digest, so that processes running different programs
+            raise at their first exchange. None for a ``vmap``.
     """
 
     body: Callable[[Sequence[torch.Tensor], Sequence[Any]], Sequence[torch.Tensor]]
@@ -64,6 +69,7 @@ class MappedCall:
     output_layout: "OutputLayout" = dataclasses.field(default_factory=lambda: OutputLayout())
     memory: Optional["FunctionMemory"] = None
     vma: bool = False
+    program: Optional[tuple[int, str]] = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -153,7 +159,10 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         return _run_vectorized(call)
     except Exception as failure:  # noqa: BLE001 - re-raised unless vmap is what failed
         why = _cannot_vectorize(failure)
-        if why is None or call.memory is None or any(f.vectorized for f in _axis_env.current_frames()):
+        outermost = not any(f.vectorized for f in _axis_env.current_frames())
+        if why is None and outermost and _names_no_instance(failure):
+            _raise_naming_the_instance(call, failure)
+        if why is None or call.memory is None or not outermost:
             raise
         call.memory.unvectorized = why
         logger.info("pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on", call.axis_name, why)
@@ -165,6 +174,48 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             stacklevel=3,
         )
         return threaded.run_one_at_a_time(call)
+
+
+#: Failures of torchpmap's own machinery, which name what failed already (running the
+#: instances again would not tell more).
+_OWN_FAILURES: tuple[type[BaseException], ...] = ()
+
+
+def _names_no_instance(failure: BaseException) -> bool:
+    """Whether ``failure`` was raised by the function while several instances ran as one
+    vectorized program (so that no instance is named), and is not torchpmap's own."""
+    return vectorized.raised_vectorized(failure) and not isinstance(failure, _OWN_FAILURES)
+
+
+def _raise_naming_the_instance(call: MappedCall, failure: Exception) -> None:
+    """Raises the error of the first instance that fails when they run one at a time,
+    with a note naming it and its device, as every other placement names it.
+
+    Vectorized, an error is raised for all instances at once (often in vmap's own words:
+    ``torch.vdot`` of 2-D tensors says "Got wrong shapes for dot" under vmap, "1D tensors
+    expected" on a device that runs one instance). Run one at a time, the function raises
+    torch's own error for the instance that fails. The function's Python code runs again
+    (on this error path only). When every instance succeeds one at a time, vmap is what
+    failed: ``failure`` is raised with a note saying so.
+    """
+    first = (str(failure).strip().splitlines() or [""])[0]
+    try:
+        threaded.run_one_at_a_time(call)
+    except Exception as exact:  # noqa: BLE001 - the instance's own error is the one to see
+        if hasattr(exact, "add_note"):
+            exact.add_note(
+                f"torchpmap: found by running the instances one at a time, after their vectorized run raised "
+                f"{type(failure).__name__}: {first}"
+            )
+        raise exact from None
+    where = ", ".join(map(str, call.devices)) if call.devices else "the inputs' device"
+    if hasattr(failure, "add_note"):
+        failure.add_note(
+            f"torchpmap: raised while instances 0..{call.size - 1} ran as one vectorized program (on {where}); run one "
+            "at a time, every instance succeeds, so torch.func.vmap is what failed: with torchpmap.disable_vectorization() "
+            "the function runs that way"
+        )
+    raise failure
 
 
 def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
@@ -206,3 +257,6 @@ from torchpmap._state import torch_private as private  # noqa: E402
 from torchpmap._state.config import vectorization_disabled  # noqa: E402
 from torchpmap._engines import batching_fixes, distributed, multi_device, threaded, vectorized  # noqa: E402
 from torchpmap._engines.compiled import JitFallbackWarning  # noqa: E402
+from torchpmap._state.faults import ExchangeMismatch, PeerFailed, SizeMismatch  # noqa: E402
+
+_OWN_FAILURES = (PeerFailed, SizeMismatch, ExchangeMismatch, TimeoutError, private.TorchPrivateError)

@@ -40,8 +40,11 @@ _library: torch.library.Library | None = None
 
 def install() -> None:
     """Registers the rules, once. An op torch already batches keeps torch's rule; when
-    the private pieces the rules need are missing, nothing is registered (vmap then loops,
-    as without torchpmap) and a ``TorchPrivateWarning`` says so."""
+    the private pieces the rules need are missing or changed, nothing is registered (vmap
+    then loops, as without torchpmap) and a ``TorchPrivateWarning`` says so. The check
+    runs apart from the caller (the first vectorized call may run under
+    ``torch.func.grad``, whose level a check in the caller's thread would see), and a
+    check that cannot run for another reason (memory, say) turns nothing off."""
     global _library
     if _library is not None:
         return
@@ -49,10 +52,9 @@ def install() -> None:
     flash = private.cpu_flash_attention()
     if flash is None:
         return
-    try:
-        private.check("batching_excluded")
-    except private.TorchPrivateError as error:
-        warnings.warn(f"{error} torchpmap's batching rules are off.", private.TorchPrivateWarning, stacklevel=2)
+    problem = private.changed("batching_excluded")  # probed in a thread of its own: never under the caller's transforms
+    if problem is not None:
+        warnings.warn(f"{problem} torchpmap's batching rules are off.", private.TorchPrivateWarning, stacklevel=2)
         return
     for op, rule in zip(flash, (_flash_forward, _flash_backward)):
         if not private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"):

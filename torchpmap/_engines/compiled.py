@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 import warnings
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence
 
@@ -50,6 +51,10 @@ from torchpmap._state.config import config
 from torchpmap._engines import MappedCall, OutputLayout, graph_rewrites, vectorized
 from torchpmap._state.log import logger
 from torchpmap._placement.sharded import ShardedTensor, as_local
+
+# Fake-tensor traces in threads that exit crashed torch 2.11 later: register what the
+# first trace would, from the importing thread (see the entry's docstring).
+private.ensure_cuda_device_guard()
 
 #: Runs a mapped call: the vectorized engine, or one slice of a split axis.
 Engine = Callable[[MappedCall], list[torch.Tensor]]
@@ -189,6 +194,30 @@ class ProgramCache:
         if program is not _UNTRACED and program.constants_current():
             call.output_layout.copy_from(program.output_layout)  # body will not run
             return program(call)
+        # Tracing and compiling are not thread-safe (make_fx patches module globals): one
+        # thread at a time traces, in the whole process, and a thread that waited for
+        # another's trace of this signature runs that program instead of tracing again.
+        with _TRACING:
+            program = self._programs.get(signature, _UNTRACED)
+            if program is not _UNTRACED and (program is None or program.constants_current()):
+                traced_meanwhile = program
+            else:
+                return self._trace_and_run(call, signature, engine, traced_engine, may_retry)
+        if traced_meanwhile is None:
+            return engine(call)
+        call.output_layout.copy_from(traced_meanwhile.output_layout)
+        return traced_meanwhile(call)
+
+    def _trace_and_run(
+        self,
+        call: MappedCall,
+        signature: Hashable,
+        engine: Engine,
+        traced_engine: Optional[Engine],
+        may_retry: Callable[[Exception], bool],
+    ) -> list[torch.Tensor]:
+        """Traces ``call``'s program for ``signature`` and runs it (its first call compiles
+        it); eagerly, from then on, when that fails (see :meth:`run`). Holds ``_TRACING``."""
         # traced anew: first sight, or a closed-over tensor changed (constants_current)
         self._programs.pop(signature, None)
         while len(self._programs) >= config.jit_cache_size:
@@ -204,7 +233,7 @@ class ProgramCache:
                 raise
             outputs = engine(call)
             self._programs[signature] = None
-            warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=4)
+            warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=5)
             return outputs
         self._programs[signature] = program
         return outputs
@@ -223,7 +252,7 @@ class ProgramCache:
             f"new combination is a new program (at most torchpmap.config.jit_cache_size = {config.jit_cache_size} "
             "are kept). Keep those fixed (pad shapes to a few sizes), or use jit=False for this function.",
             JitRecompileWarning,
-            stacklevel=5,
+            stacklevel=6,
         )
 
 
@@ -246,6 +275,9 @@ def _fallback_message(call: MappedCall, failure: Exception) -> str:
 
 
 _UNTRACED: Any = object()  # ProgramCache: a signature not seen yet
+
+#: Held while a program is traced and compiled (see :meth:`ProgramCache.run`).
+_TRACING = threading.RLock()
 
 
 @dataclasses.dataclass

@@ -71,6 +71,8 @@ class ProcessExchange:
         call: the number of the pmap call this exchange serves (:attr:`ProcessState.calls`).
         local_size: this process' number of instances in the call.
         axis_name: the call's axis name, for messages.
+        program: the call's ``(digest, description)`` (``MappedCall.program``): headers
+            carry the digest, errors the description.
         transfers: how many transfers the call has made so far (headers carry it).
         pending: sums agreed on in :meth:`sums_in_order` whose headers have not
             travelled yet.
@@ -85,6 +87,7 @@ class ProcessExchange:
     call: int = 0
     local_size: int = 0
     axis_name: Hashable = None
+    program: Optional[tuple[int, str]] = None
     transfers: int = 0
     pending: Optional["_Agreement"] = None
     posted: Optional["_Posted"] = None
@@ -218,7 +221,7 @@ class ProcessExchange:
         if riding is not None:
             what = f"{what}, agreeing on {riding.what}"
             shapes, dtypes = shapes + riding.layout.shapes, dtypes + riding.layout.dtypes
-        digest = agreement.digest_of(kind, what, shapes, dtypes)
+        digest = agreement.digest_of(kind, what, shapes, dtypes, self.program[0] if self.program else 0)
         mine = agreement.Header(digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest))
         device = ts[0].device if ts else st.local_device.torch_device
         posted = _Posted(kind, what, layout, ts, riding, mine, form, device, f"{what} across {self.label}", chain)
@@ -351,7 +354,7 @@ class ProcessExchange:
         in_step = len({(h.call, h.transfer) for h in headers}) == 1
         if in_step and len({h.local_size for h in headers}) > 1:
             self._raise_size_mismatch([h.local_size for h in headers])
-        told = self._gather_text(_explain(mine, kind, what, layout, riding), what)
+        told = self._gather_text(_explain(mine, kind, what, layout, riding, self.program), what)
         raise self._mismatch(headers, told, in_step)
 
     def _raise_size_mismatch(self, found: list[int]) -> None:
@@ -513,16 +516,22 @@ class OrderedSums:
 
 
 def _explain(
-    header: agreement.Header, kind: str, what: str, layout: Optional[_Layout], riding: Optional["_Agreement"] = None
+    header: agreement.Header,
+    kind: str,
+    what: str,
+    layout: Optional[_Layout],
+    riding: Optional["_Agreement"] = None,
+    program: Optional[tuple[int, str]] = None,
 ) -> str:
     """How an error names one side: the collective, the tensors (and those of the sums
-    agreed on with it), the call."""
+    agreed on with it), the call and its program."""
+    of = f", a {program[1]}" if program is not None else ""
     if kind == "end":
-        return f"reached the end of pmap call #{header.call} without any exchange"
+        return f"reached the end of pmap call #{header.call}{of} without any exchange"
     sent = "" if layout is None else " on " + _describe_tensors(layout)
     if riding is not None:
         sent += f" (the later sums on {_describe_tensors(riding.layout)})"
-    return f"called {what}{sent} (exchange {header.transfer} of pmap call #{header.call})"
+    return f"called {what}{sent} (exchange {header.transfer} of pmap call #{header.call}{of})"
 
 
 def _describe_tensors(layout: "_Layout", at_most: int = 4) -> str:
@@ -779,6 +788,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         )
     st.calls += 1
     exchange.call, exchange.local_size, exchange.axis_name = st.calls, call.size, call.axis_name
+    exchange.program = call.program
     part = dataclasses.replace(call, devices=st.local_devices)
     token = _context.process_axes.set(_context.process_axes.get() + (key,))
     try:

@@ -141,7 +141,8 @@ def device_thread(
     """
     _devices.set_current_default((device,))
     try:
-        with cuda_device(device.torch_device), device_thread_mode(seed, j, call.randomness, device.torch_device):
+        what = "vmap" if call.devices is None else "pmap"
+        with cuda_device(device.torch_device), device_thread_mode(seed, j, call.randomness, device.torch_device, what):
             yield dataclasses.replace(
                 call,
                 mapped=[slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)],

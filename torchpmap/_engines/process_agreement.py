@@ -50,8 +50,9 @@ class Header:
     """What one process is about to transfer, as eight integers that every process compares.
 
     Attributes:
-        digest: stands for the kind of transfer, the collective and its parameters, and
-            the shape and dtype of every tensor.
+        digest: stands for the kind of transfer, the collective and its parameters, the
+            shape and dtype of every tensor, and the pmap it belongs to (its function's
+            qualified name, in_axes, out_axes and axis name).
         call: the pmap call the transfer belongs to; transfer: which of its transfers.
             Processes out of step differ there.
         local_size: the process' number of instances in the call.
@@ -87,10 +88,12 @@ class Header:
         return [cls(*row) for row in rows.reshape(-1).view(torch.int64).reshape(-1, HEADER_FIELDS).tolist()]
 
 
-def digest_of(kind: str, what: str, shapes: Optional[tuple], dtypes: Optional[tuple]) -> int:
+def digest_of(kind: str, what: str, shapes: Optional[tuple], dtypes: Optional[tuple], program: int = 0) -> int:
     """A stable 63-bit digest (the same in every process, unlike ``hash``), cached: most
-    steps repeat the same exchanges."""
-    key = (kind, what, shapes, dtypes)
+    steps repeat the same exchanges. ``program`` is the digest of the pmap the transfer
+    belongs to (its function, in_axes, out_axes, axis name; ``MappedCall.program``), so
+    that processes running different programs disagree at their first exchange."""
+    key = (kind, what, shapes, dtypes, program)
     digest = _digests.get(key)
     if digest is None:
         raw = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()

@@ -38,9 +38,9 @@ def call_seed(randomness: str) -> int | None:
 
 
 class _DeviceThreadMode(TorchFunctionMode):
-    def __init__(self, seed: int | None, device: torch.device, refuse: bool = False):
+    def __init__(self, seed: int | None, device: torch.device, refuse: bool = False, what: str = "pmap"):
         super().__init__()
-        self.seed, self.refuse = seed, refuse
+        self.seed, self.refuse, self.what = seed, refuse, what
         if seed is None:
             return
         self.generators = [torch.default_generator]
@@ -57,7 +57,7 @@ class _DeviceThreadMode(TorchFunctionMode):
         own_seed = kwargs is not None and kwargs.get("generator") is torch.default_generator  # see call_seed
         if self.refuse and name in _DRAWING_OPS and not own_seed:  # what vmap does under randomness="error"
             raise RuntimeError(
-                f"pmap: called random operation {name} while in randomness error mode (randomness='error'); "
+                f"{self.what}: called random operation {name} while in randomness error mode (randomness='error'); "
                 "pass randomness='different', 'same' or 'per_instance' to draw random numbers"
             )
         if self.seed is None or name not in _RANDOM_OPS:
@@ -74,10 +74,13 @@ class _DeviceThreadMode(TorchFunctionMode):
                     g.set_state(state)
 
 
-def device_thread_mode(seed: int | None, index: int, randomness: str, device: torch.device) -> _DeviceThreadMode:
+def device_thread_mode(
+    seed: int | None, index: int, randomness: str, device: torch.device, what: str = "pmap"
+) -> _DeviceThreadMode:
     """The mode for device thread ``index``: its random stream is seed + index for
-    "different", seed for "same", none for "error" (random ops are refused) and for
-    "per_instance" (each instance's own stream: see :mod:`instance_streams`)."""
+    "different", seed for "same", none for "error" (random ops are refused, in messages
+    that name the map as ``what``) and for "per_instance" (each instance's own stream:
+    see :mod:`instance_streams`)."""
     if seed is not None and randomness == "per_instance":
         # Random ops are drawn per instance (see instance_streams); what reaches this mode
         # comes from C++ (nn.LSTM's dropout) in an instance run without a vmap level, one
@@ -86,4 +89,4 @@ def device_thread_mode(seed: int | None, index: int, randomness: str, device: to
     elif seed is not None and randomness == "different":
         seed += index
     # an instance run without vmap (one per device) has no vmap level to refuse random ops
-    return _DeviceThreadMode(seed, device, refuse=randomness == "error")
+    return _DeviceThreadMode(seed, device, refuse=randomness == "error", what=what)

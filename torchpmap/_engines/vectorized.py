@@ -89,10 +89,32 @@ def run(
     if previous is None:
         _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu")))
     inputs, in_dims = (mapped, call.in_dims) if token is None else ((token, *mapped), (0, *call.in_dims))
+    def marked(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        try:
+            return one_instance(*slices)
+        except Exception as failure:
+            if call.size > 1:  # which instance raised cannot be told here (see _engines.run)
+                mark_vectorized(failure)
+            raise
+
     try:
-        return _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
+        return _vmap_flat(marked, call.size, inputs, in_dims, call.randomness)
     finally:
         _devices.set_current_default(previous)
+
+
+def mark_vectorized(failure: BaseException) -> None:
+    """Marks ``failure`` as raised while several instances ran as one vectorized program."""
+    try:
+        failure._torchpmap_vectorized = True  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type that takes no attributes
+        pass
+
+
+def raised_vectorized(failure: BaseException) -> bool:
+    """Whether ``failure`` was raised while several instances ran vectorized, by the
+    function (not by torchpmap's own checks, which name what failed)."""
+    return getattr(failure, "_torchpmap_vectorized", False) and not getattr(failure, "_torchpmap_own", False)
 
 
 def run_one(
@@ -201,9 +223,15 @@ def _check_unmapped(outputs: Sequence[torch.Tensor], required: dict[int, str]) -
     level = private.current_vmap_level()  # this vmap's: one_instance runs directly inside it
     for k, path in required.items():
         if private.vmap_level_of(outputs[k]) == level:
-            raise OutputVaries(
+            raise _own(OutputVaries(
                 f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output varies along "
                 "the mapped axis. Give it an out axis (e.g. 0), or return a value that is the same for every "
                 "instance, such as the result of psum.",
                 path,
-            )
+            ))
+
+
+def _own(error: Exception) -> Exception:
+    """``error``, marked as torchpmap's own (see :func:`raised_vectorized`)."""
+    error._torchpmap_own = True  # type: ignore[attr-defined]
+    return error

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
@@ -17,7 +18,7 @@ import torch
 from torchpmap import _engines
 from torchpmap._engines.compiled import ProgramCache, signature_of
 from torchpmap._frontend import aliasing
-from torchpmap._frontend.tree_prefix import broadcast_prefix, check_axis_spec
+from torchpmap._frontend.tree_prefix import as_index, broadcast_prefix, check_axis_spec, normalize_axis_spec
 from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
 from torchpmap._placement.sharded import ShardedTensor
@@ -50,6 +51,15 @@ class MapOptions:
     vma: bool = False
 
 
+def normalized(opts: MapOptions) -> MapOptions:
+    """``opts`` with integers of other types (numpy's) as Python ints, as JAX accepts them."""
+    in_axes, out_axes = normalize_axis_spec(opts.in_axes), normalize_axis_spec(opts.out_axes)
+    axis_size = as_index(opts.axis_size)
+    if in_axes is opts.in_axes and out_axes is opts.out_axes and axis_size is opts.axis_size:
+        return opts
+    return dataclasses.replace(opts, in_axes=in_axes, out_axes=out_axes, axis_size=axis_size)
+
+
 def check_options(opts: MapOptions) -> None:
     what = opts.kind
     if isinstance(opts.in_axes, list):
@@ -68,8 +78,16 @@ def check_options(opts: MapOptions) -> None:
         ) from None
     if opts.randomness not in _RANDOMNESS:
         raise ValueError(f"{what}: randomness must be one of {_RANDOMNESS}, got {opts.randomness!r}")
-    if opts.axis_size is not None and (not isinstance(opts.axis_size, int) or opts.axis_size < 1):
+    if opts.axis_size is not None and (
+        not isinstance(opts.axis_size, int) or isinstance(opts.axis_size, bool) or opts.axis_size < 1
+    ):
         raise ValueError(f"{what}: axis_size must be a positive int or None, got {opts.axis_size!r}")
+    if opts.mesh is not None and not isinstance(opts.mesh, _mesh.Mesh):
+        raise TypeError(
+            f"{what}: mesh must be a torchpmap.Mesh (or None for the one of an enclosing `with mesh:`), got "
+            f"{type(opts.mesh).__name__} {opts.mesh!r}. Build one with torchpmap.Mesh(devices, axis_names), or "
+            "torchpmap.distributed.mesh(shape, axis_names) across processes."
+        )
     if opts.devices is not None:
         _devices.resolve(opts.devices)
     if opts.jit and opts.randomness == "per_instance":
@@ -85,9 +103,30 @@ def check_options(opts: MapOptions) -> None:
         )
 
 
+def qualified_name(fun: Callable) -> str:
+    """``fun``'s qualified name (a partial's function's, a callable object's class')."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    name = getattr(fun, "__qualname__", None)
+    return name if isinstance(name, str) else type(fun).__qualname__
+
+
+def program_of(fun: Callable, opts: MapOptions) -> tuple[int, str]:
+    """``(digest, description)`` of a mapped program: its function's qualified name,
+    ``in_axes``, ``out_axes`` and axis name (see ``MappedCall.program``). The digest is
+    stable across processes (not Python's ``hash``, which varies per process)."""
+    description = (
+        f"{opts.kind} of {qualified_name(fun)!r} with in_axes={opts.in_axes!r}, out_axes={opts.out_axes!r}, "
+        f"axis_name={opts.axis_name!r}"
+    )
+    raw = hashlib.blake2b(description.encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True), description
+
+
 def _as_int_tuple(x: int | Sequence[int], name: str) -> tuple[int, ...]:
     """``static_broadcasted_argnums``/``donate_argnums`` as a tuple of ints."""
-    items = (x,) if isinstance(x, int) else tuple(x) if isinstance(x, (tuple, list, range)) else None
+    x = as_index(x)
+    items = (x,) if isinstance(x, int) else tuple(map(as_index, x)) if isinstance(x, (tuple, list, range)) else None
     if items is None or any(not isinstance(i, int) or isinstance(i, bool) for i in items):
         raise TypeError(f"pmap: {name} must be an int or a sequence of ints, got {x!r}")
     return items
@@ -161,6 +200,7 @@ class MappedFunction:
     def __init__(self, fun: Callable, opts: MapOptions):
         if not callable(fun):
             raise TypeError(f"{opts.kind}: the first argument must be a callable, got {fun!r}")
+        opts = normalized(opts)
         check_options(opts)
         self.fun, self.opts = fun, opts
         # argument structure -> (leaf axes, the structure's number, its pytree spec)
@@ -169,6 +209,7 @@ class MappedFunction:
         self._last_out_plan: Optional[tuple[Any, _OutPlan]] = None  # the last one, by identity
         self._memory = _engines.FunctionMemory()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
+        self._program = program_of(fun, opts) if opts.kind == "pmap" else None
         functools.update_wrapper(self, fun, updated=())
 
     def __repr__(self) -> str:
@@ -230,6 +271,7 @@ class MappedFunction:
             output_layout=layout,
             memory=self._memory,
             vma=self.opts.vma,
+            program=self._program,
         )
         # pmap: a write to memory that several instances share raises on every placement
         watched = aliasing.watch(
@@ -491,7 +533,7 @@ class MappedFunction:
 
     def _stack_outputs(self, outputs: list[torch.Tensor], layout: _engines.OutputLayout) -> Any:
         spec, constants = layout.spec, layout.none_leaves
-        if spec is _LEAF_SPEC and self.opts.out_axes == 0:  # one tensor, stacked where the engine put it
+        if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:  # one tensor, stacked where the engine put it
             return outputs[0]
         plan = self._out_plan(layout)
         result, it = [], iter(outputs)

@@ -7,6 +7,7 @@ two trees itself and names the key path where they part.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Iterator
 
 from torchpmap._state.torch_private import pytree
@@ -14,6 +15,21 @@ from torchpmap._state.torch_private import pytree
 
 def is_axis_spec_leaf(x: Any) -> bool:
     return x is None or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def as_index(x: Any) -> Any:
+    """``x`` as a Python int when it is an integer of another type (``np.int64(1)``, as
+    JAX accepts), else ``x`` unchanged; never a bool."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, int)):  # numpy's bool is no Integral
+        return int(x)
+    return x
+
+
+def normalize_axis_spec(spec: Any) -> Any:
+    """``spec`` with every integer leaf of another type (a numpy integer) as a Python int."""
+    if spec is None or type(spec) is int:  # the common cases
+        return spec
+    return pytree.tree_map(as_index, spec, is_leaf=lambda x: x is None)
 
 
 def check_axis_spec(spec: Any, what: str) -> None:

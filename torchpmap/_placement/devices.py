@@ -1,7 +1,7 @@
 """The devices a pmap can run on.
 
-Every CUDA GPU torch sees, else ``TORCHPMAP_NUM_CPU_DEVICES`` CPU devices (default 1;
-like JAX's ``--xla_force_host_platform_device_count``), so that the multi-device path
+Every CUDA GPU torch sees, else ``TORCHPMAP_NUM_CPU_DEVICES`` CPU devices (default 1, at
+most 4096; like JAX's ``--xla_force_host_platform_device_count``), so that the multi-device path
 runs and is tested on machines without GPUs. CPU devices share the host's memory: they
 are separate instances of concurrency, not separate memories.
 
@@ -32,7 +32,14 @@ def _local_devices() -> tuple[Device, ...]:
             raise ValueError(f"environment variable TORCHPMAP_EXTRA_CPU_DEVICES={extra} must be between 0 and {_MAX_CPU_DEVICES}")
         cuda = tuple(Device("cuda", i) for i in range(torch.cuda.device_count()))
         return cuda + tuple(Device("cpu", i) for i in range(extra))
-    return tuple(Device("cpu", i) for i in range(at_least_one("TORCHPMAP_NUM_CPU_DEVICES", 1)))
+    count = at_least_one("TORCHPMAP_NUM_CPU_DEVICES", 1)
+    if count > _MAX_CPU_DEVICES:
+        raise ValueError(
+            f"environment variable TORCHPMAP_NUM_CPU_DEVICES={count} must be between 1 and {_MAX_CPU_DEVICES} (each "
+            "device is a thread); for more instances than devices, pass a larger mapped axis: each device then runs "
+            "several instances, vectorized"
+        )
+    return tuple(Device("cpu", i) for i in range(count))
 
 
 #: More CPU devices than this is a mistake (each is a thread), not a configuration.

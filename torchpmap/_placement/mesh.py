@@ -44,7 +44,12 @@ class Mesh:
             )
         if len(set(axis_names)) != len(axis_names):
             raise ValueError(f"Mesh: axis names must be distinct, got {axis_names}")
-        resolved = _devices.resolve(list(grid.flat)) if grid.size else ()
+        if grid.size == 0:
+            raise ValueError(
+                f"Mesh: the device grid is empty (shape {grid.shape}); every mesh axis needs at least one device, "
+                f"e.g. torchpmap.Mesh(np.array(torchpmap.devices()).reshape(...), {axis_names!r})"
+            )
+        resolved = _devices.resolve(list(grid.flat))
         self.devices = np.array(resolved, dtype=object).reshape(grid.shape)
         self.axis_names = axis_names
         self._tokens: list = []  # one per open ``with`` of this mesh (re-entrant)

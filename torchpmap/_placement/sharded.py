@@ -20,6 +20,16 @@ How it works, for a reader of the code:
 * Reading a part of it without a gather (``st[3]``, ``select``/``movedim``/``unsqueeze``
   keeping the sharding) goes through :class:`_Split`, so those reads stay on the graph
   through the ShardedTensor itself.
+* Any other view (``view``, ``reshape`` when it can view, slicing, ``t()``, ``detach()``,
+  ...) is a :class:`ShardedView`: the view op replayed on the gathered value whenever it
+  is read, and a write into it is a write into the gathered value, written back into the
+  shards. So writes through views reach the ShardedTensor, as writes through a view reach
+  its base; autograd sees an ordinary view of it.
+* It behaves as a tensor or refuses: shards are checked when it is made (one dtype, one
+  layout, one shape but along the sharded dim), indexing is bounds-checked as torch's,
+  an in-place op on one whose shards are leaves that require grad raises as on a view
+  of such a leaf, and an in-place op that would change its shape or strides (``resize_``,
+  ``t_``, ``squeeze_``) raises instead of writing a mis-shaped value into the shards.
 """
 from __future__ import annotations
 
@@ -72,7 +82,7 @@ class ShardedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shards: Sequence[tuple[Device, torch.Tensor]], dim: int = 0) -> ShardedTensor:
-        pairs = [Shard(d, t) for d, t in shards]
+        pairs, dim = _checked_shards(shards, dim)
         if torch.is_grad_enabled() and any(s.tensor.requires_grad for s in pairs):
             return _Assemble.apply(dim, pairs, *(s.tensor for s in pairs))
         return _wrap(pairs, dim)
@@ -149,14 +159,19 @@ class ShardedTensor(torch.Tensor):
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         first = index[0] if isinstance(index, tuple) and index else index
-        if self.shard_dim == 0 and isinstance(first, int):  # one row: read only its shard
-            row = first % len(self)
+        if self.shard_dim == 0 and isinstance(first, int) and not isinstance(first, bool):  # one row: read its shard
+            rows = len(self)
+            if not -rows <= first < rows:
+                raise IndexError(f"index {first} is out of bounds for dimension 0 with size {rows}")
+            row = first % rows
             for piece in _pieces(self):
                 if row < piece.shape[0]:
                     rest = index[1:] if isinstance(index, tuple) else ()
                     return piece[(row, *rest)]
                 row -= piece.shape[0]
-        return self.gather()[index]
+        # as torch indexes: slices and integers are views (a ShardedView, writes reach the
+        # shards), advanced indexing a copy; bounds checked as torch checks them
+        return torch.Tensor.__getitem__(self, index)
 
     def __setitem__(self, index: Any, value: Any) -> None:
         """``st[index] = value``: computed on the gathered value, written back into the shards."""
@@ -180,8 +195,11 @@ class ShardedTensor(torch.Tensor):
             body += ", requires_grad=True"
         return f"{body}, devices={self.devices()})"
 
-    def __reduce_ex__(self, protocol: Any) -> Any:  # pickling keeps the shards where they are
-        return (ShardedTensor, ([(s.device, s.tensor) for s in self.shards], self.shard_dim))
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickling keeps the shards where they are; ``torch.load(weights_only=True)``
+        loads it (its one function is on torch's safe list once torchpmap is imported)."""
+        shards = [((s.device.platform, s.device.id, s.device.process_index), s.tensor) for s in self.shards]
+        return (_rebuild_sharded, (shards, self.shard_dim, self.requires_grad and self.grad_fn is None))
 
     def __deepcopy__(self, memo: dict) -> ShardedTensor:
         return ShardedTensor([(s.device, copy.deepcopy(s.tensor, memo)) for s in self.shards], self.shard_dim)
@@ -190,22 +208,7 @@ class ShardedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        written = _written(func, args, kwargs)
-        buffers = {id(st): _concatenated(st, st.device) for st in written}
-
-        def plain(v: Any) -> Any:
-            if isinstance(v, ShardedTensor):
-                return buffers[id(v)] if id(v) in buffers else _concatenated(v, v.device)
-            return v
-
-        out = func(*pytree.tree_map(plain, args), **pytree.tree_map(plain, kwargs))
-        if not written:
-            return out
-        by_buffer = {id(buffers[id(st)]): st for st in written}
-        for st in written:  # an in-place op: its result goes back into the shards
-            _scatter(buffers[id(st)], st)
-        return pytree.tree_map(lambda v: by_buffer.get(id(v), v), out)
+        return _dispatch(func, args, kwargs or {})
 
 
 def _wrap(shards: list[Shard], dim: int) -> ShardedTensor:
@@ -216,6 +219,180 @@ def _wrap(shards: list[Shard], dim: int) -> ShardedTensor:
     out = private.make_wrapper_subclass(ShardedTensor, sizes, dtype=first.dtype, device=first.device, requires_grad=False)
     out.shards, out.shard_dim = shards, dim
     return out
+
+
+def _checked_shards(shards: Any, dim: Any) -> tuple[list[Shard], int]:
+    """The ``(device, tensor)`` pairs as Shards and ``dim`` normalized, or an error naming
+    the shard that does not fit: a ShardedTensor is one tensor, so its shards have one
+    dtype and layout, and one shape but along ``dim``."""
+    try:
+        pairs = [Shard(*pair) for pair in shards]
+    except TypeError:
+        raise TypeError(
+            f"ShardedTensor takes a list of (Device, tensor) pairs, got {shards!r}; e.g. "
+            "ShardedTensor([(Device('cpu', 0), torch.zeros(2)), (Device('cpu', 1), torch.ones(2))])"
+        ) from None
+    if not pairs:
+        raise ValueError("ShardedTensor needs at least one shard, got none: a (Device, tensor) pair per device")
+    for k, (device, t) in enumerate(pairs):
+        if not isinstance(device, Device) or not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"ShardedTensor: shard {k} is ({type(device).__name__}, {type(t).__name__}); each shard is a "
+                "(torchpmap.Device, torch.Tensor) pair"
+            )
+    first = pairs[0].tensor
+    rank = first.dim()
+    if rank == 0:
+        raise ValueError(
+            "ShardedTensor: the shards are 0-d tensors, which have no dim to be concatenated along; give each "
+            "shard at least one dim (t.unsqueeze(0) for one value per shard)"
+        )
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+        raise ValueError(f"ShardedTensor: dim={dim!r} is not a dim of shards of rank {rank} (shape {tuple(first.shape)})")
+    dim %= rank
+    trailing = lambda t: (*t.shape[:dim], "*", *t.shape[dim + 1 :])  # noqa: E731
+    for k, (_, t) in enumerate(pairs[1:], start=1):
+        for what, mine, theirs in (
+            ("dtype", t.dtype, first.dtype),
+            ("layout", t.layout, first.layout),
+            ("rank", t.dim(), rank),
+        ):
+            if mine != theirs:
+                raise ValueError(f"ShardedTensor: shard {k} has {what} {mine}, shard 0 has {theirs}; every shard must have the same {what}")
+        if trailing(t) != trailing(first):
+            raise ValueError(
+                f"ShardedTensor: shard {k} has shape {tuple(t.shape)}, shard 0 has {tuple(first.shape)}; the shards "
+                f"may differ only along dim {dim}, the one they are concatenated along"
+            )
+    return pairs, dim
+
+
+def _rebuild_sharded(shards: list, dim: int, requires_grad: bool = False) -> ShardedTensor:
+    """The inverse of :meth:`ShardedTensor.__reduce_ex__` (devices as plain tuples, so that
+    ``torch.load(weights_only=True)`` needs only this function on its safe list)."""
+    st = ShardedTensor([(Device(*device), t) for device, t in shards], dim)
+    return st.requires_grad_() if requires_grad else st
+
+
+def _materialized(t: torch.Tensor) -> torch.Tensor:
+    """A ShardedTensor or ShardedView's value as a plain tensor on its device (a copy,
+    outside autograd); anything else as it is."""
+    if isinstance(t, ShardedTensor):
+        return _concatenated(t, t.device)
+    if isinstance(t, ShardedView):
+        return t.replay(_concatenated(t.base, t.base.device))
+    return t
+
+
+def _is_view(func: Any) -> bool:
+    """Whether ``func`` returns a view of its first argument (and writes nothing)."""
+    known = _views.get(func)
+    if known is None:
+        schema = private.op_schema(func)
+        known = bool(
+            schema is not None
+            and not schema.is_mutable
+            and schema.returns
+            and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write
+            and schema.arguments
+            and schema.arguments[0].alias_info is not None
+        )
+        _views[func] = known
+    return known
+
+
+_views: dict[Any, bool] = {}
+
+
+def _base_and_replay(t: Any) -> tuple[ShardedTensor, Callable[[torch.Tensor], torch.Tensor]]:
+    if isinstance(t, ShardedView):
+        return t.base, t.replay
+    return t, _identity
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _view_of(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A view op on a ShardedTensor (or a view of one): ShardedViews of its base, their
+    metadata (shape, strides, offset) those of the same view of a tensor laid out as the base."""
+    base, inner = _base_and_replay(args[0])
+    rest = args[1:]
+
+    def replay(b: torch.Tensor) -> Any:
+        return func(inner(b), *rest, **kwargs)
+
+    meta = replay(torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta"))
+    if isinstance(meta, (list, tuple)):
+        return type(meta)(ShardedView(base, lambda b, i=i: replay(b)[i], m) for i, m in enumerate(meta))
+    return ShardedView(base, replay, meta)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Every op on ShardedTensors and ShardedViews (see the module docstring)."""
+    if args and isinstance(args[0], (ShardedTensor, ShardedView)) and _is_view(func):
+        if not any(isinstance(v, (ShardedTensor, ShardedView)) for v in pytree.tree_leaves((args[1:], kwargs))):
+            return _view_of(func, args, kwargs)
+    written = _written(func, args, kwargs)
+    bases: dict[int, tuple[ShardedTensor, torch.Tensor]] = {}  # the gathered value of every base written into
+    for w in written:
+        base, _ = _base_and_replay(w)
+        if id(base) not in bases:
+            _refuse_writing_leaves(func, base)
+            bases[id(base)] = (base, _concatenated(base, base.device))
+    plains = {}  # what a written argument stands for: (a view of) its base's gathered value
+    for w in written:
+        base, replay = _base_and_replay(w)
+        plains[id(w)] = replay(bases[id(base)][1])
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (ShardedTensor, ShardedView)):
+            if id(v) in plains:
+                return plains[id(v)]
+            base, replay = _base_and_replay(v)
+            if id(base) in bases:  # it reads what this op writes: the same memory, as in torch
+                return replay(bases[id(base)][1])
+            return _materialized(v)
+        return v
+
+    before = {k: _layout(t) for k, t in plains.items()}
+    out = func(*pytree.tree_map(plain, args), **pytree.tree_map(plain, kwargs))
+    if not written:
+        return out
+    for w in written:
+        if _layout(plains[id(w)]) != before[id(w)]:
+            raise RuntimeError(
+                f"{func.name()}: a {type(w).__name__} cannot change its shape or strides in place (its shards keep "
+                f"theirs; shape {tuple(w.shape)}). Gather it first (st.gather() is a plain tensor) or make a new one."
+            )
+    for base, whole in bases.values():  # an in-place op: its result goes back into the shards
+        _scatter(whole, base)
+    by_plain = {id(plains[id(w)]): w for w in written}
+    return pytree.tree_map(lambda v: by_plain.get(id(v), v), out)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.storage_offset(), t.untyped_storage().data_ptr()
+
+
+def _refuse_writing_leaves(func: Any, st: ShardedTensor) -> None:
+    """As autograd refuses an in-place op on a view of a leaf that requires grad (a
+    ShardedTensor's shards are its memory): unless grad mode is off."""
+    if not torch.is_grad_enabled():
+        return
+    for k, shard in enumerate(st.shards):
+        t = shard.tensor
+        if isinstance(t, ShardedTensor):
+            _refuse_writing_leaves(func, t)
+        elif t.requires_grad and t.grad_fn is None:
+            raise RuntimeError(
+                f"{func.name()}: a ShardedTensor whose shards are leaf tensors that require grad (shard {k}, on "
+                f"{shard.device}) is being used in an in-place operation, which writes into those leaves; as for a "
+                "view of a leaf Variable that requires grad, this is refused. Write under torch.no_grad(), or "
+                "into a copy (st.gather() or torch.as_tensor(st) * 1)."
+            )
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -240,15 +417,15 @@ def _scatter(whole: torch.Tensor, st: ShardedTensor) -> None:
             shard.tensor.copy_(piece)
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[ShardedTensor]:
-    """The ShardedTensors that ``func`` writes in place (its ``a!`` arguments)."""
+def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The ShardedTensors and ShardedViews that ``func`` writes in place (its ``a!`` arguments)."""
     schema = private.op_schema(func)
     if schema is None or not schema.is_mutable:
         return []
     values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
     return [
         v for a in schema.arguments
-        if a.alias_info is not None and a.alias_info.is_write and isinstance(v := values.get(a.name), ShardedTensor)
+        if a.alias_info is not None and a.alias_info.is_write and isinstance(v := values.get(a.name), (ShardedTensor, ShardedView))
     ]
 
 
@@ -300,8 +477,88 @@ class _Split(torch.autograd.Function):
         return torch.cat([g.to(ctx.device) for g in grads], ctx.dim)
 
 
+class ShardedView(torch.Tensor):
+    """A view of a :class:`ShardedTensor` (``st.view(-1)``, ``st[1:3]``, ``st.t()``,
+    ``st.detach()``, ...) that does not keep the sharding: the view op, replayed on the
+    gathered value whenever it is read. Writing into it writes into the ShardedTensor
+    (into its shards), as writing into a view writes into its base; reading it after a
+    write into the ShardedTensor sees the write. Ops on it return plain tensors.
+
+    Example:
+        >>> import torch
+        >>> from torchpmap import Device, ShardedTensor
+        >>> st = ShardedTensor([(Device("cpu", 0), torch.zeros(2, 2)), (Device("cpu", 1), torch.ones(2, 2))])
+        >>> flat = st.view(-1)
+        >>> flat[1:3] = 5.0
+        >>> st
+        tensor([[0., 5.],
+                [5., 0.],
+                [1., 1.],
+                [1., 1.]], devices=[cpu:0, cpu:1])
+
+    Attributes:
+        base: the ShardedTensor it is a view of.
+        replay: makes the view of a plain tensor laid out as ``base``.
+    """
+
+    base: ShardedTensor
+    replay: Callable[[torch.Tensor], torch.Tensor]
+    __torch_function__ = private.disabled_torch_function
+
+    @staticmethod
+    def __new__(cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor) -> "ShardedView":
+        out = private.make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
+            device=base.device, requires_grad=False,
+        )
+        out.base, out.replay = base, replay
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+    def devices(self) -> list[Device]:
+        """The devices of the ShardedTensor it is a view of."""
+        return self.base.devices()
+
+    def materialized(self, device: torch.device | None = None) -> torch.Tensor:
+        """Its value now, a plain tensor on ``device`` (default: its own), differentiable."""
+        target = torch.device(device) if device is not None else self.device
+        return torch.as_tensor(self * 1 if self.requires_grad and torch.is_grad_enabled() else _materialized(self)).to(target)
+
+    def numpy(self, *, force: bool = False) -> Any:
+        return _materialized(self).cpu().numpy()
+
+    def tolist(self) -> Any:
+        return _materialized(self).tolist()
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        out = self.numpy()
+        return out.astype(dtype) if dtype is not None else out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        body = repr(_materialized(self))[:-1]
+        if self.grad_fn is not None:
+            body += f", grad_fn=<{type(self.grad_fn).__name__}>"
+        return f"{body}, a view of a ShardedTensor on devices={self.base.devices()})"
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # as its value (a copy): pickling keeps no view
+        return _materialized(self).detach().clone().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:
+        return _materialized(self).detach().clone()
+
+
 def as_local(value: Any, device: torch.device | None) -> Any:
-    """A ShardedTensor gathered onto ``device``; anything else unchanged."""
+    """A ShardedTensor gathered onto ``device``, a ShardedView's value there; anything
+    else unchanged."""
     if isinstance(value, ShardedTensor):
         return value.gather(device)
+    if isinstance(value, ShardedView):
+        return value.materialized(device)
     return value
+
+
+# A ShardedTensor saved with torch.save loads with torch.load(weights_only=True).
+torch.serialization.add_safe_globals([_rebuild_sharded])

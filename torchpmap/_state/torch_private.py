@@ -343,6 +343,38 @@ Checked: torch 2.11.0, 2.13.0, 2.14.1 (loaded by ``import torch``)."""
 # ======================================================================= jit=True: tracing
 
 
+_device_guard_set = False
+
+
+def ensure_cuda_device_guard() -> None:
+    """Registers, once, the no-op CUDA device guard that torch's fake-tensor tracing
+    registers on a machine without a usable GPU, from the calling thread (call it from the
+    thread that imports torchpmap).
+
+    For: torch 2.11 (a CUDA build with no GPU) registers that guard the first time a
+    fake-tensor trace (``pmap(jit=True)``) enters ``FakeTensorMode``, from the tracing
+    thread, and once that thread has exited the next trace crashes the process (a
+    segmentation fault). A first compiled call, or a probe, in a worker thread was enough.
+    Registered from the importing thread, which outlives the others, the guard stays
+    valid. Without a GPU on 2.13 and 2.14 it changes nothing (the traces register it
+    anyway); with a usable GPU it is not called, as in torch.
+    Public replacement: none; the fix belongs in torch (``FakeTensorMode.__enter__``
+    calls ``torch._C._ensureCUDADeviceGuardSet`` on every trace).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._ensureCUDADeviceGuardSet``; the crash
+    reproduced on 2.11.0 only)."""
+    global _device_guard_set
+    if _device_guard_set:
+        return
+    _device_guard_set = True
+    if torch.cuda.is_available():
+        return
+    try:
+        ensure = torch._C._ensureCUDADeviceGuardSet
+    except AttributeError as error:
+        raise TorchPrivateError("ensure_cuda_device_guard", f"is missing ({error})") from error
+    ensure()
+
+
 def make_fx_real_inputs(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
     """``make_fx(fn, tracing_mode="fake", **options)`` that accepts real tensors the
     function closes over (they become constants of the graph, which torchpmap then lifts
@@ -899,6 +931,13 @@ def _probe_make_fx_real_inputs() -> None:
     _expect(any(n.op == "get_attr" for n in graph.graph.nodes), "the closed-over tensor is a graph constant")
 
 
+def _probe_ensure_cuda_device_guard() -> None:
+    _expect(callable(torch._C._ensureCUDADeviceGuardSet), "the guard's setter exists")
+    ensure_cuda_device_guard()
+    for _ in range(2):  # traces in threads that exit, one after the other (2.11 crashed on the second)
+        _in_thread(lambda: make_fx_real_inputs(lambda x: x * 2)(torch.ones(2)))
+
+
 def _probe_value_dependent_errors() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", TorchPrivateWarning)
@@ -1190,6 +1229,7 @@ ENTRIES: dict[str, Entry] = {
         ),
         Entry("pytree", "torch.utils._pytree", _probe_pytree),
         Entry("make_fx_real_inputs", "make_fx(..., _allow_non_fake_inputs=True)", _probe_make_fx_real_inputs),
+        Entry("ensure_cuda_device_guard", "torch._C._ensureCUDADeviceGuardSet", _probe_ensure_cuda_device_guard),
         Entry(
             "value_dependent_errors",
             "torch._subclasses.fake_tensor.DataDependentOutputException, DynamicOutputShapeException",
@@ -1254,18 +1294,35 @@ ENTRIES: dict[str, Entry] = {
 }
 
 
+def _isolated(probe: Callable[[], None]) -> None:
+    """Runs ``probe`` in a new thread, where torch's thread-local state is its default: no
+    torch.func transform (grad, vmap, jvp, a pmap's level) is active, grad mode is on, no
+    autocast, inference mode, torch function or dispatch mode. A probe checks what torch
+    does, not what the caller's context makes of it: under ``torch.func.grad`` a probe
+    run in the caller's thread saw its ops wrapped by the grad level and failed."""
+    _in_thread(probe)
+
+
+#: How a probe fails when torch changed the private API behind it: the API is missing
+#: (AttributeError, ImportError), takes other arguments (TypeError), or no longer does what
+#: torchpmap expects (AssertionError, from the probe's checks; NotImplementedError).
+_CHANGED = (AttributeError, ImportError, TypeError, AssertionError, NotImplementedError, TorchPrivateError)
+
+
 def check(*names: str) -> None:
     """Verifies the entries ``names`` (all when none given) on the running torch.
 
     Raises :class:`TorchPrivateError` naming every entry whose private API is missing or
     no longer behaves as torchpmap expects. Run it on a new torch release before anything
-    else (``tests/test_torch_private.py`` does, one test per entry).
+    else (``tests/test_torch_private.py`` does, one test per entry). Each probe runs in a
+    thread of its own (see :func:`_isolated`), so the caller's transforms and modes play
+    no part; any failure is reported.
     """
     failures = []
     for name in names or tuple(ENTRIES):
         entry = ENTRIES[name]
         try:
-            entry.probe()
+            _isolated(entry.probe)
         except Exception as error:  # noqa: BLE001 - every failure is reported, by entry
             failures.append((name, f"{type(error).__name__}: {error}"))
     if len(failures) == 1:
@@ -1275,3 +1332,24 @@ def check(*names: str) -> None:
         listing = "; ".join(f"{name}: {problem}" for name, problem in failures)
         others = len(failures) - 1
         raise TorchPrivateError(failures[0][0], f"and {others} other entries failed their checks ({listing})")
+
+
+def changed(name: str) -> Optional[TorchPrivateError]:
+    """Whether torch changed the private API behind entry ``name``, for a feature that
+    can go on without it (and then warns and turns itself off).
+
+    Runs the entry's probe in a thread of its own (see :func:`_isolated`). Returns the
+    :class:`TorchPrivateError` that says how when the probe fails the way a changed API
+    does (see :data:`_CHANGED`); None when it passes, and None too when it fails for
+    another reason (a RuntimeError, no memory, no thread to run it in): that says
+    nothing about torch, and must not turn a feature off for the rest of the process.
+    """
+    try:
+        _isolated(ENTRIES[name].probe)
+    except _CHANGED as error:
+        return TorchPrivateError(name, f"failed its check: {type(error).__name__}: {error}")
+    except Exception as error:  # noqa: BLE001 - inconclusive: the feature stays on
+        from torchpmap._state.log import logger
+
+        logger.info("torch_private.%s: its probe could not run (%s: %s); the feature stays on", name, type(error).__name__, error)
+    return None
