@@ -34,6 +34,17 @@ def junit_findings(path: str) -> Findings:
     return findings
 
 
+def _passed(findings: Findings) -> str:
+    """The table's "checks passed": the checks, or for a pytest part its tests (skipped
+    ones left out)."""
+    m = findings.measurements
+    if "pytest tests" in m:
+        ran = int(m["pytest tests"]) - int(m.get("pytest skipped", 0))
+        bad = int(m.get("pytest failures", 0)) + int(m.get("pytest errors", 0))
+        return f"{ran - bad}/{ran} tests"
+    return f"{sum(c.ok for c in findings.checks)}/{len(findings.checks)}"
+
+
 def write(out: str, meta: dict[str, Any], results: list[PartResult]) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "report.json"), "w") as f:
@@ -56,10 +67,8 @@ def markdown(meta: dict[str, Any], results: list[PartResult]) -> str:
         "|---|---|---|---|---|",
     ]
     for r in results:
-        checks = r.findings.checks
-        passed = sum(c.ok for c in checks)
         mark = _MARK.get(r.outcome, r.outcome)
-        lines.append(f"| {r.name} | {mark} | {r.seconds:.0f} | {passed}/{len(checks)} | {r.title} |")
+        lines.append(f"| {r.name} | {mark} | {r.seconds:.0f} | {_passed(r.findings)} | {r.title} |")
     for r in results:
         lines += ["", f"## {r.name}: {_MARK.get(r.outcome, r.outcome)}", "", f"`{r.command}`", ""]
         failed = [c for c in r.findings.checks if not c.ok]
