@@ -10,6 +10,7 @@ import functools
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 from torchpmap._frontend.call import MapOptions, MappedFunction, _as_int_tuple
+from torchpmap._frontend.function_cache import mapped_function
 from torchpmap._frontend.shard_map import AnyMesh, ShardMapOptions, ShardMapped
 
 
@@ -133,7 +134,7 @@ def pmap(
         mesh=mesh,
         jit=jit,
     )
-    return MappedFunction(fun, opts)
+    return mapped_function(fun, opts)
 
 
 def vmap(
