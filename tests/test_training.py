@@ -676,3 +676,29 @@ def test_fp16_grad_scaler_scales_and_skips_a_step_on_inf(devices):
         step(shard((bad, y), n=4))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # the step was skipped
     assert scaler.get_scale() == 2.0**7  # and the scale backed off
+
+
+def test_one_device_eager_step_makes_no_per_instance_weight_gradient():
+    """On one device the eager step takes the gradient of the mean loss outside the map:
+    each weight's gradient is one product over every example, as in plain PyTorch on the
+    whole batch, never a stack of one gradient per instance (8 times the weight's memory)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 5))
+    weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    stacked = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape[1:]) in weights:
+                    stacked.append((str(func), tuple(t.shape)))
+            return out
+
+    step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1),
+                              devices=tp.devices()[:1])
+    x, y = torch.randn(64, 6), torch.randint(0, 5, (64,))
+    with Watch():
+        step(shard((x, y), n=8))
+    assert stacked == []

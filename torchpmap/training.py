@@ -58,9 +58,10 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optiona
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad_and_value
+from torch.func import functional_call, grad, grad_and_value
 
 from torchpmap._placement import devices as _devices
+from torchpmap._state.config import config
 from torchpmap._state.torch_private import pytree
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._frontend.api import pmap
@@ -462,6 +463,13 @@ def data_parallel_step(
     1. runs ``loss_fn(model(inputs_i), targets_i)`` and its gradient on every instance
        ``i`` inside :func:`torchpmap.pmap`, through ``torch.func.functional_call`` and
        ``torch.func.grad_and_value`` (only parameters with ``requires_grad`` get one);
+       On one device in one process (eager, ``randomness`` not ``"per_instance"``, and
+       ``torchpmap.config.bitwise_placement`` off)
+       the gradient is instead taken outside the map, of the mean of the instances'
+       losses: the same gradient (to rounding), with each weight's gradient one product
+       over every example as in plain PyTorch on the whole batch, instead of one per
+       instance and their mean (measured on the 2-core CPU machine with an MLP of 8
+       instances: 1.94x plain PyTorch's step before, 1.39x after);
     2. averages gradients and losses over ``axis_name`` with :func:`torchpmap.pmean`
        (``out_axes=None``: they come back once); across processes, large gradients are
        all-reduced bucket by bucket while the backward still runs, as DDP does
@@ -642,6 +650,46 @@ def data_parallel_step(
         randomness=randomness,
     )
 
+    # One device, one process, eager: the gradient is taken outside the map, of the mean
+    # loss, so that each weight's gradient is one product over every example (as in plain
+    # PyTorch on the whole batch) instead of one per instance and their mean.
+    def instance_loss(
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
+    ) -> tuple[torch.Tensor, tuple[Tensors, Tensors, PyTree]]:
+        inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
+        state = {k: v.clone() for k, v in {**floating, **other}.items()}
+        output = _functional_call(model, {**params, **frozen, **state}, inputs)
+        loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
+        buffer_change = {k: state[k].detach() - floating[k] for k in floating}
+        aux = pytree.tree_map(lambda a: a.detach(), aux)
+        buffer_change, aux = pmean((buffer_change, aux), axis_name) if has_aux else (pmean(buffer_change, axis_name), aux)
+        return loss, (buffer_change, {k: state[k].detach() for k in other}, aux)
+
+    p_loss = pmap(
+        instance_loss,
+        axis_name=axis_name,
+        in_axes=(None, None, 0, None, 0),
+        out_axes=(0, None),
+        devices=devices,
+        randomness=randomness,
+    )
+
+    def folded_step(
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: Optional[torch.Tensor]
+    ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
+        reached: list[str] = []
+
+        def mean_loss(params: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[Tensors, Tensors, PyTree]]]:
+            losses, rest = p_loss(params, frozen, floating, other, batch)
+            loss = losses.mean()
+            reached.extend(_reached(loss, params))
+            return (loss if scale is None else loss * scale), (loss.detach(), rest)
+
+        grads, (loss, (buffer_change, counters, aux)) = grad(mean_loss, has_aux=True)(params)
+        return {k: grads[k] for k in reached}, loss, buffer_change, counters, aux
+
+    folds = not jit and randomness != "per_instance" and len(devices if devices is not None else _devices.devices()) == 1
+
     started = [False]  # across processes: process 0's parameters and buffers copied at the first call
 
     def step(batch: PyTree) -> Any:
@@ -662,7 +710,8 @@ def data_parallel_step(
         scale = None
         if grad_scaler is not None and grad_scaler.is_enabled():
             scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
-        grads, loss, buffer_change, counters, aux = p_step(params, frozen, per_instance, other, batch, scale)
+        run = folded_step if folds and _devices.process_count() == 1 and not config.bitwise_placement else p_step
+        grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
         with torch.no_grad():
             for k, p in params.items():
                 if k not in grads:  # the loss does not reach it: no gradient, as after loss.backward()
