@@ -1,7 +1,7 @@
 """Programs run by tests/test_distributed.py, in several processes and in one.
 
 ``python tests/_distributed_programs.py SCENARIO OUTDIR`` runs in every process of a
-multi-process launch (the environment comes from torchpmap._frontend.launch, like torchrun's),
+multi-process launch (the environment comes from torchpmap.bench.launch, like torchrun's),
 and saves what the process computed to ``OUTDIR/rank<r>.pt``. The test runs the same
 programs on the whole global data in one process (:func:`reference`) and compares.
 """
@@ -141,7 +141,7 @@ def pytree_backward(d: dict) -> dict:
 def count_transfers(d: dict) -> dict:
     """How many all-gathers, all-to-alls and all-reduces a pmean of a 6-leaf pytree and its
     backward make, once the steps repeat."""
-    from torchpmap._engines import distributed as engine
+    from torchpmap._engines import process_exchange as engine
 
     counts = {"all_gather": 0, "all_to_all": 0, "all_gather_bytes": 0, "all_reduce": 0}
     gather, all_to_all, all_reduce = engine._all_gather_flat, torch.distributed.all_to_all_single, torch.distributed.all_reduce
@@ -565,7 +565,7 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
     by hand, and processes whose buckets differ."""
     import torchpmap.training
 
-    import torchpmap._engines.distributed as engine
+    import torchpmap._engines.process_exchange as engine
 
     x, y = (t[rank : rank + 1] for t in bucket_data(nproc))
     tp.config.all_reduce_bytes = 1 << 10  # this little MLP's gradients go through all-reduces, its loss is gathered

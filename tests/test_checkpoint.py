@@ -5,7 +5,7 @@ The core test kills a data-parallel training run (``data_parallel_step`` over a
 that no checkpoint holds, resumes it from the last checkpoint, and finds bitwise the
 weights, optimizer state and losses of a run that was never interrupted: in one process
 (on the ambient number of CPU devices) and in two gloo processes (this file run as a
-program by torchpmap._frontend.launch, as torchrun would).
+program by torchpmap.bench.launch, as torchrun would).
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def assert_same(got, want, where: str = "") -> None:
 
 
 def _launch(scenario: str, path: Path, nproc: int):
-    from torchpmap._frontend.launch import launch
+    from torchpmap.bench.launch import launch
 
     started = time.monotonic()
     finished = launch([str(Path(__file__).resolve()), scenario, str(path)], nproc, timeout=90)

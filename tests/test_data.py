@@ -2,7 +2,7 @@
 
 One process: the batches against a seeded permutation, padding and masks, resuming, the
 global RNG left alone, loaders and workers, the errors. Two gloo processes (this file
-run as a program by torchpmap._frontend.launch, as torchrun would): every rank reads its own
+run as a program by torchpmap.bench.launch, as torchrun would): every rank reads its own
 share through DistributedSampler, the ranks' shares of a step put together are the
 one-process global batch, every rank takes the same number of steps (with a collective
 in every step), padding covers every example exactly once, mismatched set-ups raise at
@@ -268,7 +268,7 @@ def test_a_failing_example_is_raised_in_the_loop():
 
 
 def _launch(scenario: str, tmp_path: Path, timeout: float = 20.0):
-    from torchpmap._frontend.launch import launch
+    from torchpmap.bench.launch import launch
 
     out = tmp_path / scenario
     out.mkdir()

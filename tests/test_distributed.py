@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import torchpmap as tp
-from torchpmap._frontend.launch import free_port, launch
+from torchpmap.bench.launch import free_port, launch
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent

@@ -415,7 +415,7 @@ def test_pytree_leaves_batched_at_different_levels(cpu_devices):
 
 def _record_meetings(monkeypatch) -> list:
     """Records (meeting key, number of tensors) for every rendezvous a device thread joins."""
-    from torchpmap._engines.rendezvous import Rendezvous
+    from torchpmap._engines.thread_exchange import Rendezvous
 
     meetings, meet = [], Rendezvous.meet
 

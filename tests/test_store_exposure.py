@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from torchpmap._frontend.launch import Finished, free_port, launch
+from torchpmap.bench.launch import Finished, free_port, launch
 from torchpmap._state import process_group as pg
 from torchpmap._state import store as _store
 

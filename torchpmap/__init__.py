@@ -16,8 +16,7 @@ from torchpmap._collectives.public import (
     pvary,
 )
 from torchpmap._state.config import config, disable_vectorization
-from torchpmap._engines import VectorizationFallbackWarning
-from torchpmap._engines.compiled import JitFallbackWarning, JitRecompileWarning
+from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning, VectorizationFallbackWarning
 from torchpmap._placement.mesh import AbstractMesh, Mesh, make_mesh
 from torchpmap._placement.partition_spec import P, PartitionSpec
 from torchpmap._placement.sharded import ShardedTensor, ShardedView

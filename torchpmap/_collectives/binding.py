@@ -280,7 +280,7 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     slices' sums, in the same order in every process (the replicas stay bitwise equal;
     against one process the float sums differ in rounding unless a slice holds one
     instance). Large sums (:attr:`Primitive.sums`) go through the exchange's all-reduce
-    instead, when it has one (:meth:`Exchange.sum_many`): the same bits in every process
+    instead, when it has one (:meth:`Exchange.sum_with_grad`): the same bits in every process
     again, in the all-reduce's own order.
     """
     exchange = prims[0].frame.exchange
@@ -291,12 +291,12 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
         # sends int64) must not depend on the local size, and the bits are those of one process
         Xs = [p.partial(X) for p, X in zip(prims, Xs)]
         if all(p.sums for p in prims):  # large sums across processes: one all-reduce
-            summed = exchange.sum_many(Xs, _describe(prims))
+            summed = exchange.sum_with_grad(Xs, _describe(prims))
             if summed is not None:
                 return [(S[0], None) for S in summed]
-        everyone = exchange.all_gather_many(Xs, _describe(prims), partial=True)
+        everyone = exchange.all_gather_with_grad(Xs, _describe(prims), partial=True)
         return [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
-    everyone = exchange.all_gather_many(Xs, _describe(prims))
+    everyone = exchange.all_gather_with_grad(Xs, _describe(prims))
     return [_own_part(p, *p.compute(E.flatten(0, 1))) for p, E in zip(prims, everyone)]
 
 

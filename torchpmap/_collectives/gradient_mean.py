@@ -61,7 +61,7 @@ import torch
 
 from torchpmap._collectives.math import Psum
 from torchpmap._collectives.public import pmean
-from torchpmap._engines.process_transpose import sums_by_all_reduce
+from torchpmap._engines.process_exchange_rules import sums_by_all_reduce
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import torch_private as private
 from torchpmap._state.axis_env import OrderedSums

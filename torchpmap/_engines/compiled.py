@@ -48,16 +48,15 @@ from torchpmap._placement import devices as _devices
 from torchpmap._state import torch_private as private
 from torchpmap._state.torch_private import TorchDispatchMode
 from torchpmap._state.config import config
-from torchpmap._engines import MappedCall, OutputLayout, graph_rewrites, vectorized
+from torchpmap._engines import graph_rewrites, vectorized
+from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning
+from torchpmap._engines.mapped_call import CompiledPrograms, Engine, MappedCall, OutputLayout
 from torchpmap._state.log import logger
 from torchpmap._placement.sharded import ShardedTensor, as_local
 
 # Fake-tensor traces in threads that exit crashed torch 2.11 later: register what the
 # first trace would, from the importing thread (see the entry's docstring).
 private.ensure_cuda_device_guard()
-
-#: Runs a mapped call: the vectorized engine, or one slice of a split axis.
-Engine = Callable[[MappedCall], list[torch.Tensor]]
 
 #: After this many calls, a function that traced on most of them gets a warning.
 _RECOMPILE_WINDOW = 8
@@ -139,10 +138,6 @@ def _innermost(signature: Hashable) -> Hashable:
     while isinstance(signature, tuple) and not isinstance(signature, Signature) and signature:
         signature = signature[0]
     return signature
-
-
-class JitFallbackWarning(UserWarning):
-    """``pmap(jit=True)`` could not compile a call, which ran eagerly instead."""
 
 
 class ProgramCache:
@@ -256,8 +251,10 @@ class ProgramCache:
         )
 
 
-class JitRecompileWarning(UserWarning):
-    """A ``pmap(jit=True)`` function traces and compiles on most of its calls."""
+def _is_compiled_programs(cache: ProgramCache) -> CompiledPrograms:
+    """For the type checker: a :class:`ProgramCache` is the :class:`CompiledPrograms` that
+    ``MappedCall.programs`` holds (its ``run`` takes the calls the engines make)."""
+    return cache
 
 
 def _fallback_message(call: MappedCall, failure: Exception) -> str:

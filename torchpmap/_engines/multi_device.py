@@ -2,7 +2,7 @@
 
 Instances ``d*k .. d*k + k - 1`` run on device ``d`` through the vectorized engine;
 collectives over the mapped axis meet across the device threads through a
-:class:`~torchpmap._engines.rendezvous.Rendezvous`. Outputs stay where they were
+:class:`~torchpmap._engines.thread_exchange.Rendezvous`. Outputs stay where they were
 computed, as :class:`~torchpmap._placement.sharded.ShardedTensor`.
 """
 from __future__ import annotations
@@ -21,9 +21,10 @@ from torchpmap._placement import devices as _devices
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._placement.devices import Device
-from torchpmap._engines import MappedCall, module_guard, vectorized
-from torchpmap._engines.thread_mode import call_seed, device_thread_mode
-from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
+from torchpmap._engines import module_guard, vectorized
+from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
+from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
 from torchpmap._placement.sharded import ShardedTensor
 
@@ -111,7 +112,7 @@ def run_threads(
     (forward-AD nesting, module attributes) never races. Device work is only enqueued in
     that piece on an asynchronous device (CUDA), so the devices still compute at once.
     A module reparametrized by several threads across a collective inside its forward
-    is refused (see :mod:`module_guard`).
+    is refused (see :mod:`torchpmap._engines.module_guard`).
     """
     state, context, watch = _context.CallerState.capture(devices), contextvars.copy_context(), module_guard.Watch()
 

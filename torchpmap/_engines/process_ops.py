@@ -4,11 +4,11 @@
 :mod:`torchpmap._engines.compiled`), but its collectives must still reach the other
 processes when the program runs. During the trace each exchange is recorded as one
 opaque call of ``torchpmap::gather_processes``; when the compiled program runs, that
-op calls :meth:`ProcessExchange.gather_plain`, the very transfer of the eager engine:
+op calls :meth:`ProcessExchange.all_gather_no_grad`, the very transfer of the eager engine:
 its waits watch for failed peers, and a compiled process meets an eager one (after a
 fallback) in the same collective. The op's gradient, for a ``.backward()`` outside
 the map, is ``torchpmap::scatter_sum_processes``, the transpose the eager engine uses.
-A large ``psum`` is ``torchpmap::sum_processes`` (:meth:`ProcessExchange.sum_plain`, an
+A large ``psum`` is ``torchpmap::sum_processes`` (:meth:`ProcessExchange.sum_no_grad_flat`, an
 all-reduce), its own transpose. Gradient buckets are four ops (below): the agreement
 (``agree_sums``, or ``post_gather``, which also starts the step's loss mean without
 waiting), each bucket's start and wait, and the posted mean's result (``posted_gather``).
@@ -28,7 +28,7 @@ import torch
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 
-from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
+from torchpmap._engines.process_exchange_rules import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
 
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
 _live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
@@ -52,11 +52,11 @@ class TracedExchange:
     starts_sums = True  # as ops of the graph, where the trace met them (gradient buckets: in the backward)
     reduces_locally = True  # as the ProcessExchange it stands in for
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         self.agree_pending()  # the eager exchange settles before any other transfer, too
         return list(torch.ops.torchpmap.gather_processes(list(ts), self.key, self.size, what, partial))
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
         if not sums_by_all_reduce(ts):  # decided as the eager exchange decides: they meet in the same collectives
             return None
         self.agree_pending()
@@ -174,7 +174,7 @@ def is_tracing() -> bool:
 
 @torch.library.custom_op("torchpmap::gather_processes", mutates_args=())
 def _gather(ts: list[torch.Tensor], key: int, size: int, what: str, partial: bool) -> list[torch.Tensor]:
-    return _live[key].gather_plain(ts, what, partial)
+    return _live[key].all_gather_no_grad(ts, what, partial)
 
 
 @_gather.register_fake
@@ -192,7 +192,7 @@ def _(grads: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
     return [g.new_empty(g.shape[1:]) for g in grads]
 
 
-# The eager engine's own transpose (process_transpose.transpose_gather) with the traceable
+# The eager engine's own transpose (process_exchange_rules.transpose_gather) with the traceable
 # op as its transfer.
 
 
@@ -223,7 +223,7 @@ _gather.register_autograd(_gather_backward, setup_context=_setup_gather)
 def _sum(ts: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
     # the all-reduces' own flat buffers, one per dtype: the program views them as the
     # tensors (an op's outputs must not alias each other, and a copy would cost a pass)
-    return _live[key].sum_flat(ts, what)
+    return _live[key].sum_no_grad_flat(ts, what)
 
 
 @_sum.register_fake

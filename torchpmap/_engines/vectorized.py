@@ -11,9 +11,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from torchpmap._engines import MappedCall, batching_rules
-from torchpmap._engines.instance_streams import InstanceStreams
-from torchpmap._engines.thread_mode import call_seed
+from torchpmap._engines import batching_rules
+from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.random_per_instance import InstanceStreams
+from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.sharded import ShardedTensor, as_local
 from torchpmap._state import axis_env as _axis_env
@@ -93,7 +94,7 @@ def run(
         try:
             return one_instance(*slices)
         except Exception as failure:
-            if call.size > 1:  # which instance raised cannot be told here (see _engines.run)
+            if call.size > 1:  # which instance raised cannot be told here (see dispatch.run)
                 mark_vectorized(failure)
             raise
 
@@ -134,7 +135,7 @@ def run_one(
     (no batching rule needed). Collectives apply directly through ``exchange``; the same
     math runs on the gathered values as in :func:`run`.
 
-    ``on_frame`` sees the instance's axis frame before the function runs (the threaded
+    ``on_frame`` sees the instance's axis frame before the function runs (the instance
     engine records it for maps nested in this instance). With ``keep_sharded``, an output
     that is a ShardedTensor (a nested mesh map's result) stays where it was computed
     instead of being gathered onto this device, and so does such an input.
@@ -204,7 +205,7 @@ def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[
     previous_message = private.saved_tensors_hooks_disabled_message()
     try:
         private.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS)  # raises (after disabling) if hooks are set
-        # per_instance draws outside vmap (see instance_streams): any other random op is refused
+        # per_instance draws outside vmap (see random_per_instance): any other random op is refused
         level = private.vmap_increment_nesting(size, "error" if randomness == "per_instance" else randomness)
         try:
             batched = [private.add_batch_dim(t, d, level) for t, d in zip(inputs, in_dims)]

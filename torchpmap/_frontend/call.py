@@ -1,6 +1,6 @@
 """The front end shared by ``pmap`` and ``vmap``: arguments, axes and outputs.
 
-A call is checked and flattened into a :class:`~torchpmap._engines.MappedCall`; an
+A call is checked and flattened into a :class:`~torchpmap._engines.mapped_call.MappedCall`; an
 engine runs it; the flat results are stacked along ``out_axes`` and put back into the
 output's pytree. Nothing here knows which engine runs.
 """
@@ -15,8 +15,9 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from torchpmap import _engines
+from torchpmap._engines import dispatch
 from torchpmap._engines.compiled import ProgramCache, signature_of
+from torchpmap._engines.mapped_call import MappedCall, OutputLayout, VmapFallback
 from torchpmap._frontend import aliasing
 from torchpmap._frontend.tree_prefix import as_index, broadcast_prefix, check_axis_spec, normalize_axis_spec
 from torchpmap._placement import devices as _devices
@@ -207,7 +208,7 @@ class MappedFunction:
         self._layouts: dict[Any, tuple[list[tuple[Any, str]], int, Optional[pytree.TreeSpec]]] = {}
         self._out_layouts: dict[Any, _OutPlan] = {}  # output structure -> how to stack it
         self._last_out_plan: Optional[tuple[Any, _OutPlan]] = None  # the last one, by identity
-        self._memory = _engines.FunctionMemory()
+        self._vmap_fallback = VmapFallback()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
         self._program = program_of(fun, opts) if opts.kind == "pmap" else None
         functools.update_wrapper(self, fun, updated=())
@@ -231,7 +232,7 @@ class MappedFunction:
         flat = self._flatten(args, statics, dyn_args, kwargs)
         mapped = set(flat.mapped_slots)
         broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
-        layout = _engines.OutputLayout()  # filled by body; restored by a compiled program that skips it
+        layout = OutputLayout()  # filled by body; restored by a compiled program that skips it
         # the common case: positional tensors, all mapped; an instance's arguments are its slices
         direct = flat.spec is None and not statics and not broadcast_slots
 
@@ -253,7 +254,7 @@ class MappedFunction:
             return self._flatten_output(self.fun(*call_args, **call_kwargs), layout)
 
         mesh = self._mesh()
-        call = _engines.MappedCall(
+        call = MappedCall(
             body=body,
             mapped=[flat.leaves[k] for k in flat.mapped_slots],
             in_dims=flat.in_dims,
@@ -269,7 +270,7 @@ class MappedFunction:
             programs=self._programs,
             signature=signature_of(flat.structure, statics, flat.leaves) if self._programs is not None else None,
             output_layout=layout,
-            memory=self._memory,
+            vmap_fallback=self._vmap_fallback,
             vma=self.opts.vma,
             program=self._program,
         )
@@ -279,10 +280,10 @@ class MappedFunction:
             lambda slot: self._in_label(flat, slot), what,
         ) if what == "pmap" else None
         if watched is None:
-            outputs = _engines.run(call)
+            outputs = dispatch.run(call)
         else:  # called from here too, so that the engines' warnings point at the same frame
             try:
-                outputs = _engines.run(call)
+                outputs = dispatch.run(call)
             except RuntimeError as error:
                 explained = watched.explain(error)
                 if explained is None:
@@ -488,7 +489,7 @@ class MappedFunction:
 
     # ------------------------------------------------------------------ outputs
 
-    def _flatten_output(self, out: Any, layout: _engines.OutputLayout) -> list[torch.Tensor]:
+    def _flatten_output(self, out: Any, layout: OutputLayout) -> list[torch.Tensor]:
         if type(out) is torch.Tensor and out.layout is torch.strided and not out.is_nested:  # the common case: no pytree pass
             layout.record(_LEAF_SPEC, 1, _NO_NONES)
             return [out]
@@ -511,7 +512,7 @@ class MappedFunction:
         layout.record(spec, len(leaves), constants)
         return tensors
 
-    def _out_plan(self, layout: _engines.OutputLayout) -> _OutPlan:
+    def _out_plan(self, layout: OutputLayout) -> _OutPlan:
         spec = layout.spec
         last = self._last_out_plan
         if last is not None and last[0] is spec:  # a compiled program hands back the same spec object
@@ -526,12 +527,12 @@ class MappedFunction:
         self._last_out_plan = (spec, plan)
         return plan
 
-    def _replicated_outputs(self, layout: _engines.OutputLayout) -> dict[int, str]:
+    def _replicated_outputs(self, layout: OutputLayout) -> dict[int, str]:
         """Tensor-output positions whose out axis is None, with their key paths."""
         tensor_axes = [a for k, a in enumerate(self._out_plan(layout).axes) if k not in layout.none_leaves]
         return {k: path for k, (axis, path) in enumerate(tensor_axes) if axis is None}
 
-    def _stack_outputs(self, outputs: list[torch.Tensor], layout: _engines.OutputLayout) -> Any:
+    def _stack_outputs(self, outputs: list[torch.Tensor], layout: OutputLayout) -> Any:
         spec, constants = layout.spec, layout.none_leaves
         if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:  # one tensor, stacked where the engine put it
             return outputs[0]

@@ -48,7 +48,9 @@ class Exchange(Protocol):
     """How the slices of a split axis talk: one per slice (device thread or process).
 
     Implemented by the device threads' ``ThreadExchange``, the processes'
-    ``ProcessExchange`` and the ``TracedExchange`` a compiled program records.
+    ``ProcessExchange`` and the ``TracedExchange`` a compiled program records (the type
+    checker checks each against this protocol, in its own module). The ``*_with_grad``
+    methods are differentiable: autograd (and ``torch.func``) goes through them.
     """
 
     #: True when each slice sends its partial result of a reduction instead of every
@@ -58,14 +60,16 @@ class Exchange(Protocol):
     #: True when sums can start and run while computation goes on (:meth:`sums_in_order`).
     starts_sums: bool
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
-        """For each ``ts[k]``: every slice's value stacked along a new dim 0, in axis order."""
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+        """For each ``ts[k]``: every slice's value stacked along a new dim 0, in axis order.
+        The gradient of ``ts[k]`` is the sum of every slice's cotangent for this slice's entry."""
         ...
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
         """For each ``ts[k]`` (this slice's partial sum): the sum over the slices, the same
         bits in every slice; or None, and the caller gathers the partials instead (this
-        exchange does not sum on its own, or not tensors this small)."""
+        exchange does not sum on its own, or not tensors this small). The gradient of a
+        partial sum is the same sum of the cotangents."""
         ...
 
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional[OrderedSums]:

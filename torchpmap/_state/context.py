@@ -14,7 +14,7 @@ changes a program's results per thread. Two kinds of state follow the caller:
   on one device. The default dtype, deterministic-algorithms mode and anomaly mode are
   process-wide in PyTorch, so device threads see them without help.
 * **torchpmap's own state**: the active meshes, debug mode, bound axes, device placement,
-  the threaded engine's position and the process exchange's state live in
+  an instance thread's position (mesh axes, one at a time) and the process exchange's state live in
   :mod:`contextvars`, so that a ``with mesh:`` or ``disable_vectorization()`` in one
   thread never leaks into another, nested contexts restore what they found (on error
   too), and device threads run in a copy of their caller's context
@@ -46,7 +46,8 @@ active_meshes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar(
 default_devices: contextvars.ContextVar[Optional[tuple[Any, ...]]] = contextvars.ContextVar("torchpmap_devices", default=None)
 #: The named axes bound here, innermost last (:mod:`torchpmap._state.axis_env` reads them).
 axis_frames: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_axis_frames", default=())
-#: The state of a threaded-engine instance thread (a mesh pmap or debug mode), else None.
+#: The state of an instance thread (:mod:`torchpmap._engines.instance_threads`: a mesh pmap or
+#: one instance at a time), else None.
 instance_thread: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_instance", default=None)
 #: In a device thread, the watch over module forwards of its call (see ``module_guard``).
 module_watch: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_module_watch", default=None)

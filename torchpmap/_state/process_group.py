@@ -1,7 +1,7 @@
 """The state of a multi-process run, and how its collectives fail instead of hanging.
 
 :mod:`torchpmap.distributed` is the public face; this module holds what the distributed
-engine (:mod:`torchpmap._engines.distributed`) and :mod:`torchpmap._placement.devices` need:
+engine (:mod:`torchpmap._engines.multi_process`) and :mod:`torchpmap._placement.devices` need:
 
 * :func:`active` / :func:`state`: whether torch.distributed runs with more than one
   process, and this process' :class:`ProcessState` (rank, devices, the rendezvous store).

@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from torchpmap._frontend.launch import Host
+from torchpmap.bench.launch import Host
 from torchpmap.bench.ddp import COLUMNS, run_ddp_comparison
 
 #: The model of the issue that asked for this: compute and exchange of the same order at 1 Gbit/s.

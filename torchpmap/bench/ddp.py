@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from torchpmap._frontend.launch import Host, launch
+from torchpmap.bench.launch import Host, launch
 
 #: The default model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
 FEATURES, HIDDEN, CLASSES = 64, 256, 10
@@ -88,7 +88,7 @@ def run_ddp_comparison(
         columns: which of :data:`COLUMNS` to time (default: ``torchpmap`` or
             ``torchpmap.jit``, and ``ddp``).
         sizes: the MLP's (features, hidden, classes).
-        hosts: where each rank runs (:class:`torchpmap._frontend.launch.Host`); default: here.
+        hosts: where each rank runs (:class:`torchpmap.bench.launch.Host`); default: here.
         master_addr: rank 0's address, where the others meet it.
 
     Returns:
@@ -297,7 +297,7 @@ def _worker(
         os.replace(report + ".tmp", report)
     # DistributedDataParallel sits in reference cycles: collect it while its process group
     # lives, or the interpreter's exit may destroy its reducer after the group and abort
-    # the process (see torchpmap/bench/workloads/distributed.py).
+    # the process (see torchpmap/bench/workloads/multiprocess.py).
     del columns, builders
     gc.collect()
     tpd.shutdown()

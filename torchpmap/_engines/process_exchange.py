@@ -1,31 +1,21 @@
-"""The distributed engine: one slice of the mapped axis per process (multi-controller).
+"""The process exchange: one process' door to the other processes' slices of a split axis.
 
-Every process runs the same program, as in JAX's multi-host pmap. A pmap call in a
-process receives that process' *local* portion of the mapped axis (``n_local``
-instances) and returns its local portion of the result as plain tensors. The global
-axis has ``n_local * group_size`` instances; process ``r`` of the group holds instances
-``r*n_local .. r*n_local + n_local - 1``. The local slice runs through the vectorized
-engine with ``offset``/``axis_size`` set accordingly, so ``axis_index`` is global, and a
-:class:`ProcessExchange` gathers every process' slice for a collective
-(:func:`torchpmap._collectives.binding.run_owning` then runs the same math as a single process
-would on the whole axis, so forward results are bitwise those of one process).
+The engine across processes (:mod:`torchpmap._engines.multi_process`) runs this process'
+slice of the axis; a :class:`ProcessExchange` gathers every process' slice for a
+collective (:func:`torchpmap._collectives.binding.run_owning` then runs the same math as a
+single process would on the whole axis, so forward results are bitwise those of one
+process), or sums each process' partial sums in an all-reduce.
 
-Which processes form the axis:
-
-* a pmap whose ``axis_name`` is an axis of the mesh of an enclosing
-  ``with torchpmap.distributed.mesh(...)`` (or of ``pmap(..., mesh=)``) uses that mesh
-  axis' process group (``DeviceMesh.get_group(name)``);
-* otherwise, the outermost pmap spans all processes (the world group), and a pmap
-  nested inside a distributed pmap runs within each process (vectorized), as a nested
-  pmap on one device does.
-
-The exchange is an autograd Function (backward: every process' cotangent for this
-slice, summed, via all_to_all), so ``.backward()`` across processes and the gradient
-conventions of the collectives (psum transposes to psum, ...) hold. A collective over a
-pytree moves all its leaves in one transfer each way (packed as bytes): a data-parallel
-step makes one all-gather for the ``pmean`` of its gradients, not one per parameter.
-Every wait goes through :func:`torchpmap._state.process_group.wait`, which turns a failed or
-dead peer into an error naming its rank instead of a hang.
+The exchange is differentiable: its ``*_with_grad`` methods are autograd Functions
+(backward: every process' cotangent for this slice, summed, via all_to_all; the sum's
+transpose is the same sum), so ``.backward()`` across processes and the gradient
+conventions of the collectives (psum transposes to psum, ...) hold; its ``*_no_grad``
+methods are the transfers themselves. A collective over a pytree moves all its leaves in
+one transfer each way (packed as bytes): a data-parallel step makes one all-gather for the
+``pmean`` of its gradients, not one per parameter. Every transfer carries the processes'
+agreement (:mod:`torchpmap._engines.process_agreement`), and every wait goes through
+:func:`torchpmap._state.process_group.wait`, which turns a failed or dead peer into an
+error naming its rank instead of a hang.
 """
 from __future__ import annotations
 
@@ -36,16 +26,16 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchpmap._state import context as _context
+from torchpmap._engines import process_agreement as agreement
+from torchpmap._engines.process_exchange_rules import (
+    by_dtype,
+    differentiable,
+    split_flat,
+    sums_by_all_reduce,
+    transpose_gather,
+)
 from torchpmap._state import process_group as pg
-from torchpmap._state import torch_private as private
-from torchpmap._placement.mesh import ProcessMesh
-from torchpmap._engines import MappedCall, process_agreement as agreement, process_ops, vectorized
-from torchpmap._engines.multi_device import runs_directly as _runs_directly
-from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
 from torchpmap._state.faults import ExchangeMismatch, SizeMismatch
-
-active = pg.active
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,7 +97,7 @@ class ProcessExchange:
         if self.transfers == 0:
             self._transfer("end", "the end of the pmap call", None, None)
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every process' value stacked along a new dim 0 (in group
         order), all tensors in one transfer. ``partial``: the values are this process'
         partial results, shaped independently of its local size.
@@ -117,28 +107,28 @@ class ProcessExchange:
         """
         return list(_GatherProcesses.apply(self, what, partial, *ts))
 
-    def gather_plain(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
-        """``all_gather_many`` without autograd: one all-gather of every tensor's bytes."""
+    def all_gather_no_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+        """``all_gather_with_grad`` without autograd: one all-gather of every tensor's bytes."""
         layout = _Layout.of(ts)
         return layout.unpack(self._transfer("gather" if partial else "gather-all", what, layout, ts))
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
         """For each ``ts[k]`` (this process' partial sum): the sum over the processes, by one
         all-reduce per dtype, the same bits in every process; None when ``ts`` is too small
-        for that to pay (see :func:`~torchpmap._engines.process_transpose.sums_by_all_reduce`):
+        for that to pay (see :func:`~torchpmap._engines.process_exchange_rules.sums_by_all_reduce`):
         the caller then gathers the partials. Differentiable: the gradient of a partial sum
         is the sum of every process' cotangent (the same all-reduce)."""
         if not sums_by_all_reduce(ts):
             return None
         return list(_SumProcesses.apply(self, what, *ts))
 
-    def sum_plain(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """:meth:`sum_many` without autograd."""
-        return split_flat(ts, self.sum_flat(ts, what))
+    def sum_no_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """:meth:`sum_with_grad` without autograd."""
+        return split_flat(ts, self.sum_no_grad_flat(ts, what))
 
-    def sum_flat(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """The sums of :meth:`sum_plain` as the flat buffers the all-reduces filled, one per
-        dtype (:func:`~torchpmap._engines.process_transpose.by_dtype`). The headers travel
+    def sum_no_grad_flat(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """The sums of :meth:`sum_no_grad` as the flat buffers the all-reduces filled, one per
+        dtype (:func:`~torchpmap._engines.process_exchange_rules.by_dtype`). The headers travel
         first, alone (an all-reduce cannot carry them), and are compared before the
         all-reduce starts."""
         self._transfer("sum", what, _Layout.of(ts), None)
@@ -184,7 +174,7 @@ class ProcessExchange:
     def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
         sum over processes of their entries for this process (the transpose of
-        :meth:`all_gather_many`), all tensors in one all-to-all."""
+        :meth:`all_gather_with_grad`), all tensors in one all-to-all."""
         layout = _Layout.of([g[0] for g in grads])
         received = self._transfer("scatter", f"the gradient of {what}", layout, grads)
         return [r.sum(0) for r in layout.unpack(received)]  # each contiguous, as a lone tensor's
@@ -692,7 +682,7 @@ class _SumProcesses(torch.autograd.Function):
 
     @staticmethod
     def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(exchange.sum_plain(ts, what))
+        return tuple(exchange.sum_no_grad(ts, what))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -701,7 +691,7 @@ class _SumProcesses(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        summed = lambda gs: ctx.exchange.sum_plain(gs, f"the gradient of {ctx.what}")  # noqa: E731
+        summed = lambda gs: ctx.exchange.sum_no_grad(gs, f"the gradient of {ctx.what}")  # noqa: E731
         return None, None, *transpose_gather(grads, ctx.differentiable, summed)
 
     @staticmethod
@@ -722,7 +712,7 @@ class _GatherProcesses(torch.autograd.Function):
 
     @staticmethod
     def forward(exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(exchange.gather_plain(ts, what, partial))
+        return tuple(exchange.all_gather_no_grad(ts, what, partial))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -742,107 +732,3 @@ class _GatherProcesses(torch.autograd.Function):
         t_dims = in_dims[3:]
         moved = [t if d is None else t.movedim(d, 0) for t, d in zip(ts, t_dims)]
         return _GatherProcesses.apply(exchange, what, partial, *moved), tuple(None if d is None else 1 for d in t_dims)
-
-
-# --------------------------------------------------------------------------- which processes form the axis
-
-_WORLD = object()  # the key of a pmap over all processes in _context.process_axes
-
-
-def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
-    """The exchange for this call and its key in the running stack; None to run locally."""
-    st = pg.state()
-    mesh, name, enclosing = call.mesh, call.axis_name, _context.process_axes.get()
-    if mesh is not None:
-        if not isinstance(mesh, ProcessMesh):
-            raise NotImplementedError(
-                f"pmap over axis {name!r} of {mesh!r}: in a multi-process run, build the mesh with "
-                "torchpmap.distributed.mesh(shape, axis_names), which gives each mesh axis its process group"
-            )
-        if _WORLD in enclosing:
-            raise ValueError(
-                f"pmap over mesh axis {name!r} is nested inside a pmap over all processes; map the mesh axes "
-                "from the outermost pmap on (the outer pmap already spans every process)"
-            )
-        if name in enclosing:
-            raise ValueError(
-                f"pmap: axis_name={name!r} is a mesh axis that an enclosing pmap already maps over; each mesh "
-                "axis can be mapped by one pmap at a time"
-            )
-        return ProcessExchange(mesh.group(name), mesh.coordinate(name), mesh.shape[name], f"mesh axis {name!r}"), name
-    if enclosing:  # nested, over a name that is no mesh axis: within this process
-        return None, None
-    return ProcessExchange(None, st.rank, st.world_size, "all processes"), _WORLD
-
-
-def run(call: MappedCall) -> list[torch.Tensor]:
-    st = pg.state()
-    st.check_usable()
-    exchange, key = _plan(call)
-    if exchange is None:  # nested inside a distributed pmap, over a name that is no mesh axis
-        return vectorized.run(call)
-    if process_ops.is_tracing():
-        raise NotImplementedError(
-            f"pmap(jit=True): the distributed pmap over axis {call.axis_name!r} is nested in another one that is "
-            "being compiled; nested pmaps across processes run eagerly"
-        )
-    st.calls += 1
-    exchange.call, exchange.local_size, exchange.axis_name = st.calls, call.size, call.axis_name
-    exchange.program = call.program
-    part = dataclasses.replace(call, devices=st.local_devices)
-    token = _context.process_axes.set(_context.process_axes.get() + (key,))
-    try:
-        if call.programs is not None and private.current_vmap_level() is None:
-            outputs = _run_compiled(part, exchange)
-        elif part.size == 1 and _runs_directly(part):  # one instance per process: nothing to vectorize
-            outputs = vectorized.run_one(part, offset=exchange.index, axis_size=exchange.size, exchange=exchange)
-        else:
-            outputs = _run_slice(part, exchange, exchange)
-        exchange.settle()  # a call without collectives still checks the sizes
-        return outputs
-    except (SizeMismatch, ExchangeMismatch):
-        raise  # every process raises it at the same point: they stay in step
-    except BaseException as e:
-        if not getattr(e, "_torchpmap_reported", False) and not isinstance(e, (pg.RankFailed, TimeoutError)):
-            pg.report_own_failure(e, f"pmap over axis {call.axis_name!r}")
-            try:
-                e._torchpmap_reported = True  # type: ignore[attr-defined]
-                e.add_note(f"torchpmap: raised on rank {st.rank} of {st.world_size} (pmap call #{st.calls})")
-            except AttributeError:
-                pass
-        raise
-    finally:
-        _context.process_axes.reset(token)
-
-
-def _run_slice(part: MappedCall, exchange: ProcessExchange, through: Any) -> list[torch.Tensor]:
-    """This process' slice of the axis, vectorized; its collectives go ``through`` the exchange."""
-    n_local = part.size
-    return vectorized.run(part, offset=exchange.index * n_local, axis_size=exchange.size * n_local, exchange=through)
-
-
-def _run_compiled(part: MappedCall, exchange: ProcessExchange) -> list[torch.Tensor]:
-    """``jit=True``: this process' slice as a compiled program whose exchanges are ops
-    (see :mod:`torchpmap._engines.process_ops`); the program bakes in the slice's place."""
-    stand_in = process_ops.traced(exchange)
-
-    def trace(call: MappedCall) -> list[torch.Tensor]:
-        with process_ops.tracing():
-            return _run_slice(call, exchange, stand_in)
-
-    return part.programs.run(
-        part,
-        (part.signature, stand_in.key),
-        engine=lambda call: _run_slice(call, exchange, exchange),
-        traced_engine=trace,
-        may_retry=_is_no_fault_of_the_run,
-    )
-
-
-def _is_no_fault_of_the_run(failure: Exception) -> bool:
-    """False for a failure that an eager retry must not repeat: a size mismatch, or any
-    failed collective (the process state is then poisoned: the others have moved on)."""
-    return (
-        not isinstance(failure, (SizeMismatch, ExchangeMismatch, pg.PeerFailed, TimeoutError))
-        and pg.state().poisoned is None
-    )

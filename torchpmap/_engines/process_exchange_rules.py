@@ -1,7 +1,11 @@
-"""What the eager exchange (:mod:`torchpmap._engines.distributed`) and its ops for compiled
-programs (:mod:`torchpmap._engines.process_ops`) must decide alike: the transpose of
-gathering every process' slice, and which sums go through an all-reduce (an eager process
-and a compiled one meet in the same collectives)."""
+"""The rules of the process exchange that its eager form and its compiled form share.
+
+What the eager exchange (:mod:`torchpmap._engines.process_exchange`) and its ops for
+compiled programs (:mod:`torchpmap._engines.process_ops`) must decide alike, since an eager
+process and a compiled one meet in the same collectives: which sums go through an
+all-reduce (:func:`sums_by_all_reduce`), the flat buffer per dtype that an all-reduce
+sums (:func:`by_dtype`, :func:`split_flat`), and the transpose of gathering every
+process' slice (:func:`transpose_gather`)."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence

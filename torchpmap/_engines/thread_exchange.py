@@ -1,12 +1,13 @@
-"""Meeting points for the device threads of one multi-device call.
+"""The thread exchange: how the device threads of one call meet at a collective.
 
-A collective across devices is a rendezvous: every participating thread deposits its
-values (all the leaves of a pytree: one meeting per collective); the last to arrive
-combines them with one autograd Function per leaf, so that a later ``.backward()``
+:class:`ThreadExchange` is a device thread's door to the other slices of a split axis (as
+:class:`~torchpmap._engines.process_exchange.ProcessExchange` is a process'). It meets the
+others at a :class:`Rendezvous`, the call's meeting points: every participating thread
+deposits its values (all the leaves of a pytree: one meeting per collective); the last to
+arrive combines them with one autograd Function per leaf, so that a later ``.backward()``
 meets a single node and never waits for another thread; each thread then takes its own
-results. A failure in any thread, a wait past
-``config.collective_timeout`` or two threads disagreeing on the collective all end the
-call with an error instead of a hang.
+results. A failure in any thread, a wait past ``config.collective_timeout`` or two
+threads disagreeing on the collective all end the call with an error instead of a hang.
 """
 from __future__ import annotations
 
@@ -177,13 +178,13 @@ class ThreadExchange:
     starts_sums = False  # the threads take turns: a sum completes when they meet, not in the background
     reduces_locally = False  # device threads gather every instance's value: bitwise those of one device
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> None:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> None:
         return None  # never asked (reduces_locally is False): the threads gather every value
 
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> None:
         raise NotImplementedError("the threads take turns: a sum completes when they meet, not in the background")
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, on this slice's
         device. All tensors travel in one meeting (one wait per collective, not per tensor).
         (``partial`` plays no part here: the slices never disagree on their sizes.)"""
