@@ -37,7 +37,12 @@ NOT_BITWISE = {"backward_outside", "grad_around"}
 
 
 def _run(
-    scenario: str, nproc: int, tmp_path: Path, timeout: float = 30.0, launch_timeout: float = 120.0, env: dict = {}
+    scenario: str,
+    nproc: int,
+    tmp_path: Path,
+    timeout: float = 30.0,
+    launch_timeout: float = 120.0,
+    env: dict | None = None,
 ):
     out = tmp_path / scenario
     out.mkdir()
@@ -45,7 +50,7 @@ def _run(
         [str(HERE / "_distributed_programs.py"), scenario, str(out)],
         nproc,
         timeout=launch_timeout,
-        env={"TEST_TIMEOUT": str(timeout), **env},
+        env={"TEST_TIMEOUT": str(timeout), **(env or {})},
     )
     results = {}
     for f in finished:
@@ -62,7 +67,7 @@ def _concat(per_rank: list, key: str):
     """The ranks' local outputs of one program, put back together along the mapped axis."""
     leaves = [pytree.tree_flatten(r[key]) for r in per_rank]
     spec = leaves[0][1]
-    return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*(l for l, _ in leaves))], spec)
+    return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*(parts for parts, _ in leaves))], spec)
 
 
 def _assert_same(name: str, got, want, bitwise: bool) -> None:
@@ -418,9 +423,13 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
         # a weight split across the first bucket (11 of its 64 rows in it): eager and compiled
         # (each of the weight's two row blocks its own product), the model of pmean
         split_sizes = [4 + 4 * 64 + 64 + 11 * 64, 53 * 64, 64 + 64 * 64, 64 + 64 * 16] * 3
-        assert res["split_all_reduces"] == split_sizes and res["split_compiled_all_reduces"] == split_sizes, res["split_all_reduces"]
+        assert res["split_all_reduces"] == split_sizes and res["split_compiled_all_reduces"] == split_sizes, res[
+            "split_all_reduces"
+        ]
         _assert_same(f"rank {r} split vs by hand", res["split"], res["by_hand"], bitwise=nproc == 2)
-        _assert_same(f"rank {r} split compiled vs rank 0", res["split_compiled"], results[0]["split_compiled"], bitwise=True)
+        _assert_same(
+            f"rank {r} split compiled vs rank 0", res["split_compiled"], results[0]["split_compiled"], bitwise=True
+        )
         _assert_same(f"rank {r} split compiled vs eager", res["split_compiled"], res["split"], bitwise=False)
         failure = res["disagree"]
         assert failure and failure["error"] == "ExchangeMismatch", failure
@@ -459,7 +468,9 @@ def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
         assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
         for how in ("plain", "dtensor_as_spec", "dtensor_redistributed"):
             for name, want in reference.items():
-                torch.testing.assert_close(res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}")
+                torch.testing.assert_close(
+                    res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}"
+                )
         assert res["placements"] == [("Shard", 0), ("Replicate", None)] and res["local_shape"] == (4, 6), res
         assert "not supported yet" in res["backward"] and "inside the map" in res["backward"], res["backward"]
 
@@ -501,14 +512,18 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
         assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
     assert not torch.equal(per_rank[0]["initial"]["head.weight"], per_rank[1]["initial"]["head.weight"])
     with _on_one_device():
-        reference = {"trained": progs.same_answers_reference(seed=100, n=4), "bucketed": progs.same_answers_reference(seed=200, n=2)}
+        reference = {
+            "trained": progs.same_answers_reference(seed=100, n=4),
+            "bucketed": progs.same_answers_reference(seed=200, n=2),
+        }
     for run in ("trained", "bucketed"):
         got = [res[run] for res in per_rank]
         for r in range(2):
             assert got[r]["no_grad"] == ["spare.bias", "spare.weight"], (run, got[r]["no_grad"])
             for k in ("state", "losses", "accuracies"):
                 _assert_same(f"{run}: {k} of rank {r} vs rank 0", got[r][k], got[0][k], bitwise=True)
-        assert torch.equal(got[0]["state"]["spare.weight"], reference[run]["state"]["spare.weight"])  # untouched by AdamW
+        # untouched by AdamW
+        assert torch.equal(got[0]["state"]["spare.weight"], reference[run]["state"]["spare.weight"])
         for k in ("state", "losses", "accuracies"):
             _assert_same(f"{run}: {k} vs one process", got[0][k], reference[run][k], bitwise=False)
     for res in per_rank:
@@ -516,7 +531,9 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
             err = res[f"differ_{case}"]
             assert err is not None and err["error"] == "ExchangeMismatch", (case, err)
             assert "still in step" in err["message"] and err["ranks"] == [1], (case, err["message"])
-            assert torch.equal(res[f"differ_{case}_after"], torch.full((1, 1, 4), 0.0) + torch.arange(4.0) * 2 + 1), case
+            assert torch.equal(res[f"differ_{case}_after"], torch.full((1, 1, 4), 0.0) + torch.arange(4.0) * 2 + 1), (
+                case
+            )
         message = lambda case: res[f"differ_{case}"]["message"]  # noqa: E731
         assert "in_axes=0," in message("in_axes") and "in_axes=1," in message("in_axes")
         assert "out_axes=0," in message("out_axes") and "out_axes=1," in message("out_axes")
@@ -524,7 +541,9 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
         assert "reached the end of pmap call" in message("no_collective") and "in_axes=1," in message("no_collective")
         # process 0's bits in every process: -0.0 and a NaN's payload included
         for k, (dtype, shape, bits) in res["broadcast"].items():
-            assert (dtype, shape) == per_rank[0]["broadcast"][k][:2] and torch.equal(bits, per_rank[0]["broadcast"][k][2]), k
+            assert (dtype, shape) == per_rank[0]["broadcast"][k][:2] and torch.equal(
+                bits, per_rank[0]["broadcast"][k][2]
+            ), k
         assert res["check_same_equal"] is None
         differ = res["check_same_differ"]
         assert differ is not None and differ["path"] == "['b']" and differ["ranks"] == [1], differ

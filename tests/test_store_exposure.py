@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from torchpmap.bench.launch import Finished, free_port, launch
 from torchpmap._state import process_group as pg
 from torchpmap._state import store as _store
+from torchpmap.bench.launch import Finished, free_port, launch
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

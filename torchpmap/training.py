@@ -54,18 +54,19 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad_and_value
 
-from torchpmap._placement import devices as _devices
-from torchpmap._state.torch_private import pytree
-from torchpmap._placement.sharded import ShardedTensor
-from torchpmap._frontend.api import pmap
-from torchpmap._collectives.public import pmean
 from torchpmap._collectives.gradient_mean import GradientMean
+from torchpmap._collectives.public import pmean
+from torchpmap._frontend.api import pmap
+from torchpmap._placement import devices as _devices
+from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state.torch_private import pytree
 
 __all__ = [
     "replicate",
@@ -83,7 +84,7 @@ PyTree = Any
 # --------------------------------------------------------------------------- helpers
 
 
-def _instances(n: Optional[int], what: str) -> int:
+def _instances(n: int | None, what: str) -> int:
     """``n``, or the number of local devices when ``n`` is None; checked."""
     if n is None:
         return _devices.local_device_count()
@@ -121,7 +122,7 @@ def _leading_axis(x: torch.Tensor, path: pytree.KeyPath, what: str, arg: str, ro
 # --------------------------------------------------------------------------- replicate
 
 
-def replicate(tree: PyTree, n: Optional[int] = None) -> PyTree:
+def replicate(tree: PyTree, n: int | None = None) -> PyTree:
     """One copy of every leaf per instance, stacked along a new leading axis of size ``n``.
 
     Use it for a value that a pmapped function takes with ``in_axes=0`` but that starts
@@ -180,7 +181,7 @@ def unreplicate(tree: PyTree) -> PyTree:
 # --------------------------------------------------------------------------- shard
 
 
-def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
+def shard(batch: PyTree, n: int | None = None) -> PyTree:
     """Splits the leading batch axis of every leaf: ``(B, ...)`` -> ``(n, B // n, ...)``.
 
     Instance ``i`` of a pmap with ``in_axes=0`` then sees rows ``i*B/n .. (i+1)*B/n - 1``
@@ -211,11 +212,15 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
         >>> shard({"x": torch.zeros(10, 3)}, n=4)
         Traceback (most recent call last):
         ...
-        ValueError: shard: batch['x'] has 10 rows along its leading (batch) axis (shape (10, 3)), which do not split evenly into n=4 instances (10 % 4 = 2). Use a batch size that is a multiple of 4 (8 or 12, say), or drop the last incomplete batch.
+        ValueError: shard: batch['x'] has 10 rows along its leading (batch) axis (shape (10, 3)), which do not
+        split evenly into n=4 instances (10 % 4 = 2). Use a batch size that is a multiple of 4 (8 or 12, say), or
+        drop the last incomplete batch.
         >>> shard({"x": torch.zeros(8, 3), "y": torch.zeros(12)}, n=4)
         Traceback (most recent call last):
         ...
-        ValueError: shard: the leaves of batch have different batch sizes (their leading axes), so each would be split its own way: batch['x'] has 8 rows (shape (8, 3)), batch['y'] has 12 rows (shape (12,)). Every leaf must hold the same examples along axis 0: slice them to one batch size.
+        ValueError: shard: the leaves of batch have different batch sizes (their leading axes), so each would be
+        split its own way: batch['x'] has 8 rows (shape (8, 3)), batch['y'] has 12 rows (shape (12,)). Every leaf
+        must hold the same examples along axis 0: slice them to one batch size.
     """
     n = _instances(n, "shard")
     seen: list[tuple[pytree.KeyPath, int, tuple[int, ...]]] = []
@@ -276,13 +281,13 @@ def unshard(tree: PyTree) -> PyTree:
 _BATCH, _END, _ERROR = "batch", "end", "error"
 
 
-def _prefetch_target(n: int) -> Optional[torch.device]:
+def _prefetch_target(n: int) -> torch.device | None:
     """The one torch device that the ``n`` instances of a default pmap run on, if there is one."""
     targets = {d.torch_device for d in _devices.local_devices()[:n]}
     return targets.pop() if len(targets) == 1 else None
 
 
-def _put(q: "queue.Queue[tuple[str, Any]]", item: tuple[str, Any], stop: threading.Event) -> bool:
+def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading.Event) -> bool:
     """Puts ``item`` unless the consumer has gone away; False if it has."""
     while not stop.is_set():
         try:
@@ -293,7 +298,7 @@ def _put(q: "queue.Queue[tuple[str, Any]]", item: tuple[str, Any], stop: threadi
     return False
 
 
-def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: Optional[int] = None) -> Iterator[PyTree]:
+def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: int | None = None) -> Iterator[PyTree]:
     """Shards upcoming batches and moves them to the device in a background thread.
 
     While the training step runs on the current batch, a producer thread takes the next
@@ -331,13 +336,15 @@ def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: Optional[in
         [[2.0, 2.0], [2.0, 2.0]] (2, 2)
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"prefetch_to_device: size must be a positive int (how many batches to keep ready), got {size!r}")
+        raise ValueError(
+            f"prefetch_to_device: size must be a positive int (how many batches to keep ready), got {size!r}"
+        )
     n = _instances(n, "prefetch_to_device")
     return _prefetch(iter(iterator), size, n, _prefetch_target(n))
 
 
-def _prefetch(source: Iterator[PyTree], size: int, n: int, device: Optional[torch.device]) -> Iterator[PyTree]:
-    ready: "queue.Queue[tuple[str, Any]]" = queue.Queue(maxsize=size)
+def _prefetch(source: Iterator[PyTree], size: int, n: int, device: torch.device | None) -> Iterator[PyTree]:
+    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=size)
     stop = threading.Event()
     copies = _CudaCopies(device) if device is not None and device.type == "cuda" else None
 
@@ -441,12 +448,12 @@ def _pair(batch: Any) -> tuple[Any, Any]:
 def data_parallel_step(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
-    model_inputs: Optional[Callable[[Any], Any]] = None,
-    grad_scaler: Optional[torch.amp.GradScaler] = None,
+    model_inputs: Callable[[Any], Any] | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
     axis_name: Hashable = "batch",
-    devices: Optional[Sequence[Any]] = None,
+    devices: Sequence[Any] | None = None,
     jit: bool | Mapping[str, Any] = False,
     randomness: str = "different",
     has_aux: bool = False,
@@ -573,18 +580,22 @@ def data_parallel_step(
             "data-parallel guide)."
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"data_parallel_step: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"data_parallel_step: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
     if not callable(loss_fn):
         raise TypeError(f"data_parallel_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     Tensors = dict[str, torch.Tensor]
 
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise TypeError(f"data_parallel_step: grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+        raise TypeError(
+            f"data_parallel_step: grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}"
+        )
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
 
     def instance_step(
-        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: Optional[torch.Tensor]
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
 
@@ -652,7 +663,9 @@ def data_parallel_step(
             batch = _pair(batch)
         leaves = pytree.tree_leaves(batch)
         if not leaves or not isinstance(leaves[0], (torch.Tensor, ShardedTensor)):
-            raise TypeError("data_parallel_step: the batch holds no tensors; shard it first, e.g. torchpmap.training.shard(batch)")
+            raise TypeError(
+                "data_parallel_step: the batch holds no tensors; shard it first, e.g. torchpmap.training.shard(batch)"
+            )
         n = leaves[0].shape[0]
         named = dict(model.named_parameters())
         params = {k: p.detach() for k, p in named.items() if p.requires_grad}
@@ -664,7 +677,7 @@ def data_parallel_step(
             scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
         grads, loss, buffer_change, counters, aux = p_step(params, frozen, per_instance, other, batch, scale)
         with torch.no_grad():
-            for k, p in params.items():
+            for k in params:
                 if k not in grads:  # the loss does not reach it: no gradient, as after loss.backward()
                     if optimizer is not None:
                         named[k].grad = None
@@ -748,7 +761,8 @@ def _reached(loss: torch.Tensor, params: Mapping[str, torch.Tensor]) -> list[str
         detached = not isinstance(loss, torch.Tensor) or loss.grad_fn is None
         raise ValueError(
             "data_parallel_step: the loss does not depend on any of the model's parameters that require grad "
-            f"({len(params)} of them){' (it carries no autograd graph: detached, or made from plain numbers)' if detached else ''}, "
+            f"({len(params)} of "
+            f"them){' (it carries no autograd graph: detached, or made from plain numbers)' if detached else ''}, "
             "so the step could not change the model. Compute the loss from the model's output (do not .detach() "
             "it or call .item()), and check that the parameters you train have requires_grad=True."
         )

@@ -55,7 +55,7 @@ exchange).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Hashable, Optional, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ class Piece:
     """
 
     name: str
-    rows: Optional[tuple[int, int]] = None
+    rows: tuple[int, int] | None = None
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """This piece of ``t`` (the parameter, or its gradient): a view."""
@@ -139,12 +139,12 @@ class GradientMean:
         bucket_bytes: the size of a bucket after the first (default ``config.bucket_bytes``).
     """
 
-    def __init__(self, axis_name: Hashable, bucket_bytes: Optional[int] = None):
+    def __init__(self, axis_name: Hashable, bucket_bytes: int | None = None):
         self.axis_name = axis_name
         self.bucket_bytes = config.bucket_bytes if bucket_bytes is None else bucket_bytes
         #: the buckets, once watched across processes: names, in the order they start
         self.buckets: list[list[str]] = []
-        self._sums: Optional[OrderedSums] = None
+        self._sums: OrderedSums | None = None
         self._arrived: list[dict[Piece, torch.Tensor]] = []
         self._pieces: dict[str, int] = {}  # how many pieces of each parameter the buckets hold
         self._averaging = False

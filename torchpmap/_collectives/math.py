@@ -7,13 +7,12 @@ user-facing argument checks live in :mod:`torchpmap._collectives.public`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
 from torchpmap._collectives.binding import InputKind, Primitive
 
-Groups = Optional[tuple[tuple[int, ...], ...]]
+Groups = tuple[tuple[int, ...], ...] | None
 
 
 def _group_ids(groups: Groups, device: torch.device) -> torch.Tensor:

@@ -13,15 +13,16 @@ math, but across devices or processes they travel in one exchange per axis.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from torchpmap._collectives.binding import bind_many
+from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter, Pvary
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state.axis_env import AxisFrame
 from torchpmap._state.compile_guard import refuse_under_compile
-from torchpmap._collectives.binding import bind_many
-from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter, Pvary
 from torchpmap._state.torch_private import pytree
 
 AxisNames = Any  # a name or a tuple of names
@@ -86,7 +87,9 @@ def _check_groups(groups: Any, frames: list[AxisFrame], what: str, equal_sizes: 
     if groups is None:
         return None
     if len(frames) != 1:
-        raise NotImplementedError(f"{what}: axis_index_groups works with a single axis name, got {_axis_phrase(frames)}")
+        raise NotImplementedError(
+            f"{what}: axis_index_groups works with a single axis name, got {_axis_phrase(frames)}"
+        )
     n = frames[0].size
     try:
         normalized = tuple(tuple(_index(i) for i in g) for g in groups)
@@ -192,7 +195,8 @@ def _extremum(x, axis_name, axis_index_groups, op: str, what: str):
         for t in ts:
             if t.is_complex():
                 raise TypeError(
-                    f"{what}: complex values have no order, so there is no {'maximum' if what == 'pmax' else 'minimum'} of {t.dtype} values; take the "
+                    f"{what}: complex values have no order, so there is no "
+                    f"{'maximum' if what == 'pmax' else 'minimum'} of {t.dtype} values; take the "
                     f"{what} of their .abs() or of .real and .imag separately"
                 )
         return _reduce(ts, frames, lambda f: Pextremum(f, op=op, groups=groups))
@@ -244,7 +248,9 @@ def all_gather(
 
     def position(t: torch.Tensor) -> int:
         if tiled and t.dim() == 0:
-            raise ValueError("all_gather: tiled=True needs a value of rank at least 1 to concatenate along; got a scalar")
+            raise ValueError(
+                "all_gather: tiled=True needs a value of rank at least 1 to concatenate along; got a scalar"
+            )
         return _normalize_dim(axis, t.dim() if tiled else t.dim() + 1, "all_gather", "axis")
 
     def gather(ts: list[torch.Tensor]) -> Leaves:
@@ -275,7 +281,9 @@ def psum_scatter(x: Any, axis_name: AxisNames, *, scatter_dimension: int = 0, ti
 
     def dimension(t: torch.Tensor) -> int:
         if t.dim() == 0:
-            raise ValueError(f"psum_scatter: needs a value of rank at least 1 to scatter over {_axis_phrase(frames)}; got a scalar")
+            raise ValueError(
+                f"psum_scatter: needs a value of rank at least 1 to scatter over {_axis_phrase(frames)}; got a scalar"
+            )
         dim = _normalize_dim(scatter_dimension, t.dim(), "psum_scatter", "scatter_dimension")
         size = t.shape[dim]
         if not tiled and size != n:
@@ -310,12 +318,18 @@ def _check_perm(perm: Any, n: int, frames: list[AxisFrame]) -> tuple[tuple[int, 
         raise TypeError(f"ppermute: perm must be a sequence of (source, destination) pairs, got {perm!r}") from None
     for s, d in pairs:
         if not (0 <= s < n and 0 <= d < n):
-            raise ValueError(f"ppermute: pair ({s}, {d}) in perm is out of range for {_axis_phrase(frames)}: indices must be in 0..{n - 1}")
+            raise ValueError(
+                f"ppermute: pair ({s}, {d}) in perm is out of range for {_axis_phrase(frames)}: indices must be in "
+                f"0..{n - 1}"
+            )
     for role, idx in (("source", 0), ("destination", 1)):
         seen = [p[idx] for p in pairs]
         dups = sorted({i for i in seen if seen.count(i) > 1})
         if dups:
-            raise ValueError(f"ppermute: perm sends {'from' if idx == 0 else 'to'} {role} index {dups[0]} more than once: {perm!r}. Each {role} may appear at most once.")
+            raise ValueError(
+                f"ppermute: perm sends {'from' if idx == 0 else 'to'} {role} index {dups[0]} more than once: "
+                f"{perm!r}. Each {role} may appear at most once."
+            )
     return pairs
 
 
@@ -363,7 +377,9 @@ def pshuffle(x: Any, axis_name: AxisNames, perm: Sequence[int]) -> Any:
     frames = _frames(axis_name, "pshuffle")
     n = _total_size(frames)
     if sorted(int(p) for p in perm) != list(range(n)):
-        raise ValueError(f"pshuffle: perm={list(perm)!r} must be a permutation of 0..{n - 1}, the indices of {_axis_phrase(frames)}")
+        raise ValueError(
+            f"pshuffle: perm={list(perm)!r} must be a permutation of 0..{n - 1}, the indices of {_axis_phrase(frames)}"
+        )
     return ppermute(x, axis_name, [(int(src), dst) for dst, src in enumerate(perm)])
 
 

@@ -141,7 +141,9 @@ def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
                         folded[k] = _instances_first(values[k], batched.get(k), size).flatten(0, 1).contiguous()
                 if isinstance(mask, torch.Tensor):
                     batch = folded["query"].shape[0] // size
-                    folded["attn_bias"] = _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(0, 1)
+                    folded["attn_bias"] = _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(
+                        0, 1
+                    )
                 outs = [o if o is None else o.unflatten(0, (size, -1)) for o in op(**folded)]
         return tuple(o if o is None else private.add_batch_dim(o, 0, level) for o in outs)
 

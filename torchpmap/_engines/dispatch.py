@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ _CANNOT_VECTORIZE = (
 )
 
 
-def _cannot_vectorize(failure: BaseException) -> Optional[str]:
+def _cannot_vectorize(failure: BaseException) -> str | None:
     """The first line of ``failure`` (or of its cause) when it says vmap cannot run the program."""
     seen: set[int] = set()
     while failure is not None and id(failure) not in seen:
@@ -70,7 +69,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             with batching_fixes.fixed():
                 return _run_vectorized(call)
         return _run_vectorized(call)
-    except Exception as failure:  # noqa: BLE001 - re-raised unless vmap is what failed
+    except Exception as failure:
         why = _cannot_vectorize(failure)
         outermost = not any(f.vectorized for f in _axis_env.current_frames())
         if why is None and outermost and _names_no_instance(failure):
@@ -78,7 +77,11 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         if why is None or call.vmap_fallback is None or not outermost:
             raise
         call.vmap_fallback.reason = why
-        logger.info("pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on", call.axis_name, why)
+        logger.info(
+            "pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on",
+            call.axis_name,
+            why,
+        )
         warnings.warn(
             f"torch.func.vmap cannot run the function mapped over axis {call.axis_name!r} ({why}), so its instances "
             "run one at a time from now on (same results, slower; with several devices they still meet at "
@@ -120,7 +123,7 @@ def _raise_naming_the_instance(call: MappedCall, failure: Exception) -> None:
     first = (str(failure).strip().splitlines() or [""])[0]
     try:
         one_at_a_time.run(call)
-    except Exception as exact:  # noqa: BLE001 - the instance's own error is the one to see
+    except Exception as exact:
         if hasattr(exact, "add_note"):
             exact.add_note(
                 f"torchpmap: found by running the instances one at a time, after their vectorized run raised "
@@ -131,8 +134,8 @@ def _raise_naming_the_instance(call: MappedCall, failure: Exception) -> None:
     if hasattr(failure, "add_note"):
         failure.add_note(
             f"torchpmap: raised while instances 0..{call.size - 1} ran as one vectorized program (on {where}); run one "
-            "at a time, every instance succeeds, so torch.func.vmap is what failed: with torchpmap.disable_vectorization() "
-            "the function runs that way"
+            "at a time, every instance succeeds, so torch.func.vmap is what failed: with "
+            "torchpmap.disable_vectorization() the function runs that way"
         )
     raise failure
 
@@ -156,7 +159,8 @@ def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
 def _log_engine(call: MappedCall, engine: str) -> None:
     if logger.isEnabledFor(logging.DEBUG):  # the hot path pays for the level check only
         where = "where the inputs are" if call.devices is None else ", ".join(map(str, call.devices))
-        logger.debug("map over axis %r: %d instances on %s, engine: %s", call.axis_name, call.size, where, engine)  # eager, or jit=True inside a transform: part of the enclosing computation
+        # eager, or jit=True inside a transform: part of the enclosing computation
+        logger.debug("map over axis %r: %d instances on %s, engine: %s", call.axis_name, call.size, where, engine)
 
 
 def _warn_not_compiled(call: MappedCall, why: str) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -82,7 +82,7 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
-def _call(g: torch.fx.Graph, target: Callable[..., object], args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
+def _call(g: torch.fx.Graph, target: Callable[..., object], args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
     """A new ``call_function`` node, with the ``val`` of its result (from its arguments'
     fake values, as the trace records it) when they all have one: a later rewrite reads
     shapes from it."""
@@ -91,12 +91,12 @@ def _call(g: torch.fx.Graph, target: Callable[..., object], args: tuple, kwargs:
         values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
         try:
             node.meta["val"] = target(*values[0], **values[1])
-        except Exception:  # e.g. values of two fake modes: the node goes without, and rewrites skip it
+        except Exception:  # noqa: BLE001 - e.g. values of two fake modes: the node goes without, rewrites skip it
             pass
     return node
 
 
-def _summed_bmm(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+def _summed_bmm(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """(the bmm, the views from it to ``node``) when ``node`` is a plain sum over dim 0 of
     a bmm's result; None otherwise."""
     if node.op != "call_function" or node.target is not aten.sum.dim_IntList:
@@ -203,7 +203,7 @@ def split_sliced_products(graph: torch.fx.GraphModule) -> int:
     return split
 
 
-def _slice_range(s: torch.fx.Node) -> Optional[tuple[int, int, int]]:
+def _slice_range(s: torch.fx.Node) -> tuple[int, int, int] | None:
     """(dim, start, stop) of a step-1 ``aten.slice.Tensor`` node, normalized; None otherwise."""
     x, dim, start, end, step = (list(s.args) + [0, None, None, 1][len(s.args) - 1 :])[:5]
     if step != 1 or "val" not in x.meta:
@@ -217,7 +217,7 @@ def _slice_range(s: torch.fx.Node) -> Optional[tuple[int, int, int]]:
 
 def _sliced_product(
     value: torch.fx.Node, s: torch.fx.Node
-) -> Optional[tuple[torch.fx.Node, list[tuple[torch.fx.Node, int]], int, tuple[int, int]]]:
+) -> tuple[torch.fx.Node, list[tuple[torch.fx.Node, int]], int, tuple[int, int]] | None:
     """For slice ``s`` of ``value``: the product that ``value`` comes from, the ops from
     the product to ``value`` (each with the dim of its result that the slice runs along),
     the product's dim that the slice runs along and the slice's range; None when
@@ -251,7 +251,7 @@ def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     return all(stop <= start for (_, stop), (start, _) in zip(ordered, ordered[1:]))
 
 
-def _dim_before(view: torch.fx.Node, dim: int) -> Optional[int]:
+def _dim_before(view: torch.fx.Node, dim: int) -> int | None:
     """The dim of ``view``'s input that its result's ``dim`` is (None if none is)."""
     rank = len(_shape(view))
     if view.target is aten.transpose.int:
@@ -272,7 +272,9 @@ def _dim_before(view: torch.fx.Node, dim: int) -> Optional[int]:
     return big_before[big_after.index(dim)]
 
 
-def _replay_sliced(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node, dim: int, length: int) -> torch.fx.Node:
+def _replay_sliced(
+    g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node, dim: int, length: int
+) -> torch.fx.Node:
     """``view`` applied to ``value``, whose dim (of ``view``'s input) that maps to the
     result's ``dim`` now has ``length`` entries."""
     if view.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
@@ -328,8 +330,8 @@ def start_exchanges_early(graph: torch.fx.GraphModule) -> bool:
                 rank[n] = k
                 stack.extend(n.all_input_nodes)
     after: dict[torch.fx.Node, list[torch.fx.Node]] = {n: list(n.all_input_nodes) for n in nodes}
-    last_ordered: Optional[torch.fx.Node] = None
-    barrier: Optional[torch.fx.Node] = None
+    last_ordered: torch.fx.Node | None = None
+    barrier: torch.fx.Node | None = None
     since_barrier: list[torch.fx.Node] = []
     for n in nodes:
         if _writes(n):  # everything before it stays before, everything after stays after

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -66,7 +66,9 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
     if parent is None:
         return None
     if axis is not None and axis in parent.coords:
-        raise ValueError(f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name")
+        raise ValueError(
+            f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name"
+        )
     if private.current_vmap_level() != parent.outer_level:
         raise NotImplementedError(
             f"{what} over axis {axis!r}: it is nested in a map whose instances run vectorized, or in a torch.func "
@@ -76,7 +78,9 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
     return parent
 
 
-def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.Lock | None = None) -> list:
+def run(
+    call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.Lock | None = None
+) -> list:
     """Runs ``call`` in ``count`` threads, ``call.size / count`` instances each."""
     axis = call.axis_name if call.axis_name is not None else object()  # an unnamed axis still has coordinates
     k = call.size // count
@@ -110,7 +114,13 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
 
 
 def _run_single(
-    call: MappedCall, state: _ThreadState, enclosing: tuple, axis: Hashable, offset: int, axis_size: int, seed: int | None
+    call: MappedCall,
+    state: _ThreadState,
+    enclosing: tuple,
+    axis: Hashable,
+    offset: int,
+    axis_size: int,
+    seed: int | None,
 ) -> list:
     """One instance on this device, without a vmap level (see module docstring): the frame
     of its axis is recorded for maps nested in it, and a nested mesh pmap's result stays

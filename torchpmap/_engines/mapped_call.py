@@ -9,7 +9,8 @@ back, and :class:`VmapFallback` what the engines remember about a function betwe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -29,7 +30,7 @@ class CompiledPrograms(Protocol):
         call: MappedCall,
         signature: Hashable,
         engine: Engine = ...,
-        traced_engine: Optional[Engine] = None,
+        traced_engine: Engine | None = None,
         may_retry: Callable[[Exception], bool] = ...,
     ) -> list[torch.Tensor]:
         """Runs ``call`` through the program for ``signature``, tracing it on first sight."""
@@ -76,18 +77,18 @@ class MappedCall:
     mapped: Sequence[torch.Tensor]
     in_dims: Sequence[int]
     broadcast: Sequence[Any]
-    axis_name: Optional[Hashable]
+    axis_name: Hashable | None
     size: int
     randomness: str
-    devices: Optional[Sequence[Device]]
-    must_be_unmapped: Optional[Callable[[], dict[int, str]]] = None
-    mesh: Optional[Mesh] = None
-    programs: Optional[CompiledPrograms] = None
+    devices: Sequence[Device] | None
+    must_be_unmapped: Callable[[], dict[int, str]] | None = None
+    mesh: Mesh | None = None
+    programs: CompiledPrograms | None = None
     signature: Hashable = None
-    output_layout: "OutputLayout" = dataclasses.field(default_factory=lambda: OutputLayout())
-    vmap_fallback: Optional["VmapFallback"] = None
+    output_layout: OutputLayout = dataclasses.field(default_factory=lambda: OutputLayout())
+    vmap_fallback: VmapFallback | None = None
     vma: bool = False
-    program: Optional[tuple[int, str]] = None
+    program: tuple[int, str] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -109,7 +110,7 @@ class OutputLayout:
     def record(self, spec: Any, leaves: int, none_leaves: dict[int, None]) -> None:
         self.spec, self.leaves, self.none_leaves = spec, leaves, none_leaves
 
-    def copy_from(self, other: "OutputLayout") -> None:
+    def copy_from(self, other: OutputLayout) -> None:
         self.record(other.spec, other.leaves, other.none_leaves)
 
 
@@ -123,4 +124,4 @@ class VmapFallback:
             after which its instances run one at a time; None while vmap can run it.
     """
 
-    reason: Optional[str] = None
+    reason: str | None = None

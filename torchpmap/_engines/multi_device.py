@@ -11,22 +11,23 @@ import contextlib
 import contextvars
 import dataclasses
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from torchpmap._state import context as _context
-from torchpmap._placement import devices as _devices
-from torchpmap._state import torch_private as private
-from torchpmap._state.config import config
-from torchpmap._placement.devices import Device
 from torchpmap._engines import module_guard, vectorized
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
 from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.workers import pool
+from torchpmap._placement import devices as _devices
+from torchpmap._placement.devices import Device
 from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state import context as _context
+from torchpmap._state import torch_private as private
+from torchpmap._state.config import config
 
 
 def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.Tensor:
@@ -89,8 +90,8 @@ def check_outputs_agree(per_device: Sequence[Sequence[torch.Tensor]], devices: S
             if out.dtype != first.dtype or out.shape[1:] != first.shape[1:]:
                 raise ValueError(
                     f"pmap: output {k} differs between devices: {devices[0]} returns {first.dtype} with per-instance "
-                    f"shape {tuple(first.shape[1:])}, {devices[d]} returns {out.dtype} with shape {tuple(out.shape[1:])}. "
-                    "Every instance must return outputs of the same shape and dtype."
+                    f"shape {tuple(first.shape[1:])}, {devices[d]} returns {out.dtype} with shape "
+                    f"{tuple(out.shape[1:])}. Every instance must return outputs of the same shape and dtype."
                 )
 
 
@@ -123,7 +124,9 @@ def run_threads(
     module_guard.install()
     try:
         with _context.shared_forward_ad():
-            futures = [pool.submit(lambda body=body: _context.run_in_copy(context, lambda: in_turn(body))) for body in bodies]
+            futures = [
+                pool.submit(lambda body=body: _context.run_in_copy(context, lambda: in_turn(body))) for body in bodies
+            ]
             with rendezvous.passing_turn() if nested else contextlib.nullcontext():
                 return collect(futures, devices, k)
     finally:

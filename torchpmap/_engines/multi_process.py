@@ -21,7 +21,7 @@ Which processes form the axis:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,7 +41,7 @@ active = pg.active
 _WORLD = object()  # the key of a pmap over all processes in _context.process_axes
 
 
-def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
+def _plan(call: MappedCall) -> tuple[ProcessExchange | None, Any]:
     """The exchange for this call and its key in the running stack; None to run locally."""
     st = pg.state()
     mesh, name, enclosing = call.mesh, call.axis_name, _context.process_axes.get()

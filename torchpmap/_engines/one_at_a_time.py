@@ -23,7 +23,9 @@ def run(call: MappedCall) -> list:
     if call.devices is None:  # vmap: where the inputs are
         first = next((t for t in call.mapped), None)
         here = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-        placed = [next((d for d in _devices.local_devices() if d.torch_device == here), Device(here.type, here.index or 0))]
+        placed = [
+            next((d for d in _devices.local_devices() if d.torch_device == here), Device(here.type, here.index or 0))
+        ]
     else:
         placed = list(call.devices)
     per_device = call.size // len(placed)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Hashable, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,11 +78,11 @@ class ProcessExchange:
     call: int = 0
     local_size: int = 0
     axis_name: Hashable = None
-    program: Optional[tuple[int, str]] = None
+    program: tuple[int, str] | None = None
     transfers: int = 0
-    pending: Optional["_Agreement"] = None
-    posted: Optional["_Posted"] = None
-    posted_result: Optional[list[torch.Tensor]] = None
+    pending: _Agreement | None = None
+    posted: _Posted | None = None
+    posted_result: list[torch.Tensor] | None = None
 
     #: A reduction sends each process' own partial result, not all its instances' values
     #: (see torchpmap._collectives.binding.run_owning): traffic independent of the local size.
@@ -112,7 +113,7 @@ class ProcessExchange:
         layout = _Layout.of(ts)
         return layout.unpack(self._transfer("gather" if partial else "gather-all", what, layout, ts))
 
-    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor] | None:
         """For each ``ts[k]`` (this process' partial sum): the sum over the processes, by one
         all-reduce per dtype, the same bits in every process; None when ``ts`` is too small
         for that to pay (see :func:`~torchpmap._engines.process_exchange_rules.sums_by_all_reduce`):
@@ -134,7 +135,7 @@ class ProcessExchange:
         self._transfer("sum", what, _Layout.of(ts), None)
         return _start_all_reduce(ts, self.group, f"{what} across {self.label}").wait_flat()
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> "OrderedSums":
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> OrderedSums:
         """Sums over the processes that start later: one per group of tensors (only their
         shapes and dtypes are read here), each as soon as its values exist, always in
         group order (see :class:`OrderedSums`).
@@ -182,7 +183,7 @@ class ProcessExchange:
     # ------------------------------------------------------------------ the agreement check
 
     def _transfer(
-        self, kind: str, what: str, layout: Optional[_Layout], ts: Optional[Sequence[torch.Tensor]]
+        self, kind: str, what: str, layout: _Layout | None, ts: Sequence[torch.Tensor] | None
     ) -> torch.Tensor:
         """Moves ``ts`` (packed by ``layout``; a scatter's have one row per process) once every
         process' header agrees (see :mod:`torchpmap._engines.process_agreement`); returns the
@@ -196,10 +197,10 @@ class ProcessExchange:
         self,
         kind: str,
         what: str,
-        layout: Optional[_Layout],
-        ts: Optional[Sequence[torch.Tensor]],
-        riding: Optional["_Agreement"] = None,
-    ) -> "_Posted":
+        layout: _Layout | None,
+        ts: Sequence[torch.Tensor] | None,
+        riding: _Agreement | None = None,
+    ) -> _Posted:
         """The first half of :meth:`_transfer`: starts the collective that carries the
         headers (and the payload, when the transfer was announced). The digest also
         covers ``riding``'s tensors: sums that start later, agreed on here."""
@@ -212,7 +213,9 @@ class ProcessExchange:
             what = f"{what}, agreeing on {riding.what}"
             shapes, dtypes = shapes + riding.layout.shapes, dtypes + riding.layout.dtypes
         digest = agreement.digest_of(kind, what, shapes, dtypes, self.program[0] if self.program else 0)
-        mine = agreement.Header(digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest))
+        mine = agreement.Header(
+            digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest)
+        )
         device = ts[0].device if ts else st.local_device.torch_device
         posted = _Posted(kind, what, layout, ts, riding, mine, form, device, f"{what} across {self.label}", chain)
         if chain.announced is None:  # two rounds: the headers alone, now
@@ -224,7 +227,7 @@ class ProcessExchange:
             self._start_round(renegotiate, None, None, chain.announced, device, posted)
         return posted
 
-    def _finish(self, p: "_Posted") -> torch.Tensor:
+    def _finish(self, p: _Posted) -> torch.Tensor:
         """The second half of :meth:`_transfer`: waits, compares the headers (raising on
         every process alike if they differ) and, when the headers travelled alone, moves
         the payload."""
@@ -249,11 +252,11 @@ class ProcessExchange:
     def _start_round(
         self,
         header: agreement.Header,
-        layout: Optional[_Layout],
-        ts: Optional[Sequence[torch.Tensor]],
+        layout: _Layout | None,
+        ts: Sequence[torch.Tensor] | None,
         form: agreement.Form,
         device: torch.device,
-        posted: "_Posted",
+        posted: _Posted,
     ) -> None:
         """Starts one round of ``form``: every process' header, and its payload (zeros
         without ``ts``). Every process' header arrives in ``posted.headers``, its payload
@@ -288,7 +291,7 @@ class ProcessExchange:
         received, posted.work = self._start_collective(send, scatter)
         posted.headers, posted.received, posted.header_work = received[:, :h], received[:, h:], None
 
-    def _wait_round(self, p: "_Posted") -> list[agreement.Header]:
+    def _wait_round(self, p: _Posted) -> list[agreement.Header]:
         """Waits for a round's headers (a host wait: no device synchronisation) and reads
         them. The payload's collective, if it travels apart, is waited for (the device
         ordered after it) by :meth:`_finish`."""
@@ -300,8 +303,8 @@ class ProcessExchange:
 
     def _payload(
         self,
-        layout: Optional[_Layout],
-        ts: Optional[Sequence[torch.Tensor]],
+        layout: _Layout | None,
+        ts: Sequence[torch.Tensor] | None,
         form: agreement.Form,
         device: torch.device,
         label: str,
@@ -334,8 +337,8 @@ class ProcessExchange:
         chain: agreement.Chain,
         kind: str,
         what: str,
-        layout: Optional[_Layout],
-        riding: Optional["_Agreement"] = None,
+        layout: _Layout | None,
+        riding: _Agreement | None = None,
     ) -> None:
         """Raises, on every process alike, unless every header agrees with ``mine``."""
         if all(h.agrees_with(mine) for h in headers):
@@ -355,7 +358,7 @@ class ProcessExchange:
             f"{pg.state().rank}). Split the global batch evenly over the processes."
         )
 
-    def _mismatch(self, headers: list[agreement.Header], told: list[str], in_step: bool) -> "ExchangeMismatch":
+    def _mismatch(self, headers: list[agreement.Header], told: list[str], in_step: bool) -> ExchangeMismatch:
         ranks, st = self._ranks(), pg.state()
         by_text: dict[str, list[int]] = {}
         for r, text in zip(ranks, told):
@@ -481,7 +484,9 @@ class OrderedSums:
         if k < len(self.started) or k in self.ready:
             return
         if [(t.shape, t.dtype) for t in ts] != self.expected[k]:
-            raise RuntimeError(f"torchpmap: internal error: part {k + 1} of {self.label} is not what the processes agreed on")
+            raise RuntimeError(
+                f"torchpmap: internal error: part {k + 1} of {self.label} is not what the processes agreed on"
+            )
         if not self.started:
             self.exchange.settle_posted()  # every process agreed before the first sum starts
         self.ready[k] = list(ts)
@@ -509,9 +514,9 @@ def _explain(
     header: agreement.Header,
     kind: str,
     what: str,
-    layout: Optional[_Layout],
-    riding: Optional["_Agreement"] = None,
-    program: Optional[tuple[int, str]] = None,
+    layout: _Layout | None,
+    riding: _Agreement | None = None,
+    program: tuple[int, str] | None = None,
 ) -> str:
     """How an error names one side: the collective, the tensors (and those of the sums
     agreed on with it), the call and its program."""
@@ -524,7 +529,7 @@ def _explain(
     return f"called {what}{sent} (exchange {header.transfer} of pmap call #{header.call}{of})"
 
 
-def _describe_tensors(layout: "_Layout", at_most: int = 4) -> str:
+def _describe_tensors(layout: _Layout, at_most: int = 4) -> str:
     """``float32[1, 4], int64[1]`` (and how many more)."""
     named = [f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in zip(layout.shapes, layout.dtypes)]
     more = len(named) - at_most
@@ -552,17 +557,17 @@ class _Posted:
 
     kind: str
     what: str
-    layout: Optional["_Layout"]
-    ts: Optional[Sequence[torch.Tensor]]
-    riding: Optional["_Agreement"]
+    layout: _Layout | None
+    ts: Sequence[torch.Tensor] | None
+    riding: _Agreement | None
     mine: agreement.Header
     form: agreement.Form
     device: torch.device
     label: str
     chain: agreement.Chain
-    received: Optional[torch.Tensor] = None
+    received: torch.Tensor | None = None
     work: Any = None
-    headers: Optional[torch.Tensor] = None
+    headers: torch.Tensor | None = None
     header_work: Any = None
 
 
@@ -576,7 +581,7 @@ class _Agreement:
     """
 
     what: str
-    layout: "_Layout"
+    layout: _Layout
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
@@ -607,7 +612,7 @@ def headers_on_host(group: Any) -> bool:
     return known
 
 
-_host_headers: dict[Optional[int], bool] = {}
+_host_headers: dict[int | None, bool] = {}
 _host_headers_of: list[Any] = [None]  # the process state the answers belong to
 
 
@@ -628,7 +633,7 @@ class _Layout:
     row: int
 
     @classmethod
-    def of(cls, ts: Sequence[torch.Tensor]) -> "_Layout":
+    def of(cls, ts: Sequence[torch.Tensor]) -> _Layout:
         align = max(t.element_size() for t in ts)
         offsets, nbytes, end = [], [], 0
         for t in ts:
@@ -664,7 +669,9 @@ class _Layout:
         for shape, dtype, start, n in zip(self.shapes, self.dtypes, self.offsets, self.nbytes):
             t = buffer[:, start : start + n].view(dtype).reshape(m, *shape)
             # one row (a group of one process) is contiguous already: contiguous() would not copy
-            out.append(t.clone(memory_format=torch.contiguous_format) if apart and t.is_contiguous() else t.contiguous())
+            out.append(
+                t.clone(memory_format=torch.contiguous_format) if apart and t.is_contiguous() else t.contiguous()
+            )
         return out
 
 

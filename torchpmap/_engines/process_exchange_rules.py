@@ -8,7 +8,7 @@ sums (:func:`by_dtype`, :func:`split_flat`), and the transpose of gathering ever
 process' slice (:func:`transpose_gather`)."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -52,16 +52,16 @@ def differentiable(t: torch.Tensor) -> bool:
 
 
 def transpose_gather(
-    grads: Sequence[Optional[torch.Tensor]],
+    grads: Sequence[torch.Tensor | None],
     floats: Sequence[bool],
     scatter_sum: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
-) -> list[Optional[torch.Tensor]]:
+) -> list[torch.Tensor | None]:
     """The gradients of a gather's inputs, given its outputs' cotangents ``grads`` (zeros
     where an output got none): the cotangents of the inputs marked in ``floats`` only, whose
     dtypes (the same in every process) decide the layout, summed across processes by
     ``scatter_sum`` in one transfer; None for the others."""
     sent = [k for k, ok in enumerate(floats) if ok]
-    out: list[Optional[torch.Tensor]] = [None] * len(grads)
+    out: list[torch.Tensor | None] = [None] * len(grads)
     if sent:
         for k, g in zip(sent, scatter_sum([grads[k] for k in sent])):
             out[k] = g

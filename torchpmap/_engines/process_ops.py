@@ -21,14 +21,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
+from torchpmap._engines.process_exchange_rules import (
+    by_dtype,
+    differentiable,
+    split_flat,
+    sums_by_all_reduce,
+    transpose_gather,
+)
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
-
-from torchpmap._engines.process_exchange_rules import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
 
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
 _live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
@@ -47,7 +53,7 @@ class TracedExchange:
 
     key: int
     size: int
-    pending: list["TracedOrderedSums"] = dataclasses.field(default_factory=list)
+    pending: list[TracedOrderedSums] = dataclasses.field(default_factory=list)
 
     starts_sums = True  # as ops of the graph, where the trace met them (gradient buckets: in the backward)
     reduces_locally = True  # as the ProcessExchange it stands in for
@@ -56,13 +62,13 @@ class TracedExchange:
         self.agree_pending()  # the eager exchange settles before any other transfer, too
         return list(torch.ops.torchpmap.gather_processes(list(ts), self.key, self.size, what, partial))
 
-    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor] | None:
         if not sums_by_all_reduce(ts):  # decided as the eager exchange decides: they meet in the same collectives
             return None
         self.agree_pending()
         return split_flat(ts, torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional["TracedOrderedSums"]:
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> TracedOrderedSums | None:
         """The ops of :meth:`ProcessExchange.sums_in_order`: the agreement (with the
         gather of :meth:`TracedOrderedSums.also_gather`, or alone before the first sum
         starts), each group's sum where the trace starts it, its wait where the trace
@@ -106,7 +112,7 @@ class TracedOrderedSums:
     parts: list[int]
     what: str
     expected: list[list[tuple[torch.Size, torch.dtype]]]
-    token: Optional[torch.Tensor] = None
+    token: torch.Tensor | None = None
     posted: list[torch.Tensor] = dataclasses.field(default_factory=list)
     started: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     waited: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -143,8 +149,13 @@ class TracedOrderedSums:
             # bucket before it has started the others), and after ``after`` (inductor
             # would otherwise compute what only the outputs need at the very end)
             (flat,) = torch.ops.torchpmap.wait_sums(
-                self.started[k], [*self.started.values(), *after], self.exchange.key, k, sum(shape.numel() for shape, _ in shapes),
-                shapes[0][1], divisor,
+                self.started[k],
+                [*self.started.values(), *after],
+                self.exchange.key,
+                k,
+                sum(shape.numel() for shape, _ in shapes),
+                shapes[0][1],
+                divisor,
             )
         self.waited[:] = [flat]
         return [piece.view(shape) for piece, (shape, _) in zip(flat.split([s.numel() for s, _ in shapes]), shapes)]
@@ -202,7 +213,7 @@ def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.differentiable = [differentiable(t) for t in ts]
 
 
-def _zeros_where_none(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+def _zeros_where_none(ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """A float output that got no gradient sends zeros: every process packs the same layout."""
     return [
         torch.zeros(shape, dtype=dtype, device=device) if g is None and ok else g
@@ -210,7 +221,7 @@ def _zeros_where_none(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> list
     ]
 
 
-def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+def _gather_backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple:
     given = _zeros_where_none(ctx, grads)
     scatter = lambda gs: torch.ops.torchpmap.scatter_sum_processes(gs, ctx.key, ctx.what)  # noqa: E731
     return transpose_gather(given, ctx.differentiable, scatter), None, None, None, None
@@ -237,7 +248,7 @@ def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.differentiable = [differentiable(t) for t in ts]
 
 
-def _sum_backward(ctx: Any, flat_grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+def _sum_backward(ctx: Any, flat_grads: Sequence[torch.Tensor | None]) -> tuple:
     # the inputs' shapes and dtypes, without their memory: all that by_dtype and split_flat read
     blanks = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in ctx.blanks]
     flat_grads = [  # an output that got no gradient sends zeros: every process sums the same layout
@@ -297,7 +308,9 @@ def _post_gather(
 
 
 @_post_gather.register_fake
-def _(ts: list[torch.Tensor], sums: list[torch.Tensor], key: int, what: str, sums_what: str, parts: list[int]) -> torch.Tensor:
+def _(
+    ts: list[torch.Tensor], sums: list[torch.Tensor], key: int, what: str, sums_what: str, parts: list[int]
+) -> torch.Tensor:
     return sums[0].new_empty(0)
 
 
@@ -310,7 +323,9 @@ def _posted_gather(
 
 
 @_posted_gather.register_fake
-def _(token: torch.Tensor, like: list[torch.Tensor], after: list[torch.Tensor], key: int, size: int) -> list[torch.Tensor]:
+def _(
+    token: torch.Tensor, like: list[torch.Tensor], after: list[torch.Tensor], key: int, size: int
+) -> list[torch.Tensor]:
     return [token.new_empty((size, *t.shape), dtype=t.dtype) for t in like]
 
 

@@ -6,8 +6,9 @@ scheduling. Each thread instead gets its own stream, seeded from one draw of the
 generator (so ``torch.manual_seed`` makes a whole pmap reproducible); the mode swaps the
 thread's state into the default generator around each random op, under a lock. Other ops
 pass straight through and run concurrently. Under ``randomness="error"`` the mode refuses
-random ops; ``"per_instance"`` streams are :mod:`torchpmap._engines.random_per_instance`'s. (Forward-mode AD, which PyTorch keeps per process, is shared by the
-device threads of a call: see :func:`torchpmap._state.context.shared_forward_ad`.)
+random ops; ``"per_instance"`` streams are :mod:`torchpmap._engines.random_per_instance`'s.
+(Forward-mode AD, which PyTorch keeps per process, is shared by the device threads of a
+call: see :func:`torchpmap._state.context.shared_forward_ad`.)
 """
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 

@@ -7,7 +7,8 @@ that collectives can find this axis' vmap level (see :mod:`torchpmap._collective
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def run(
     *,
     offset: int = 0,
     axis_size: int | None = None,
-    exchange: Optional[_axis_env.Exchange] = None,
+    exchange: _axis_env.Exchange | None = None,
     seed: int | None = None,
 ) -> list[torch.Tensor]:
     """Runs all ``call.size`` instances vectorized on one device.
@@ -88,7 +89,9 @@ def run(
     # thread's vmap level and cannot travel to other device threads.
     previous = _devices.current_default()
     if previous is None:
-        _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu")))
+        _devices.set_current_default(
+            tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu"))
+        )
     inputs, in_dims = (mapped, call.in_dims) if token is None else ((token, *mapped), (0, *call.in_dims))
     def marked(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
         try:
@@ -163,7 +166,10 @@ def run_one(
                 outputs = call.body(slices, broadcast)
     finally:
         _devices.set_current_default(previous)
-    return [o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0) for o in outputs]
+    return [
+        o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0)
+        for o in outputs
+    ]
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}

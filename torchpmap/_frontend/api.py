@@ -7,24 +7,25 @@ The machinery is in :mod:`torchpmap._frontend.call` (arguments and axes),
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 from torchpmap._frontend.call import MapOptions, MappedFunction, _as_int_tuple
 from torchpmap._frontend.shard_map import AnyMesh, ShardMapOptions, ShardMapped
 
 
 def pmap(
-    fun: Optional[Callable] = None,
-    axis_name: Optional[Hashable] = None,
+    fun: Callable | None = None,
+    axis_name: Hashable | None = None,
     *,
     in_axes: Any = 0,
     out_axes: Any = 0,
     static_broadcasted_argnums: int | Sequence[int] = (),
-    devices: Optional[Sequence[Any]] = None,
-    axis_size: Optional[int] = None,
+    devices: Sequence[Any] | None = None,
+    axis_size: int | None = None,
     donate_argnums: int | Sequence[int] = (),
     randomness: str = "different",
-    mesh: Optional[Any] = None,
+    mesh: Any | None = None,
     jit: bool | Mapping[str, Any] = False,
 ) -> Callable:
     """Parallel map: runs ``fun`` once per slice of the mapped axis, as a single program
@@ -129,7 +130,9 @@ def pmap(
         static_argnums=statics,
         donate_argnums=donated,
         # a single device (a string, a Device) is kept as it is, for the error that says so
-        devices=devices if devices is None or isinstance(devices, str) or not hasattr(devices, "__iter__") else tuple(devices),
+        devices=devices
+        if devices is None or isinstance(devices, str) or not hasattr(devices, "__iter__")
+        else tuple(devices),
         mesh=mesh,
         jit=jit,
     )
@@ -137,13 +140,13 @@ def pmap(
 
 
 def vmap(
-    fun: Optional[Callable] = None,
+    fun: Callable | None = None,
     in_axes: Any = 0,
     out_axes: Any = 0,
-    axis_name: Optional[Hashable] = None,
+    axis_name: Hashable | None = None,
     randomness: str = "error",
     *,
-    axis_size: Optional[int] = None,
+    axis_size: int | None = None,
     jit: bool | Mapping[str, Any] = False,
 ) -> Callable:
     """Vectorizing map with named-axis collectives, like ``jax.vmap(..., axis_name=...)``.
@@ -182,7 +185,7 @@ def vmap(
 
 
 def shard_map(
-    fun: Optional[Callable] = None,
+    fun: Callable | None = None,
     *,
     mesh: AnyMesh,
     in_specs: Any,

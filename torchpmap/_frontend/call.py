@@ -10,7 +10,8 @@ import dataclasses
 import functools
 import hashlib
 import inspect
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,14 +38,14 @@ class MapOptions:
     """Everything about a mapped function except the function itself."""
 
     kind: str  # "pmap" or "vmap"
-    axis_name: Optional[Hashable]
+    axis_name: Hashable | None
     in_axes: Any
     out_axes: Any
     randomness: str
-    axis_size: Optional[int] = None
+    axis_size: int | None = None
     static_argnums: tuple[int, ...] = ()
     donate_argnums: tuple[int, ...] = ()
-    devices: Optional[tuple[Any, ...]] = None
+    devices: tuple[Any, ...] | None = None
     mesh: Any = None
     jit: Any = False  # False, True, or keyword arguments for torch.compile
     # shard_map's check_vma: out_axes=None checked as vmap checks it (OutputVaries if the output
@@ -75,7 +76,11 @@ def check_options(opts: MapOptions) -> None:
     except TypeError:
         raise TypeError(
             f"{what}: axis_name must be hashable (a string, usually), got {opts.axis_name!r}"
-            + (f"; for one axis write axis_name={opts.axis_name[0]!r}" if isinstance(opts.axis_name, list) and len(opts.axis_name) == 1 else "")
+            + (
+                f"; for one axis write axis_name={opts.axis_name[0]!r}"
+                if isinstance(opts.axis_name, list) and len(opts.axis_name) == 1
+                else ""
+            )
         ) from None
     if opts.randomness not in _RANDOMNESS:
         raise ValueError(f"{what}: randomness must be one of {_RANDOMNESS}, got {opts.randomness!r}")
@@ -138,25 +143,25 @@ class _OutPlan:
     """How the outputs of one output structure are stacked: each leaf's out axis (with
     its key path, for messages), and the keys when the output is a plain dict of leaves."""
 
-    axes: list[tuple[Optional[int], str]]
-    dict_keys: Optional[tuple[Any, ...]]
+    axes: list[tuple[int | None, str]]
+    dict_keys: tuple[Any, ...] | None
 
 
-def _keys_of_flat_dict(tree: Any) -> Optional[tuple[Any, ...]]:
+def _keys_of_flat_dict(tree: Any) -> tuple[Any, ...] | None:
     """The keys of ``tree`` when it is a plain dict whose values are leaves, else None."""
     if type(tree) is not dict or any(not pytree.tree_is_leaf(v) for v in tree.values()):
         return None
     return tuple(tree)
 
 
-def _shallow_flatten(args: tuple) -> Optional[tuple[list[torch.Tensor], tuple[Optional[tuple[str, ...]], ...]]]:
+def _shallow_flatten(args: tuple) -> tuple[list[torch.Tensor], tuple[tuple[str, ...] | None, ...]] | None:
     """Positional arguments that are tensors, or dicts of tensors keyed by strings (a
     model's parameters), flattened without a pytree pass, in pytree's order: the leaves
     and the structure (``None`` for a tensor, a dict's keys in order). None for anything
     else. A call's own cost, paid on every call: pytree's pass takes several times longer.
     """
     leaves: list[torch.Tensor] = []
-    shape: list[Optional[tuple[str, ...]]] = []
+    shape: list[tuple[str, ...] | None] = []
     for arg in args:
         kind = type(arg)
         if kind is torch.Tensor:
@@ -180,7 +185,7 @@ class _Flat:
 
     leaves: list[Any]
     layout: list[tuple[Any, str]]  # each leaf's (axis, label for messages)
-    spec: Optional[pytree.TreeSpec]  # None: the arguments are just positional tensors
+    spec: pytree.TreeSpec | None  # None: the arguments are just positional tensors
     structure: Hashable  # the arguments' structure: what the leaf axes depend on
     mapped_slots: list[int]
     in_dims: list[int]
@@ -191,7 +196,10 @@ def _at_path(spec: Any, k: int) -> str:
     """`` at <key path>`` of leaf ``k`` of an output with pytree ``spec`` ('' for a lone leaf)."""
     if spec.num_leaves == 1:
         return ""
-    paths = [pytree.keystr(path) for path, _ in pytree.tree_leaves_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))]
+    paths = [
+        pytree.keystr(path)
+        for path, _ in pytree.tree_leaves_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))
+    ]
     return f" at {paths[k]}"
 
 
@@ -205,16 +213,18 @@ class MappedFunction:
         check_options(opts)
         self.fun, self.opts = fun, opts
         # argument structure -> (leaf axes, the structure's number, its pytree spec)
-        self._layouts: dict[Any, tuple[list[tuple[Any, str]], int, Optional[pytree.TreeSpec]]] = {}
+        self._layouts: dict[Any, tuple[list[tuple[Any, str]], int, pytree.TreeSpec | None]] = {}
         self._out_layouts: dict[Any, _OutPlan] = {}  # output structure -> how to stack it
-        self._last_out_plan: Optional[tuple[Any, _OutPlan]] = None  # the last one, by identity
+        self._last_out_plan: tuple[Any, _OutPlan] | None = None  # the last one, by identity
         self._vmap_fallback = VmapFallback()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
         self._program = program_of(fun, opts) if opts.kind == "pmap" else None
         functools.update_wrapper(self, fun, updated=())
 
     def __repr__(self) -> str:
-        return f"<{self.opts.kind} of {getattr(self.fun, '__qualname__', self.fun)!r}, axis_name={self.opts.axis_name!r}>"
+        return (
+            f"<{self.opts.kind} of {getattr(self.fun, '__qualname__', self.fun)!r}, axis_name={self.opts.axis_name!r}>"
+        )
 
     def __get__(self, obj, objtype=None):  # so that a decorated method binds self
         return self if obj is None else functools.partial(self, obj)
@@ -319,8 +329,8 @@ class MappedFunction:
             except TypeError:
                 raise ValueError(
                     f"pmap: static broadcasted argument {pos} ({self._arg_label(pos)}) must be hashable, but got "
-                    f"{type(args[pos]).__name__}: {args[pos]!r}. Pass a hashable value (a tuple instead of a list, say), "
-                    f"or pass it as a regular argument with in_axes None."
+                    f"{type(args[pos]).__name__}: {args[pos]!r}. Pass a hashable value (a tuple instead of a list, "
+                    "say), or pass it as a regular argument with in_axes None."
                 ) from None
             statics[pos] = args[pos]
         return statics
@@ -351,7 +361,7 @@ class MappedFunction:
 
     def _flatten(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> _Flat:
         shallow = None if kwargs else _shallow_flatten(dyn_args)
-        spec: Optional[pytree.TreeSpec]
+        spec: pytree.TreeSpec | None
         if shallow is not None:  # the common cases need no pytree pass
             leaves, shape = shallow
             key: Any = ("shallow", shape, tuple(statics), len(args))
@@ -462,7 +472,7 @@ class MappedFunction:
             raise ValueError(f"{what}: axis_size={axis_size} was given, but the mapped arguments have size {size}")
         return size
 
-    def _mesh(self) -> Optional[_mesh.Mesh]:
+    def _mesh(self) -> _mesh.Mesh | None:
         """The mesh this call maps over, if its axis name is a mesh axis."""
         if self.opts.kind != "pmap":
             return None
@@ -470,10 +480,13 @@ class MappedFunction:
         if mesh is None or self.opts.axis_name not in mesh.axis_names:
             return None
         if self.opts.devices is not None:
-            raise ValueError(f"pmap over mesh axis {self.opts.axis_name!r}: the mesh places the instances, so devices= cannot be given too")
+            raise ValueError(
+                f"pmap over mesh axis {self.opts.axis_name!r}: the mesh places the instances, so devices= cannot be "
+                "given too"
+            )
         return mesh
 
-    def _devices_for(self, size: int, mesh: Optional[_mesh.Mesh]) -> tuple[_devices.Device, ...]:
+    def _devices_for(self, size: int, mesh: _mesh.Mesh | None) -> tuple[_devices.Device, ...]:
         if mesh is not None:
             return tuple(mesh.devices.flat)
         devs = _devices.resolve(self.opts.devices)
@@ -490,7 +503,8 @@ class MappedFunction:
     # ------------------------------------------------------------------ outputs
 
     def _flatten_output(self, out: Any, layout: OutputLayout) -> list[torch.Tensor]:
-        if type(out) is torch.Tensor and out.layout is torch.strided and not out.is_nested:  # the common case: no pytree pass
+        # the common case: no pytree pass
+        if type(out) is torch.Tensor and out.layout is torch.strided and not out.is_nested:
             layout.record(_LEAF_SPEC, 1, _NO_NONES)
             return [out]
         leaves, spec = pytree.tree_flatten(out)
@@ -498,7 +512,9 @@ class MappedFunction:
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, (torch.Tensor, ShardedTensor)):
                 if (leaf.layout is not torch.strided or leaf.is_nested) and self.opts.kind == "pmap":
-                    self._refuse_kind(leaf, f"the mapped function returned output leaf {k}{_at_path(spec, k)}", output=True)
+                    self._refuse_kind(
+                        leaf, f"the mapped function returned output leaf {k}{_at_path(spec, k)}", output=True
+                    )
                 tensors.append(leaf)
             elif isinstance(leaf, (bool, int, float, complex, np.ndarray, np.generic)):
                 tensors.append(torch.as_tensor(leaf))
@@ -534,7 +550,8 @@ class MappedFunction:
 
     def _stack_outputs(self, outputs: list[torch.Tensor], layout: OutputLayout) -> Any:
         spec, constants = layout.spec, layout.none_leaves
-        if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:  # one tensor, stacked where the engine put it
+        # one tensor, stacked where the engine put it
+        if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:
             return outputs[0]
         plan = self._out_plan(layout)
         result, it = [], iter(outputs)
@@ -548,7 +565,7 @@ class MappedFunction:
             return dict(zip(plan.dict_keys, result))
         return pytree.tree_unflatten(result, spec)
 
-    def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: Optional[int], path: str) -> Any:
+    def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: int | None, path: str) -> Any:
         if axis is None:
             return t[0]
         rank = t.dim()

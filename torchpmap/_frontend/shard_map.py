@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -92,7 +93,9 @@ def check_options(opts: ShardMapOptions) -> None:
                 )
             _check_spec_axes(spec, mesh, where)
     if not isinstance(opts.jit, (bool, Mapping)):
-        raise TypeError(f"shard_map: jit must be True, False or a dict of torch.compile keyword arguments, got {opts.jit!r}")
+        raise TypeError(
+            f"shard_map: jit must be True, False or a dict of torch.compile keyword arguments, got {opts.jit!r}"
+        )
 
 
 def _check_spec_axes(spec: PartitionSpec | None, mesh: AnyMesh, where: str) -> None:
@@ -241,7 +244,9 @@ class ShardMapped:
             axis = names[level]
             in_axes = tuple(0 if axis in axes else None for axes in leaf_axes)
             out_axes = pytree.tree_map(
-                lambda spec, axis=axis: 0 if spec is not None and axis in spec.axes() else None, out_specs, is_leaf=is_spec
+                lambda spec, axis=axis: 0 if spec is not None and axis in spec.axes() else None,
+                out_specs,
+                is_leaf=is_spec,
             )
             if isinstance(mesh, ProcessMesh):  # one position per process: a local portion of one
                 placement: dict[str, Any] = {"mesh": mesh}

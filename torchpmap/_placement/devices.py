@@ -13,7 +13,8 @@ devices agree to rounding, not bitwise).
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,9 @@ def _local_devices() -> tuple[Device, ...]:
     if torch.cuda.is_available():
         extra = env_value("TORCHPMAP_EXTRA_CPU_DEVICES", int, "an integer >= 0", 0)
         if not 0 <= extra <= _MAX_CPU_DEVICES:
-            raise ValueError(f"environment variable TORCHPMAP_EXTRA_CPU_DEVICES={extra} must be between 0 and {_MAX_CPU_DEVICES}")
+            raise ValueError(
+                f"environment variable TORCHPMAP_EXTRA_CPU_DEVICES={extra} must be between 0 and {_MAX_CPU_DEVICES}"
+            )
         cuda = tuple(Device("cuda", i) for i in range(torch.cuda.device_count()))
         return cuda + tuple(Device("cpu", i) for i in range(extra))
     count = at_least_one("TORCHPMAP_NUM_CPU_DEVICES", 1)
@@ -129,7 +132,8 @@ def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
         )
     if isinstance(requested, (str, Device, torch.device)):
         raise TypeError(
-            f"pmap: devices must be a list of devices, got the single device {requested!r}; write devices=[{requested!r}]"
+            f"pmap: devices must be a list of devices, got the single device {requested!r}; write "
+            f"devices=[{requested!r}]"
         )
     # A pmap resolves the same devices= at every call: remember the answer for this set
     # of known devices (compared by identity: a re-initialization makes new ones).

@@ -10,7 +10,8 @@ spec: a DTensor holding one is reduced first.
 from __future__ import annotations
 
 import math
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 

@@ -7,7 +7,8 @@ mesh row, over ``"data"`` among one column.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,10 @@ class Mesh:
         if unknown or missing:
             problems = []
             if unknown:
-                problems.append(f"{', '.join(map(repr, unknown))} {'is not an axis' if len(unknown) == 1 else 'are not axes'} of this mesh")
+                problems.append(
+                    f"{', '.join(map(repr, unknown))} {'is not an axis' if len(unknown) == 1 else 'are not axes'} of "
+                    "this mesh"
+                )
             if missing:
                 problems.append(f"no index was given for {', '.join(map(repr, missing))}")
             raise KeyError(
@@ -93,13 +97,13 @@ class Mesh:
             i = coords.get(a, 0)
             if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -size <= i < size:
                 raise IndexError(
-                    f"Mesh.device_at: the index for axis {a!r} must be an int in 0..{size - 1} (or -{size}..-1 from the "
-                    f"end): the mesh has {size} device(s) along it (shape {self.shape}); got {i!r}"
+                    f"Mesh.device_at: the index for axis {a!r} must be an int in 0..{size - 1} (or -{size}..-1 from "
+                    f"the end): the mesh has {size} device(s) along it (shape {self.shape}); got {i!r}"
                 )
             index.append(int(i))
         return self.devices[tuple(index)]
 
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> Mesh:
         # per context (and so per thread): another thread's pmaps never see this mesh
         self._tokens.append(_context.active_meshes.set(_context.active_meshes.get() + (self,)))
         return self

@@ -91,7 +91,9 @@ class ShardedTensor(torch.Tensor):
 
     def devices(self) -> list[Device]:
         """The devices that hold the data, in shard order (a nested shard's, row-major)."""
-        return [d for s in self.shards for d in (s.tensor.devices() if isinstance(s.tensor, ShardedTensor) else [s.device])]
+        return [
+            d for s in self.shards for d in (s.tensor.devices() if isinstance(s.tensor, ShardedTensor) else [s.device])
+        ]
 
     def gather(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
         """``gather(device=None)``: all shards concatenated into one plain tensor on
@@ -216,7 +218,9 @@ def _wrap(shards: list[Shard], dim: int) -> ShardedTensor:
     first = shards[0].tensor
     sizes = list(first.shape)
     sizes[dim] = sum(s.tensor.shape[dim] for s in shards)
-    out = private.make_wrapper_subclass(ShardedTensor, sizes, dtype=first.dtype, device=first.device, requires_grad=False)
+    out = private.make_wrapper_subclass(
+        ShardedTensor, sizes, dtype=first.dtype, device=first.device, requires_grad=False
+    )
     out.shards, out.shard_dim = shards, dim
     return out
 
@@ -248,7 +252,9 @@ def _checked_shards(shards: Any, dim: Any) -> tuple[list[Shard], int]:
             "shard at least one dim (t.unsqueeze(0) for one value per shard)"
         )
     if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
-        raise ValueError(f"ShardedTensor: dim={dim!r} is not a dim of shards of rank {rank} (shape {tuple(first.shape)})")
+        raise ValueError(
+            f"ShardedTensor: dim={dim!r} is not a dim of shards of rank {rank} (shape {tuple(first.shape)})"
+        )
     dim %= rank
     trailing = lambda t: (*t.shape[:dim], "*", *t.shape[dim + 1 :])  # noqa: E731
     for k, (_, t) in enumerate(pairs[1:], start=1):
@@ -258,7 +264,10 @@ def _checked_shards(shards: Any, dim: Any) -> tuple[list[Shard], int]:
             ("rank", t.dim(), rank),
         ):
             if mine != theirs:
-                raise ValueError(f"ShardedTensor: shard {k} has {what} {mine}, shard 0 has {theirs}; every shard must have the same {what}")
+                raise ValueError(
+                    f"ShardedTensor: shard {k} has {what} {mine}, shard 0 has {theirs}; every shard must have the same "
+                    f"{what}"
+                )
         if trailing(t) != trailing(first):
             raise ValueError(
                 f"ShardedTensor: shard {k} has shape {tuple(t.shape)}, shard 0 has {tuple(first.shape)}; the shards "
@@ -405,7 +414,9 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 def _concatenated(st: ShardedTensor, device: torch.device) -> torch.Tensor:
     """The shards' data in one plain tensor on ``device``, outside autograd."""
     with torch.no_grad():
-        parts = [_concatenated(s.tensor, device) if isinstance(s.tensor, ShardedTensor) else s.tensor for s in st.shards]
+        parts = [
+            _concatenated(s.tensor, device) if isinstance(s.tensor, ShardedTensor) else s.tensor for s in st.shards
+        ]
         return torch.cat([p.detach().to(device) for p in parts], st.shard_dim)
 
 
@@ -424,8 +435,11 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
         return []
     values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
     return [
-        v for a in schema.arguments
-        if a.alias_info is not None and a.alias_info.is_write and isinstance(v := values.get(a.name), (ShardedTensor, ShardedView))
+        v
+        for a in schema.arguments
+        if a.alias_info is not None
+        and a.alias_info.is_write
+        and isinstance(v := values.get(a.name), (ShardedTensor, ShardedView))
     ]
 
 
@@ -506,7 +520,9 @@ class ShardedView(torch.Tensor):
     __torch_function__ = private.disabled_torch_function
 
     @staticmethod
-    def __new__(cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor) -> "ShardedView":
+    def __new__(
+        cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor
+    ) -> ShardedView:
         out = private.make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
             device=base.device, requires_grad=False,
@@ -525,7 +541,9 @@ class ShardedView(torch.Tensor):
     def materialized(self, device: torch.device | None = None) -> torch.Tensor:
         """Its value now, a plain tensor on ``device`` (default: its own), differentiable."""
         target = torch.device(device) if device is not None else self.device
-        return torch.as_tensor(self * 1 if self.requires_grad and torch.is_grad_enabled() else _materialized(self)).to(target)
+        return torch.as_tensor(self * 1 if self.requires_grad and torch.is_grad_enabled() else _materialized(self)).to(
+            target
+        )
 
     def numpy(self, *, force: bool = False) -> Any:
         return _materialized(self).cpu().numpy()

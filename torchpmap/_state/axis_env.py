@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Hashable, Iterator, Optional, Protocol, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 
@@ -65,14 +66,14 @@ class Exchange(Protocol):
         The gradient of ``ts[k]`` is the sum of every slice's cotangent for this slice's entry."""
         ...
 
-    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor] | None:
         """For each ``ts[k]`` (this slice's partial sum): the sum over the slices, the same
         bits in every slice; or None, and the caller gathers the partials instead (this
         exchange does not sum on its own, or not tensors this small). The gradient of a
         partial sum is the same sum of the cotangents."""
         ...
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional[OrderedSums]:
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> OrderedSums | None:
         """Sums that start later, one per group of tensors (only shapes and dtypes are
         read), so that computation can go on while the values travel; the slices agree
         on them before the first starts. None when it cannot sum these. Only where
@@ -108,7 +109,7 @@ class AxisFrame:
     token: torch.Tensor
     local_size: int
     offset: int = 0
-    exchange: Optional[Exchange] = None
+    exchange: Exchange | None = None
     vectorized: bool = True
     vma: bool = False
 

@@ -207,7 +207,8 @@ def listen_socket(host: str, port: int, *, single_node: bool) -> socket.socket |
         return None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's server: a restart may reuse the port at once
+        # as torch's server: a restart may reuse the port at once
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen()  # the store's server listens again, with its own backlog
         return sock

@@ -31,7 +31,8 @@ import importlib
 import inspect
 import threading
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -118,7 +119,7 @@ _is_wrapped = _bind("functorch_value", lambda: torch._C._functorch.is_functorch_
 _is_batched = _bind("functorch_value", lambda: torch._C._functorch.is_batchedtensor)
 
 
-def functorch_value(t: torch.Tensor, vmap_level: Optional[int] = None) -> tuple[torch.Tensor, Optional[int]]:
+def functorch_value(t: torch.Tensor, vmap_level: int | None = None) -> tuple[torch.Tensor, int | None]:
     """``(value, dim)``: the plain tensor behind ``t``, under its grad wrappers and, when
     ``vmap_level`` is given, the batching of that vmap level (``dim`` its batch dim, None
     when ``t`` is not batched there). Not differentiable: the value is outside the
@@ -189,7 +190,7 @@ _decompositions_loaded = False
 
 
 @functools.cache
-def cpu_flash_attention() -> Optional[tuple[Any, Any]]:
+def cpu_flash_attention() -> tuple[Any, Any] | None:
     """The (forward, backward) ops of the CPU flash attention that
     ``F.scaled_dot_product_attention`` runs on CPU, None when this torch has none.
 
@@ -394,7 +395,9 @@ def make_fx_real_inputs(fn: Callable[..., Any], **options: Any) -> Callable[...,
     return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, **options)
 
 
-def compile_graph(graph: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: dict[str, Any]) -> Callable[..., Any]:
+def compile_graph(
+    graph: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: dict[str, Any]
+) -> Callable[..., Any]:
     """Inductor's compilation of an aten-level graph, without TorchDynamo: a callable that
     takes the graph's inputs and returns its outputs (differentiable: AOTAutograd is
     inside). ``config`` patches ``torch._inductor.config`` for this compilation.
@@ -417,7 +420,7 @@ def compile_graph(graph: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     return compile_fx_graph(graph, list(example_inputs), options=dict(config))
 
 
-_value_dependent: Optional[tuple[type[BaseException], ...]] = None
+_value_dependent: tuple[type[BaseException], ...] | None = None
 
 
 def value_dependent_errors() -> tuple[type[BaseException], ...]:
@@ -598,7 +601,7 @@ def functorch_layers_cleared() -> Iterator[None]:
             push(layer)
 
 
-def innermost_vmap_level() -> Optional[int]:
+def innermost_vmap_level() -> int | None:
     """The level of the innermost vmap among the torch.func transforms in force (grad and
     jvp levels above it are skipped), or None.
 
@@ -730,7 +733,7 @@ def op_schema(op: Any) -> Any:
     return getattr(op, "_schema", None)
 
 
-def version_counter(t: torch.Tensor) -> Optional[int]:
+def version_counter(t: torch.Tensor) -> int | None:
     """``t._version``: how many in-place writes the memory of ``t`` has had (a count that
     every view of one tensor shares); None for a tensor that keeps no count (an inference
     tensor).
@@ -811,7 +814,9 @@ def _probe_functorch_value() -> None:
 
     torch.func.grad(f)(torch.ones(3))
     value, dim = seen[0]
-    _expect(type(value) is torch.Tensor and not _is_wrapped(value) and dim is None, "under a grad wrapper: a plain tensor")
+    _expect(
+        type(value) is torch.Tensor and not _is_wrapped(value) and dim is None, "under a grad wrapper: a plain tensor"
+    )
     _expect(value.data_ptr() != 0, "the plain value has storage")
 
     def g(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -950,7 +955,7 @@ def _probe_value_dependent_errors() -> None:
             make_fx_real_inputs(fn)(torch.ones(2))
         except errors:
             continue
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise AssertionError(f"a value-dependent trace raised {type(error).__name__}, not one of them") from error
         raise AssertionError("a value-dependent trace did not raise")
 
@@ -1184,7 +1189,9 @@ def _probe_version_counter() -> None:
     view = base[0]
     before = version_counter(base)
     view.add_(1)  # a write through a view moves the count of every view of the base
-    _expect(version_counter(base) == before + 1 == version_counter(view), "a write through a view moves the shared count")
+    _expect(
+        version_counter(base) == before + 1 == version_counter(view), "a write through a view moves the shared count"
+    )
     with torch.inference_mode():
         _expect(version_counter(torch.zeros(1)) is None, "an inference tensor has no count")
 
@@ -1334,7 +1341,7 @@ def check(*names: str) -> None:
         raise TorchPrivateError(failures[0][0], f"and {others} other entries failed their checks ({listing})")
 
 
-def changed(name: str) -> Optional[TorchPrivateError]:
+def changed(name: str) -> TorchPrivateError | None:
     """Whether torch changed the private API behind entry ``name``, for a feature that
     can go on without it (and then warns and turns itself off).
 
@@ -1351,5 +1358,10 @@ def changed(name: str) -> Optional[TorchPrivateError]:
     except Exception as error:  # noqa: BLE001 - inconclusive: the feature stays on
         from torchpmap._state.log import logger
 
-        logger.info("torch_private.%s: its probe could not run (%s: %s); the feature stays on", name, type(error).__name__, error)
+        logger.info(
+            "torch_private.%s: its probe could not run (%s: %s); the feature stays on",
+            name,
+            type(error).__name__,
+            error,
+        )
     return None

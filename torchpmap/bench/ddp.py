@@ -44,7 +44,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -67,9 +68,9 @@ def run_ddp_comparison(
     lr: float = 0.1,
     timeout: float = 600.0,
     jit: bool = False,
-    columns: Optional[Sequence[str]] = None,
+    columns: Sequence[str] | None = None,
     sizes: tuple[int, int, int] = (FEATURES, HIDDEN, CLASSES),
-    hosts: Optional[Callable[[int], Host]] = None,
+    hosts: Callable[[int], Host] | None = None,
     master_addr: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """Times a data-parallel training step under torchpmap and under DDP, in ``nproc`` processes.
@@ -206,7 +207,9 @@ def _worker(
         module = models[name]
         net = module
         if name == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+            net = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None
+            )
         opt = torch.optim.SGD(net.parameters(), lr=lr)
 
         def step(x, y):
@@ -268,14 +271,22 @@ def _worker(
     seconds = dict(zip(columns, stacked.tolist()))
     trained = [m for name, m in models.items() if name != "compute"]
     diff = max(
-        ((a.detach() - b.detach()).abs().max().item() for other in trained[1:] for a, b in zip(trained[0].parameters(), other.parameters())),
+        (
+            (a.detach() - b.detach()).abs().max().item()
+            for other in trained[1:]
+            for a, b in zip(trained[0].parameters(), other.parameters())
+        ),
         default=0.0,
     )
     if rank == 0:
         ms = lambda v: [round(t * 1e3, 4) for t in v]  # noqa: E731
         per_column = {}
         for name, samples in seconds.items():
-            per_column[name] = {"ms": statistics.median(samples) * 1e3, "iqr_ms": _iqr(samples) * 1e3, "all_ms": ms(samples)}
+            per_column[name] = {
+                "ms": statistics.median(samples) * 1e3,
+                "iqr_ms": _iqr(samples) * 1e3,
+                "all_ms": ms(samples),
+            }
             if "ddp" in seconds:
                 per_column[name]["ratio_to_ddp"] = statistics.median(a / b for a, b in zip(samples, seconds["ddp"]))
         result = {
@@ -284,7 +295,7 @@ def _worker(
             "warmup": warmup,
             "backend": str(dist.get_backend()),
             "device": str(device),
-            "model": "MLP {}-{}-{}-{}, cross-entropy, SGD(lr={})".format(sizes[0], sizes[1], sizes[1], sizes[2], lr),
+            "model": f"MLP {sizes[0]}-{sizes[1]}-{sizes[1]}-{sizes[2]}, cross-entropy, SGD(lr={lr})",
             "parameters": flat.numel(),
             "global_batch": nproc * batch_per_process,
             "instances_per_process": instances,
@@ -303,7 +314,7 @@ def _worker(
     tpd.shutdown()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="torchpmap vs DistributedDataParallel, data-parallel MLP step")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)

@@ -129,7 +129,7 @@ def sync_sites(sites: list[str]) -> Iterator[None]:
     previous = torch.cuda.get_sync_debug_mode()
     shown = warnings.showwarning
 
-    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+    def record(message, category, filename, lineno, file=None, line=None):
         if not str(message).startswith(SYNC_WARNING):  # e.g. the mode's own "prototype feature" note
             return shown(message, category, filename, lineno, file, line)
         stack = traceback.extract_stack()[:-1]
@@ -168,6 +168,6 @@ def unique(lines: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(lines))
 
 
-def main_guard(fn) -> None:  # noqa: ANN001
+def main_guard(fn) -> None:
     """Runs a program's ``main`` and exits with its status."""
     sys.exit(fn())
