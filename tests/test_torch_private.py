@@ -33,9 +33,11 @@ def _docstrings() -> dict[str, str]:
     for node, following in zip(body, body[1:] + [None]):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             docs[node.name] = ast.get_docstring(node) or ""
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-                docs[node.targets[0].id] = str(following.value.value)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            named = len(targets) == 1 and isinstance(targets[0], ast.Name)
+            if named and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[targets[0].id] = str(following.value.value)
     return docs
 
 

@@ -78,7 +78,7 @@ import uuid
 import warnings
 import zipfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -131,7 +131,7 @@ def _from_bytes(data: bytes) -> Any:
 
 def _rng_state() -> dict[str, Any]:
     """This process' random number generators, in types that ``torch.load(weights_only=True)`` reads."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state())  # legacy=True: the tuple
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -196,12 +196,12 @@ def _plain(value: Any) -> Any:
             out[k] = v
         return out
     if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
-        if all(a is b for a, b in zip(items, value)):
+        elems = [_plain(v) for v in value]
+        if all(a is b for a, b in zip(elems, value)):
             return value
         if isinstance(value, list):
-            return type(value)(items) if type(value) is not list else items
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            return type(value)(elems) if type(value) is not list else elems
+        return type(value)(*elems) if hasattr(value, "_fields") else type(value)(elems)
     return value
 
 
@@ -512,6 +512,7 @@ def load(
     if processes > 1:
         _agree(failure, processes, path, "could not load", "every process reads the checkpoint, so it must be on a "
                "file system they all see")
+    payload = cast(dict, payload)  # read, or a failure was raised (by _agree across processes)
     restore = _restore_all_or_nothing(payload, state, rng, rank, path, agree=processes > 1)
     if processes > 1:
         try:  # every process restored its objects, or every process puts them back
@@ -574,11 +575,13 @@ def _restore_all_or_nothing(
         try:
             put_back()
         except RuntimeError as also:
-            error.add_note(str(also))
-        error.add_note(
-            f"checkpoint.load: {where} failed while restoring {path}; the objects restored before it, it and the "
-            "random generators were put back as they were before the call"
-        )
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(str(also))
+        if hasattr(error, "add_note"):
+            error.add_note(
+                f"checkpoint.load: {where} failed while restoring {path}; the objects restored before it, it and the "
+                "random generators were put back as they were before the call"
+            )
         if agree:  # the others put theirs back too
             _agree(error, _world()[1], path, "could not restore the objects from",
                    "every process put its objects back as they were before the call")
@@ -724,6 +727,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, name: str, pa
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dry.load_state_dict(saved)
+            dry.load_state_dict(cast(dict, saved))
     except Exception as error:
         raise _refusal(optimizer, name, path, f"its load_state_dict refuses it: {_describe(error).strip()}") from error

@@ -292,7 +292,9 @@ class ShardedLoader:
             )
 
     @staticmethod
-    def _from_loader(loader: DataLoader, global_batch_size, shuffle, seed, processes: int):
+    def _from_loader(
+        loader: DataLoader, global_batch_size: int | None, shuffle: bool | None, seed: int | None, processes: int
+    ) -> tuple[Any, int, bool | None, int | None]:
         sampler = loader.sampler
         if loader.batch_size is None:
             raise TypeError(

@@ -101,7 +101,7 @@ import hashlib
 import math
 import os
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -305,7 +305,8 @@ def mesh(shape: Sequence[int], axis_names: Sequence[Hashable]) -> ProcessMesh:
 
     st = _pg.state()
     st.check_usable()
-    device_mesh = init_device_mesh(st.local_device.platform, shape, mesh_dim_names=axis_names)
+    names = cast("tuple[str, ...]", axis_names)  # torch types them as strings; any hashable works
+    device_mesh = init_device_mesh(st.local_device.platform, shape, mesh_dim_names=names)
     return ProcessMesh(device_mesh, axis_names)
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,8 +65,10 @@ from torchpmap._collectives.gradient_mean import GradientMean
 from torchpmap._collectives.public import pmean
 from torchpmap._frontend.api import pmap
 from torchpmap._placement import devices as _devices
+from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.torch_private import pytree
+from torchpmap._state.type_aliases import AxisName, PyTree, Randomness
 
 __all__ = [
     "replicate",
@@ -76,9 +78,6 @@ __all__ = [
     "prefetch_to_device",
     "data_parallel_step",
 ]
-
-PyTree = Any
-"""A nested structure of tuples, lists, dicts, namedtuples... with tensors at the leaves."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -298,7 +297,9 @@ def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading
     return False
 
 
-def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: int | None = None) -> Iterator[PyTree]:
+def prefetch_to_device(
+    iterator: Iterable[PyTree], size: int = 2, n: int | None = None
+) -> Generator[PyTree, None, None]:
     """Shards upcoming batches and moves them to the device in a background thread.
 
     While the training step runs on the current batch, a producer thread takes the next
@@ -343,7 +344,9 @@ def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: int | None 
     return _prefetch(iter(iterator), size, n, _prefetch_target(n))
 
 
-def _prefetch(source: Iterator[PyTree], size: int, n: int, device: torch.device | None) -> Iterator[PyTree]:
+def _prefetch(
+    source: Iterator[PyTree], size: int, n: int, device: torch.device | None
+) -> Generator[PyTree, None, None]:
     ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=size)
     stop = threading.Event()
     copies = _CudaCopies(device) if device is not None and device.type == "cuda" else None
@@ -420,7 +423,8 @@ class _CudaCopies:
 
 def _split_buffers(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The model's buffers: (floating point ones, the others such as counters)."""
-    floating, other = {}, {}
+    floating: dict[str, torch.Tensor] = {}
+    other: dict[str, torch.Tensor] = {}
     for name, b in model.named_buffers():
         (floating if b.is_floating_point() or b.is_complex() else other)[name] = b.detach()
     return floating, other
@@ -452,10 +456,10 @@ def data_parallel_step(
     *,
     model_inputs: Callable[[Any], Any] | None = None,
     grad_scaler: torch.amp.GradScaler | None = None,
-    axis_name: Hashable = "batch",
-    devices: Sequence[Any] | None = None,
+    axis_name: AxisName = "batch",
+    devices: Sequence[DeviceLike] | None = None,
     jit: bool | Mapping[str, Any] = False,
-    randomness: str = "different",
+    randomness: Randomness = "different",
     has_aux: bool = False,
 ) -> Callable[[PyTree], Any]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
@@ -682,9 +686,9 @@ def data_parallel_step(
                     if optimizer is not None:
                         named[k].grad = None
                     continue
-                g = grads[k].to(named[k].device)
-                if optimizer is None and named[k].grad is not None:
-                    named[k].grad.add_(g)  # accumulate, as loss.backward() does
+                g, grad = grads[k].to(named[k].device), named[k].grad
+                if optimizer is None and grad is not None:
+                    grad.add_(g)  # accumulate, as loss.backward() does
                 else:
                     named[k].grad = g
             for k, change in buffer_change.items():

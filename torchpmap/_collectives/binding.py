@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -183,12 +183,12 @@ class _Bind(torch.autograd.Function):
         )
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.prims, ctx.token = inputs[0], inputs[1]
         ctx.set_materialize_grads(False)  # a result that gets no gradient needs no transposed exchange
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         prim = ctx.prims[0]
         if not prim.frame.vectorized and private.current_vmap_level() is None:
             # plain autograd runs this node in one thread; the other devices' nodes would never meet it
@@ -200,11 +200,11 @@ class _Bind(torch.autograd.Function):
         return None, None, *_bind_given(ctx.prims, ctx.token, grads, _transposed)
 
     @staticmethod
-    def jvp(ctx, _prims_t, _token_t, *x_ts: torch.Tensor | None) -> Any:
+    def jvp(ctx: Any, _prims_t: Any, _token_t: Any, *x_ts: torch.Tensor | None) -> Any:
         return _single_or_tuple(_bind_given(ctx.prims, ctx.token, x_ts, _linear))
 
     @staticmethod
-    def vmap(info, in_dims, prims: _Prims, token: torch.Tensor, *xs: torch.Tensor):
+    def vmap(info: Any, in_dims: tuple, prims: _Prims, token: torch.Tensor, *xs: torch.Tensor) -> tuple[Any, Any]:
         token_dim, x_dims = in_dims[1], in_dims[2:]
         if token_dim is None:  # another level: pass its batch dims through as lead dims
             moved = tuple(x if d is None else x.movedim(d, 0) for x, d in zip(xs, x_dims))
@@ -236,7 +236,7 @@ def _bind_given(
     given = [k for k, v in enumerate(values) if v is not None]
     out: list[torch.Tensor | None] = [None] * len(values)
     if given:
-        results = _apply([derive(prims[k]) for k in given], token, [values[k] for k in given])
+        results = _apply([derive(prims[k]) for k in given], token, [cast(torch.Tensor, values[k]) for k in given])
         for k, result in zip(given, results):
             out[k] = result
     return tuple(out)

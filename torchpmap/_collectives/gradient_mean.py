@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 import torch
 
@@ -142,8 +143,8 @@ class GradientMean:
     def __init__(self, axis_name: Hashable, bucket_bytes: int | None = None):
         self.axis_name = axis_name
         self.bucket_bytes = config.bucket_bytes if bucket_bytes is None else bucket_bytes
-        #: the buckets, once watched across processes: names, in the order they start
-        self.buckets: list[list[str]] = []
+        #: the buckets, once watched across processes: pieces of parameters, in the order they start
+        self.buckets: list[list[Piece]] = []
         self._sums: OrderedSums | None = None
         self._arrived: list[dict[Piece, torch.Tensor]] = []
         self._pieces: dict[str, int] = {}  # how many pieces of each parameter the buckets hold
@@ -207,7 +208,8 @@ class GradientMean:
         if not self._averaging:
             raise RuntimeError("torchpmap: internal error: averages() without average_later()")
         prim = Psum(self._frame)
-        return [prim.compute(everyone.flatten(0, 1))[0] / self._frame.size for everyone in self._sums.gathered()]
+        sums = cast(OrderedSums, self._sums)  # average_later() started them
+        return [prim.compute(everyone.flatten(0, 1))[0] / self._frame.size for everyone in sums.gathered()]
 
     def _partial(self, grad: torch.Tensor) -> torch.Tensor:
         """This slice's sum of its instances' gradients (what pmean sends, too)."""
@@ -221,13 +223,15 @@ class GradientMean:
         """A parameter's gradient hook: each bucket holding a piece of it starts once all
         its pieces have arrived (each gradient arrives once, summed over its uses)."""
 
+        sums = cast(OrderedSums, self._sums)  # a hook is registered once the sums are agreed on
+
         def arrived(grad: torch.Tensor) -> None:
             partial = self._partial(grad)
             for i, piece in pieces:
                 got = self._arrived[i]
                 got[piece] = piece.of(partial)
                 if len(got) == len(self.buckets[i]):
-                    self._sums.start(i, [got.pop(p) for p in self.buckets[i]])
+                    sums.start(i, [got.pop(p) for p in self.buckets[i]])
 
         return arrived
 

@@ -402,7 +402,7 @@ class _GradientAudit(TorchDispatchMode):
         # tensors made in the trace by an op that eager autograd did not record
         self._unrecorded: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         recorded = torch.is_grad_enabled() or _has_own_autograd(func)
         written = _written_arguments(func)

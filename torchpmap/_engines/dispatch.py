@@ -34,7 +34,7 @@ _CANNOT_VECTORIZE = (
 )
 
 
-def _cannot_vectorize(failure: BaseException) -> str | None:
+def _cannot_vectorize(failure: BaseException | None) -> str | None:
     """The first line of ``failure`` (or of its cause) when it says vmap cannot run the program."""
     seen: set[int] = set()
     while failure is not None and id(failure) not in seen:

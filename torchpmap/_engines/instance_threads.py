@@ -79,12 +79,13 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
 
 
 def run(
-    call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.Lock | None = None
+    call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.RLock | None = None
 ) -> list:
     """Runs ``call`` in ``count`` threads, ``call.size / count`` instances each."""
     axis = call.axis_name if call.axis_name is not None else object()  # an unnamed axis still has coordinates
     k = call.size // count
     parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")
+    frames: tuple[_axis_env.AxisFrame, ...]
     if parent is None:
         rendezvous = Rendezvous(config.collective_timeout, baton or threading.RLock())
         path, coords, frames, outer_along = (object(),), {}, (), {}

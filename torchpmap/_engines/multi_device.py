@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -52,8 +53,8 @@ def slice_label(d: int, k: int, device: Device) -> str:
     return f"{which} (on device {device})"
 
 
-def run(call: MappedCall) -> list[ShardedTensor]:
-    devices = list(call.devices)
+def run(call: MappedCall) -> list[torch.Tensor]:
+    devices = list(cast("Sequence[Device]", call.devices))  # a pmap's
     k = call.size // len(devices)
     rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
     torch_devices = tuple(d.torch_device for d in devices)
@@ -67,7 +68,7 @@ def run(call: MappedCall) -> list[ShardedTensor]:
                 return vectorized.run_one(part, offset=d, axis_size=call.size, exchange=exchange, seed=seed)
             return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange, seed=seed)
 
-    per_device = run_threads([lambda d=d: one_device(d) for d in range(len(devices))], rendezvous, devices, k)
+    per_device = run_threads([functools.partial(one_device, d) for d in range(len(devices))], rendezvous, devices, k)
     check_outputs_agree(per_device, devices)
     if private.current_vmap_level() is not None:
         # a torch.func transform encloses the call: it carries tensors only (gathered on the first device)
@@ -125,7 +126,8 @@ def run_threads(
     try:
         with _context.shared_forward_ad():
             futures = [
-                pool.submit(lambda body=body: _context.run_in_copy(context, lambda: in_turn(body))) for body in bodies
+                pool.submit(functools.partial(_context.run_in_copy, context, functools.partial(in_turn, body)))
+                for body in bodies
             ]
             with rendezvous.passing_turn() if nested else contextlib.nullcontext():
                 return collect(futures, devices, k)
@@ -135,7 +137,7 @@ def run_threads(
 
 @contextlib.contextmanager
 def device_thread(
-    call: MappedCall, rendezvous: Rendezvous, seed: int, j: int, k: int, device: Device
+    call: MappedCall, rendezvous: Rendezvous, seed: int | None, j: int, k: int, device: Device
 ) -> Iterator[MappedCall]:
     """A device thread's set-up and tear-down for slice ``j`` (``k`` instances) of ``call``.
 

@@ -21,12 +21,12 @@ Which processes form the axis:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from torchpmap._engines import process_ops, vectorized
-from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.mapped_call import CompiledPrograms, MappedCall
 from torchpmap._engines.multi_device import runs_directly as _runs_directly
 from torchpmap._engines.process_exchange import ProcessExchange
 from torchpmap._placement.mesh import ProcessMesh
@@ -99,7 +99,8 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             pg.report_own_failure(e, f"pmap over axis {call.axis_name!r}")
             try:
                 e._torchpmap_reported = True  # type: ignore[attr-defined]
-                e.add_note(f"torchpmap: raised on rank {st.rank} of {st.world_size} (pmap call #{st.calls})")
+                note = f"torchpmap: raised on rank {st.rank} of {st.world_size} (pmap call #{st.calls})"
+                e.add_note(note)  # type: ignore[attr-defined]  # Python >= 3.11; else AttributeError below
             except AttributeError:
                 pass
         raise
@@ -122,7 +123,7 @@ def _run_compiled(part: MappedCall, exchange: ProcessExchange) -> list[torch.Ten
         with process_ops.tracing():
             return _run_slice(call, exchange, stand_in)
 
-    return part.programs.run(
+    return cast(CompiledPrograms, part.programs).run(  # jit=True: there are programs
         part,
         (part.signature, stand_in.key),
         engine=lambda call: _run_slice(call, exchange, exchange),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ from torchpmap._engines.process_exchange_rules import (
     transpose_gather,
 )
 from torchpmap._state import process_group as pg
+from torchpmap._state.axis_env import Exchange
 from torchpmap._state.faults import ExchangeMismatch, SizeMismatch
 
 
@@ -161,7 +162,7 @@ class ProcessExchange:
     def _wait_posted(self) -> None:
         if self.posted is not None:
             posted, self.posted = self.posted, None
-            self.posted_result = posted.layout.unpack(self._finish(posted))
+            self.posted_result = cast(_Layout, posted.layout).unpack(self._finish(posted))
 
     def settle_posted(self) -> None:
         """Waits for the posted gather, if any, checks every process' header and keeps its
@@ -207,11 +208,12 @@ class ProcessExchange:
         st = pg.state()
         chain = agreement.chain(st, self.group)
         self.transfers += 1
-        form = (agreement.KINDS[kind], 0 if ts is None else layout.row)
+        form = (agreement.KINDS[kind], 0 if ts is None else cast(_Layout, layout).row)
         shapes, dtypes = (None, None) if layout is None else (layout.shapes, layout.dtypes)
         if riding is not None:
             what = f"{what}, agreeing on {riding.what}"
-            shapes, dtypes = shapes + riding.layout.shapes, dtypes + riding.layout.dtypes
+            # a transfer that carries an agreement carries tensors too (post_gather's)
+            shapes, dtypes = cast(tuple, shapes) + riding.layout.shapes, cast(tuple, dtypes) + riding.layout.dtypes
         digest = agreement.digest_of(kind, what, shapes, dtypes, self.program[0] if self.program else 0)
         mine = agreement.Header(
             digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest)
@@ -247,7 +249,7 @@ class ProcessExchange:
         else:
             received = self._payload(p.layout if p.ts is not None else None, p.ts, p.form, p.device, p.label)
         p.chain.completed(p.mine.digest, p.form, headers)
-        return received
+        return cast(torch.Tensor, received)
 
     def _start_round(
         self,
@@ -279,7 +281,7 @@ class ProcessExchange:
             if ts is None:
                 send = torch.zeros(rows, form[1], dtype=torch.uint8, device=device)
             else:
-                send = layout.pack(ts, rows)
+                send = cast(_Layout, layout).pack(ts, rows)
             posted.received, posted.work = self._start_collective(send, scatter)
             return
         send = torch.empty(rows, h + form[1], dtype=torch.uint8, device=device)
@@ -287,7 +289,7 @@ class ProcessExchange:
         if ts is None:
             send[:, h:].zero_()
         else:
-            layout.pack_into(send[:, h:], ts)
+            cast(_Layout, layout).pack_into(send[:, h:], ts)
         received, posted.work = self._start_collective(send, scatter)
         posted.headers, posted.received, posted.header_work = received[:, :h], received[:, h:], None
 
@@ -299,7 +301,7 @@ class ProcessExchange:
             pg.wait(p.header_work, p.label, host=True)
         else:
             pg.wait(p.work, p.label)
-        return agreement.Header.from_bytes(p.headers)
+        return agreement.Header.from_bytes(cast(torch.Tensor, p.headers))
 
     def _payload(
         self,
@@ -313,7 +315,8 @@ class ProcessExchange:
         if layout is None:
             return torch.empty(self.size, 0, dtype=torch.uint8, device=device)
         scatter = form[0] == agreement.KINDS["scatter"]
-        return self._collective(layout.pack(ts, rows=self.size if scatter else 1), scatter, label)
+        sent = cast("Sequence[torch.Tensor]", ts)  # a layout comes with its tensors
+        return self._collective(layout.pack(sent, rows=self.size if scatter else 1), scatter, label)
 
     def _collective(self, send: torch.Tensor, scatter: bool, label: str) -> torch.Tensor:
         """``send``: ``(1, n)`` bytes to every process (all-gather), or ``(size, n)``, row ``p``
@@ -395,6 +398,13 @@ class ProcessExchange:
 
     def _ranks(self) -> Sequence[int]:
         return range(self.size) if self.group is None else dist.get_process_group_ranks(self.group)
+
+
+def _implements_exchange(exchange: ProcessExchange) -> Exchange:
+    """For the type checker: a :class:`ProcessExchange` is an
+    :class:`~torchpmap._state.axis_env.Exchange` (mypy checks this return), and so its
+    :class:`OrderedSums` an :class:`~torchpmap._state.axis_env.OrderedSums`."""
+    return exchange
 
 
 @dataclasses.dataclass(eq=False)
@@ -692,17 +702,17 @@ class _SumProcesses(torch.autograd.Function):
         return tuple(exchange.sum_no_grad(ts, what))
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.exchange, ctx.what = inputs[0], inputs[1]
         ctx.differentiable = [differentiable(t) for t in inputs[2:]]
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         summed = lambda gs: ctx.exchange.sum_no_grad(gs, f"the gradient of {ctx.what}")  # noqa: E731
         return None, None, *transpose_gather(grads, ctx.differentiable, summed)
 
     @staticmethod
-    def vmap(info, in_dims, exchange: ProcessExchange, what: str, *ts: torch.Tensor):
+    def vmap(info: Any, in_dims: tuple, exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[Any, Any]:
         # a sum across processes is elementwise: a batched tensor is summed as it lies
         return _SumProcesses.apply(exchange, what, *ts), tuple(in_dims[2:])
 
@@ -722,17 +732,19 @@ class _GatherProcesses(torch.autograd.Function):
         return tuple(exchange.all_gather_no_grad(ts, what, partial))
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.exchange, ctx.what = inputs[0], inputs[1]
         ctx.differentiable = [differentiable(t) for t in inputs[3:]]
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         scatter = lambda gs: ctx.exchange.scatter_sum(gs, ctx.what)  # noqa: E731
         return None, None, None, *transpose_gather(grads, ctx.differentiable, scatter)
 
     @staticmethod
-    def vmap(info, in_dims, exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor):
+    def vmap(
+        info: Any, in_dims: tuple, exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor
+    ) -> tuple[Any, Any]:
         # An enclosing map batches some ts (a pmap over one mesh axis nested in a pmap over
         # another): gather the whole batch at once; the processes of this group hold the
         # same instances of the enclosing axis, so entry b matches entry b.

@@ -9,6 +9,7 @@ process' slice (:func:`transpose_gather`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -63,6 +64,6 @@ def transpose_gather(
     sent = [k for k, ok in enumerate(floats) if ok]
     out: list[torch.Tensor | None] = [None] * len(grads)
     if sent:
-        for k, g in zip(sent, scatter_sum([grads[k] for k in sent])):
+        for k, g in zip(sent, scatter_sum([cast(torch.Tensor, grads[k]) for k in sent])):  # zeros, not None
             out[k] = g
     return out

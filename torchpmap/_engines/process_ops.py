@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from torchpmap._engines.process_exchange import ProcessExchange
 from torchpmap._engines.process_exchange_rules import (
     by_dtype,
     differentiable,
@@ -35,9 +36,10 @@ from torchpmap._engines.process_exchange_rules import (
 )
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
+from torchpmap._state.axis_env import Exchange
 
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
-_live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
+_live: dict[int, ProcessExchange] = {}  # key -> the ProcessExchange of the latest call over it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +163,13 @@ class TracedOrderedSums:
         return [piece.view(shape) for piece, (shape, _) in zip(flat.split([s.numel() for s, _ in shapes]), shapes)]
 
 
-def traced(exchange: Any) -> TracedExchange:
+def _implements_exchange(exchange: TracedExchange) -> Exchange:
+    """For the type checker: a :class:`TracedExchange` is an
+    :class:`~torchpmap._state.axis_env.Exchange` (mypy checks this return)."""
+    return exchange
+
+
+def traced(exchange: ProcessExchange) -> TracedExchange:
     """The traceable stand-in for ``exchange``; the ops of a program compiled with it use
     ``exchange`` (this call's, with its pending size check) from now on."""
     ident = (exchange.group, exchange.index, exchange.size, exchange.label)
@@ -251,12 +259,15 @@ def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
 def _sum_backward(ctx: Any, flat_grads: Sequence[torch.Tensor | None]) -> tuple:
     # the inputs' shapes and dtypes, without their memory: all that by_dtype and split_flat read
     blanks = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in ctx.blanks]
-    flat_grads = [  # an output that got no gradient sends zeros: every process sums the same layout
-        g if g is not None else torch.zeros(sum(blanks[k].numel() for k in which), dtype=blanks[which[0]].dtype,
-                                            device=ctx.blanks[which[0]][2])
+    filled = [  # an output that got no gradient sends zeros: every process sums the same layout
+        g
+        if g is not None
+        else torch.zeros(
+            sum(blanks[k].numel() for k in which), dtype=blanks[which[0]].dtype, device=ctx.blanks[which[0]][2]
+        )
         for g, which in zip(flat_grads, by_dtype(blanks))
     ]
-    given = split_flat(blanks, flat_grads)
+    given = split_flat(blanks, filled)
 
     def summed(gs: list[torch.Tensor]) -> list[torch.Tensor]:
         return split_flat(gs, torch.ops.torchpmap.sum_processes(gs, ctx.key, f"the gradient of {ctx.what}"))

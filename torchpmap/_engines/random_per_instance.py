@@ -63,7 +63,7 @@ class InstanceStreams(TorchFunctionMode):
         # another vmap, nested in an instance, is refused
         self.vmap_level = private.innermost_vmap_level()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         rule = _RULES.get(getattr(func, "__name__", ""))
         if rule is None:

@@ -13,6 +13,7 @@ call: see :func:`torchpmap._state.context.shared_forward_ad`.)
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -54,7 +55,7 @@ class _DeviceThreadMode(TorchFunctionMode):
             own.manual_seed(seed)
             self.states.append(own.get_state())
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", None)
         own_seed = kwargs is not None and kwargs.get("generator") is torch.default_generator  # see call_seed
         if self.refuse and name in _DRAWING_OPS and not own_seed:  # what vmap does under randomness="error"

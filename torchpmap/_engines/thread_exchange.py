@@ -15,11 +15,12 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from torchpmap._state.axis_env import Exchange
 from torchpmap._state.faults import PeerFailed
 
 
@@ -102,7 +103,7 @@ class Rendezvous:
             self._cond.acquire()
 
     @contextlib.contextmanager
-    def turn(self):
+    def turn(self) -> Iterator[None]:
         """Debug mode: hold the baton while running this thread's Python code."""
         if self.baton is None:
             yield
@@ -111,7 +112,7 @@ class Rendezvous:
             yield
 
     @contextlib.contextmanager
-    def passing_turn(self):
+    def passing_turn(self) -> Iterator[None]:
         """Debug mode: an instance that waits for nested instances lets them run."""
         if self.baton is None:
             yield
@@ -138,15 +139,15 @@ class GatherAll(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(devices: tuple[torch.device, ...], *ts: torch.Tensor):
+    def forward(devices: tuple[torch.device, ...], *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(torch.stack([t.to(dev) for t in ts]) for dev in devices)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.devices, ctx.sources = inputs[0], [t.device for t in inputs[1:]]
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         grads_in = []
         for i, src in enumerate(ctx.sources):
             parts = [g[i].to(src) for g in grads if g is not None]
@@ -154,7 +155,7 @@ class GatherAll(torch.autograd.Function):
         return (None, *grads_in)
 
     @staticmethod
-    def jvp(ctx, _, *tangents: torch.Tensor):
+    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # linear: the tangents travel as the values do
         return tuple(torch.stack([t.to(dev) for t in tangents]) for dev in ctx.devices)
 
@@ -196,6 +197,12 @@ class ThreadExchange:
             return _gather_each(devices, per_slice)
 
         return self.rendezvous.meet((self.group, self.seq), self.index, len(devices), what, ts, combine)
+
+
+def _implements_exchange(exchange: ThreadExchange) -> Exchange:
+    """For the type checker: a :class:`ThreadExchange` is an
+    :class:`~torchpmap._state.axis_env.Exchange` (mypy checks this return)."""
+    return exchange
 
 
 def _signature(t: torch.Tensor) -> str:

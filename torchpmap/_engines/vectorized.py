@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -66,7 +66,7 @@ def run(
             return outputs
         token_slice, slices = slices[0], slices[1:]
         if per_instance:
-            with InstanceStreams(seed, offset, call.size, token_slice, here):
+            with InstanceStreams(cast(int, seed), offset, call.size, token_slice, here):  # drawn above
                 return _on_axis(token_slice, slices)
         return _on_axis(token_slice, slices)
 
@@ -162,7 +162,7 @@ def run_one(
         _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(here))
     try:
         with _axis_env.bound(frame) if call.axis_name is not None else contextlib.nullcontext():
-            with InstanceStreams(seed, offset, 1, None, here) if per_instance else contextlib.nullcontext():
+            with InstanceStreams(cast(int, seed), offset, 1, None, here) if per_instance else contextlib.nullcontext():
                 outputs = call.body(slices, broadcast)
     finally:
         _devices.set_current_default(previous)
@@ -194,7 +194,9 @@ _NO_SAVED_TENSOR_HOOKS = (
 )
 
 
-def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[int], randomness: str) -> list:
+def _vmap_flat(
+    fn: Callable[..., Any], size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[int], randomness: str
+) -> list:
     """``torch.func.vmap(fn, in_dims, out_dims=0, randomness)(*inputs)`` on flat lists.
 
     The same functorch calls torch.func.vmap makes, without its pytree handling: the front

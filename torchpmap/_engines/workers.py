@@ -20,7 +20,8 @@ from torchpmap._state.config import config
 class _Worker(threading.Thread):
     def __init__(self, pool: WorkerPool):
         super().__init__(daemon=True, name="torchpmap-device")
-        self.pool, self.inbox = pool, queue.SimpleQueue()
+        self.pool = pool
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def run(self) -> None:
         while True:

@@ -32,7 +32,7 @@ error.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -228,7 +228,7 @@ def _injective(t: torch.Tensor, d: int) -> bool:
 
 def _offsets(t: torch.Tensor, d: int) -> torch.Tensor:
     """The storage offsets (in elements) each instance of ``t`` mapped along ``d`` sees: (instances, elements)."""
-    index = torch.full((1,) * t.dim(), t.storage_offset(), dtype=torch.int64)
+    index = torch.full((1,) * t.dim(), cast(int, t.storage_offset()), dtype=torch.int64)
     for i, (length, stride) in enumerate(zip(t.shape, t.stride())):
         shape = [1] * t.dim()
         shape[i] = length

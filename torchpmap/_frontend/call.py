@@ -11,7 +11,7 @@ import functools
 import hashlib
 import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -23,11 +23,14 @@ from torchpmap._frontend import aliasing
 from torchpmap._frontend.tree_prefix import as_index, broadcast_prefix, check_axis_spec, normalize_axis_spec
 from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
+from torchpmap._placement.devices import DeviceLike
+from torchpmap._placement.mesh import Mesh
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.compile_guard import refuse_under_compile
 from torchpmap._state.torch_private import pytree
+from torchpmap._state.type_aliases import AxisName, AxisSpec, Randomness
 
-_RANDOMNESS = ("error", "different", "same", "per_instance")
+_RANDOMNESS = get_args(Randomness)  # ("error", "different", "same", "per_instance")
 _MAX_CACHED_LAYOUTS = 64  # argument structures remembered per mapped function
 _LEAF_SPEC = pytree.tree_flatten(0)[1]
 _NO_NONES: dict[int, None] = {}  # a lone tensor output has no None leaves (read, never written)
@@ -37,17 +40,17 @@ _NO_NONES: dict[int, None] = {}  # a lone tensor output has no None leaves (read
 class MapOptions:
     """Everything about a mapped function except the function itself."""
 
-    kind: str  # "pmap" or "vmap"
-    axis_name: Hashable | None
-    in_axes: Any
-    out_axes: Any
-    randomness: str
+    kind: Literal["pmap", "vmap"]
+    axis_name: AxisName | None
+    in_axes: AxisSpec
+    out_axes: AxisSpec
+    randomness: Randomness
     axis_size: int | None = None
     static_argnums: tuple[int, ...] = ()
     donate_argnums: tuple[int, ...] = ()
-    devices: tuple[Any, ...] | None = None
-    mesh: Any = None
-    jit: Any = False  # False, True, or keyword arguments for torch.compile
+    devices: tuple[DeviceLike, ...] | DeviceLike | None = None  # a single device: refused by check_options
+    mesh: Mesh | None = None
+    jit: bool | Mapping[str, Any] = False  # False, True, or keyword arguments for torch.compile
     # shard_map's check_vma: out_axes=None checked as vmap checks it (OutputVaries if the output
     # varies), and collectives transpose by JAX's varying-manual-axes rules (see AxisFrame.vma)
     vma: bool = False
@@ -226,7 +229,7 @@ class MappedFunction:
             f"<{self.opts.kind} of {getattr(self.fun, '__qualname__', self.fun)!r}, axis_name={self.opts.axis_name!r}>"
         )
 
-    def __get__(self, obj, objtype=None):  # so that a decorated method binds self
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # so that a decorated method binds self
         return self if obj is None else functools.partial(self, obj)
 
     # ------------------------------------------------------------------ call
@@ -486,7 +489,7 @@ class MappedFunction:
             )
         return mesh
 
-    def _devices_for(self, size: int, mesh: _mesh.Mesh | None) -> tuple[_devices.Device, ...]:
+    def _devices_for(self, size: int, mesh: Mesh | None) -> tuple[_devices.Device, ...]:
         if mesh is not None:
             return tuple(mesh.devices.flat)
         devs = _devices.resolve(self.opts.devices)
@@ -508,7 +511,8 @@ class MappedFunction:
             layout.record(_LEAF_SPEC, 1, _NO_NONES)
             return [out]
         leaves, spec = pytree.tree_flatten(out)
-        tensors, constants = [], {}
+        tensors: list[torch.Tensor] = []
+        constants: dict[int, Any] = {}
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, (torch.Tensor, ShardedTensor)):
                 if (leaf.layout is not torch.strided or leaf.is_nested) and self.opts.kind == "pmap":
@@ -554,7 +558,8 @@ class MappedFunction:
         if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:
             return outputs[0]
         plan = self._out_plan(layout)
-        result, it = [], iter(outputs)
+        result: list[Any] = []
+        it = iter(outputs)
         for k, (axis, path) in enumerate(plan.axes):
             if k in constants:
                 result.append(constants[k])

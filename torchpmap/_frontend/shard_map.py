@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -39,8 +39,18 @@ from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.faults import OutputVaries
 from torchpmap._state.torch_private import pytree
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 #: What shard_map runs over: a mesh with one device per position, or positions on fewer devices.
 AnyMesh = Mesh | AbstractMesh
+
+#: What ``shard_map(mesh=)`` takes: such a mesh, or a torch ``DeviceMesh`` (a mesh of processes).
+MeshLike: TypeAlias = "AnyMesh | DeviceMesh"
+
+#: ``in_specs``/``out_specs``: a :class:`PartitionSpec` (None: replicated), or a pytree prefix of
+#: the arguments (the outputs) holding those (a tuple with one entry per positional argument).
+Specs: TypeAlias = PartitionSpec | None | Sequence[Any] | Mapping[Any, Any]
 
 
 def is_spec(x: Any) -> bool:
@@ -52,9 +62,9 @@ def is_spec(x: Any) -> bool:
 class ShardMapOptions:
     """Everything about a shard_map except the function."""
 
-    mesh: AnyMesh
-    in_specs: Any
-    out_specs: Any
+    mesh: AnyMesh  # as given (a DeviceMesh too) until ShardMapped resolves it
+    in_specs: Specs
+    out_specs: Specs
     check_vma: bool
     jit: bool | Mapping[str, Any]
 

@@ -24,6 +24,10 @@ from torchpmap._state import process_group as _process_group
 from torchpmap._state.config import at_least_one, env_value
 from torchpmap._state.device_record import Device
 
+#: A device as ``pmap(devices=)`` takes it: a :class:`Device`, a ``torch.device``, or its name
+#: (``"cpu:1"``, ``"cuda:0"``).
+DeviceLike = Device | torch.device | str
+
 
 @functools.lru_cache(maxsize=1)
 def _local_devices() -> tuple[Device, ...]:
@@ -52,7 +56,7 @@ _MAX_CPU_DEVICES = 4096
 _DIST_AVAILABLE = dist.is_available()
 
 
-def _multi_process():
+def _multi_process() -> Any:
     """The multi-process state when torch.distributed runs several processes, else None
     (see :mod:`torchpmap.distributed`: then each process has one device)."""
     if not (_DIST_AVAILABLE and dist.is_initialized()):  # the common case
@@ -121,7 +125,7 @@ def process_count() -> int:
     return mp.world_size if mp is not None else 1
 
 
-def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
+def resolve(requested: Sequence[DeviceLike] | DeviceLike | None) -> tuple[Device, ...]:
     """The devices a pmap was asked to use, validated; all local devices for None."""
     if requested is None:
         return current_default() or _this_process()
@@ -165,9 +169,10 @@ def _resolve_requested(requested: Sequence[Any]) -> tuple[Device, ...]:
         raise ValueError("pmap: 'devices' must be a non-empty list of devices, or None for all of them")
     known: dict[Any, Device] = {}
     for d in devices():  # by Device, by "cpu:1", by torch.device; the first device wins ties
-        for key in (d, str(d), d.torch_device, str(d.torch_device)):
-            known.setdefault(key, d)
+        for name in (d, str(d), d.torch_device, str(d.torch_device)):
+            known.setdefault(name, d)
     chosen = []
+    key: Any
     for i, d in enumerate(requested):
         try:
             key = d if isinstance(d, str) and d in known else torch.device(d) if isinstance(d, str) else d

@@ -93,6 +93,7 @@ class Mesh:
         """The device at ``coords``; axes not named there are taken at index 0 (the engine's
         lookups: a pmap over one mesh axis, outside the maps of the others)."""
         index = []
+        size: int
         for a, size in zip(self.axis_names, self.devices.shape):
             i = coords.get(a, 0)
             if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -size <= i < size:
@@ -229,7 +230,7 @@ class ProcessMesh(Mesh):
         device_mesh: the underlying ``torch.distributed.device_mesh.DeviceMesh``.
     """
 
-    def __init__(self, device_mesh, axis_names: Sequence[Hashable]):
+    def __init__(self, device_mesh: Any, axis_names: Sequence[Hashable]):
         self.device_mesh = device_mesh
         st = _process_group.state()
         ranks = device_mesh.mesh
@@ -240,7 +241,7 @@ class ProcessMesh(Mesh):
         self._groups = {name: device_mesh.get_group(name) for name in self.axis_names}
         self._coords = {name: int(device_mesh.get_local_rank(name)) for name in self.axis_names}
 
-    def group(self, axis_name: Hashable):
+    def group(self, axis_name: Hashable) -> Any:
         """The process group of the processes along ``axis_name`` (this process' row)."""
         return self._groups[self._axis(axis_name)]
 

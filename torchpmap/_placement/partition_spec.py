@@ -49,7 +49,7 @@ class PartitionSpec(tuple):
     def __repr__(self) -> str:
         return f"PartitionSpec({', '.join(map(repr, self))})"
 
-    def __reduce__(self):  # a tuple subclass whose __new__ takes the entries, not one tuple
+    def __reduce__(self) -> tuple[type, tuple]:  # a tuple subclass whose __new__ takes the entries, not one tuple
         return (PartitionSpec, tuple(self))
 
 

@@ -95,7 +95,7 @@ class ShardedTensor(torch.Tensor):
             d for s in self.shards for d in (s.tensor.devices() if isinstance(s.tensor, ShardedTensor) else [s.device])
         ]
 
-    def gather(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+    def gather(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``gather(device=None)``: all shards concatenated into one plain tensor on
         ``device`` (default: the first shard's), differentiably.
 
@@ -114,7 +114,7 @@ class ShardedTensor(torch.Tensor):
         """Like ``Tensor.to``, on the gathered value: a plain tensor."""
         return self.gather().to(*args, **kwargs)
 
-    def cpu(self) -> torch.Tensor:
+    def cpu(self) -> torch.Tensor:  # type: ignore[override]  # no memory_format: a gather
         return self.gather("cpu")
 
     def numpy(self, *, force: bool = False) -> Any:
@@ -147,7 +147,7 @@ class ShardedTensor(torch.Tensor):
         order.insert(destination % self.dim(), order.pop(source % self.dim()))
         return self._per_shard(lambda t: t.movedim(source, destination), order.index(self.shard_dim))
 
-    def unsqueeze(self, dim: int) -> ShardedTensor:  # type: ignore[override]
+    def unsqueeze(self, dim: int) -> ShardedTensor:
         """Like ``torch.unsqueeze``, keeping the sharding (no data moves)."""
         dim = dim % (self.dim() + 1)
         return self._per_shard(lambda t: t.unsqueeze(dim), self.shard_dim + (dim <= self.shard_dim))
@@ -169,7 +169,7 @@ class ShardedTensor(torch.Tensor):
             for piece in _pieces(self):
                 if row < piece.shape[0]:
                     rest = index[1:] if isinstance(index, tuple) else ()
-                    return piece[(row, *rest)]
+                    return piece[(row,) + rest]
                 row -= piece.shape[0]
         # as torch indexes: slices and integers are views (a ShardedView, writes reach the
         # shards), advanced indexing a copy; bounds checked as torch checks them
@@ -189,7 +189,7 @@ class ShardedTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ Python protocols
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         body = repr(_concatenated(self, self.device))[:-1]
         if self.grad_fn is not None:
             body += f", grad_fn=<{type(self.grad_fn).__name__}>"
@@ -209,7 +209,9 @@ class ShardedTensor(torch.Tensor):
     # ------------------------------------------------------------------ ops
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
 
@@ -280,7 +282,9 @@ def _rebuild_sharded(shards: list, dim: int, requires_grad: bool = False) -> Sha
     """The inverse of :meth:`ShardedTensor.__reduce_ex__` (devices as plain tuples, so that
     ``torch.load(weights_only=True)`` needs only this function on its safe list)."""
     st = ShardedTensor([(Device(*device), t) for device, t in shards], dim)
-    return st.requires_grad_() if requires_grad else st
+    if requires_grad:
+        st.requires_grad_()
+    return st
 
 
 def _materialized(t: torch.Tensor) -> torch.Tensor:
@@ -324,6 +328,11 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _item(replay: Callable[[torch.Tensor], Any], i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Result ``i`` of ``replay`` (a view op that returns several views)."""
+    return lambda b: replay(b)[i]
+
+
 def _view_of(func: Any, args: tuple, kwargs: dict) -> Any:
     """A view op on a ShardedTensor (or a view of one): ShardedViews of its base, their
     metadata (shape, strides, offset) those of the same view of a tensor laid out as the base."""
@@ -335,7 +344,7 @@ def _view_of(func: Any, args: tuple, kwargs: dict) -> Any:
 
     meta = replay(torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta"))
     if isinstance(meta, (list, tuple)):
-        return type(meta)(ShardedView(base, lambda b, i=i: replay(b)[i], m) for i, m in enumerate(meta))
+        return type(meta)(ShardedView(base, _item(replay, i), m) for i, m in enumerate(meta))
     return ShardedView(base, replay, meta)
 
 
@@ -531,7 +540,9 @@ class ShardedView(torch.Tensor):
         return out
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
     def devices(self) -> list[Device]:
@@ -555,7 +566,7 @@ class ShardedView(torch.Tensor):
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         body = repr(_materialized(self))[:-1]
         if self.grad_fn is not None:
             body += f", grad_fn=<{type(self.grad_fn).__name__}>"

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
 from torchpmap._state import context as _context
-
-AxisName = Hashable
+from torchpmap._state.type_aliases import AxisName, AxisNames
 
 
 class OrderedSums(Protocol):
@@ -141,7 +140,7 @@ def lookup(name: AxisName) -> AxisFrame:
     )
 
 
-def normalize_names(axis_name: AxisName | tuple[AxisName, ...], what: str) -> tuple[AxisName, ...]:
+def normalize_names(axis_name: AxisNames, what: str) -> tuple[AxisName, ...]:
     """``axis_name`` as a non-empty tuple of distinct names."""
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if not names:

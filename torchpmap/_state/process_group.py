@@ -561,7 +561,7 @@ def wait(work: Any, what: str, host: bool = False) -> None:
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
-_all_gather_flat = getattr(dist, "all_gather_single", None) if _DIST_AVAILABLE else None
+_all_gather_flat: Any = getattr(dist, "all_gather_single", None) if _DIST_AVAILABLE else None
 if _DIST_AVAILABLE and _all_gather_flat is None:
     _all_gather_flat = dist.all_gather_into_tensor
 

@@ -32,7 +32,7 @@ import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -540,7 +540,7 @@ def function_mode_pushed(mode: Any) -> Iterator[None]:
         _pop_mode()
 
 
-def _layer_stack() -> tuple[Callable[[], Any], Callable[[], Any], Callable[[Any], None]]:
+def _layer_stack() -> tuple[Callable[[], Any], Callable[[], Any], Callable[[Any], Any]]:
     f = torch._C._functorch
     return f.peek_interpreter_stack, f.pop_dynamic_layer_stack, f.push_dynamic_layer_stack
 
@@ -694,7 +694,7 @@ def _dispatch_mode_class() -> type:
         return Missing
 
 
-TorchDispatchMode = _dispatch_mode_class()
+TorchDispatchMode: Any = _dispatch_mode_class()  # a class (Any: subclasses of it type-check)
 """The base class of a torch dispatch mode (``__torch_dispatch__``), which sees every aten
 op below autograd. If torch moves it, subclasses still define, and creating one raises
 :class:`TorchPrivateError`.
@@ -801,7 +801,12 @@ def _probe_current_vmap_level() -> None:
 
     _with_vmap_level(2, body)
     seen = []
-    torch.func.grad(lambda x: (seen.append(current_vmap_level()), x.sum())[1])(torch.ones(2))
+
+    def noting_the_level(x: torch.Tensor) -> torch.Tensor:
+        seen.append(current_vmap_level())
+        return x.sum()
+
+    torch.func.grad(noting_the_level)(torch.ones(2))
     _expect(isinstance(seen[0], int), "grad opens a level too")
 
 
@@ -820,7 +825,11 @@ def _probe_functorch_value() -> None:
     _expect(value.data_ptr() != 0, "the plain value has storage")
 
     def g(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.func.grad(lambda w: (hook(w), (w * x).sum())[1])(w)
+        def loss(w: torch.Tensor) -> torch.Tensor:
+            hook(w)
+            return (w * x).sum()
+
+        return torch.func.grad(loss)(w)
 
     def hook(w: torch.Tensor) -> None:
         level = innermost_vmap_level()
@@ -830,7 +839,7 @@ def _probe_functorch_value() -> None:
     torch.func.vmap(g, in_dims=(None, 0))(torch.ones(2), torch.arange(6.0).view(3, 2))
     value, dim = seen[0]
     _expect(type(value) is torch.Tensor and dim is not None, "under grad and vmap: the physical value and its dim")
-    _expect(torch.equal(value.movedim(dim, 0), torch.arange(6.0).view(3, 2)), "every instance's gradient")
+    _expect(torch.equal(value.movedim(cast(int, dim), 0), torch.arange(6.0).view(3, 2)), "every instance's gradient")
 
 
 def _probe_vmap_level_of() -> None:
@@ -1014,7 +1023,7 @@ def _probe_function_modes() -> None:
     seen = []
 
     class Record(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             seen.append(getattr(func, "__name__", None))
             return func(*args, **(kwargs or {}))
 
@@ -1060,10 +1069,13 @@ def _probe_functorch_layers() -> None:
 
 def _probe_innermost_vmap_level() -> None:
     _expect(innermost_vmap_level() is None, "no vmap outside every transform")
-    seen = []
-    torch.func.vmap(lambda x: torch.func.grad(lambda y: (seen.append(innermost_vmap_level()), y.sum())[1])(x))(
-        torch.ones(2, 3)
-    )
+    seen: list[Any] = []
+
+    def noting_the_level(y: torch.Tensor) -> torch.Tensor:
+        seen.append(innermost_vmap_level())
+        return y.sum()
+
+    torch.func.vmap(lambda x: torch.func.grad(noting_the_level)(x))(torch.ones(2, 3))
     _with_vmap_level(2, lambda level: seen.append(innermost_vmap_level() == level))
     _expect(seen[0] == 1 and seen[1] is True, f"the vmap under a grad is found ({seen})")
 
@@ -1071,7 +1083,12 @@ def _probe_innermost_vmap_level() -> None:
 def _probe_jvp_nesting() -> None:
     seen = []
     _expect(jvp_nesting() == 0, "no jvp open")
-    torch.func.jvp(lambda x: (seen.append(jvp_nesting()), x * 2)[1], (torch.ones(2),), (torch.ones(2),))
+
+    def noting_the_nesting(x: torch.Tensor) -> torch.Tensor:
+        seen.append(jvp_nesting())
+        return x * 2
+
+    torch.func.jvp(noting_the_nesting, (torch.ones(2),), (torch.ones(2),))
     _expect(seen == [1], f"one inside torch.func.jvp (got {seen})")
     with jvp_nesting_raised():
         _expect(jvp_nesting() == 1, "raised by one")
@@ -1082,7 +1099,7 @@ def _probe_release_compiled() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x + 1
 
-    compiled = torch.compile(f, backend="eager")
+    compiled: Any = torch.compile(f, backend="eager")
     _expect(torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)), "compiled")
     release_compiled(f)
     release_compiled(compiled.__call__)  # a callable without its own code object is fine too
@@ -1103,7 +1120,7 @@ def _probe_dispatch_mode() -> None:
     seen = []
 
     class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
@@ -1137,6 +1154,7 @@ def _probe_op_schema() -> None:
 def _probe_cpu_flash_attention() -> None:
     ops = cpu_flash_attention()
     _expect(ops is not None, "the ops exist")
+    assert ops is not None
     q = torch.randn(1, 2, 4, 8)
     out, _ = ops[0](q, q, q, 0.0, False, attn_mask=None, scale=None)
     want = torch.nn.functional.scaled_dot_product_attention(q, q, q)
@@ -1173,7 +1191,9 @@ def _probe_wrapper_subclass() -> None:
         __torch_function__ = disabled_torch_function
 
         @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
+            cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        ) -> Any:
             seen.append(func)
             return func(*[torch.ones(2) if isinstance(a, Wrapper) else a for a in args], **(kwargs or {}))
 
@@ -1188,9 +1208,11 @@ def _probe_version_counter() -> None:
     base = torch.zeros(2, 3)
     view = base[0]
     before = version_counter(base)
+    _expect(before is not None, "a tensor keeps a count")
     view.add_(1)  # a write through a view moves the count of every view of the base
     _expect(
-        version_counter(base) == before + 1 == version_counter(view), "a write through a view moves the shared count"
+        version_counter(base) == cast(int, before) + 1 == version_counter(view),
+        "a write through a view moves the shared count",
     )
     with torch.inference_mode():
         _expect(version_counter(torch.zeros(1)) is None, "an inference tensor has no count")

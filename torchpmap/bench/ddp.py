@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -184,16 +184,16 @@ def _worker(
         model = models["torchpmap.by_hand"]
         opt = torch.optim.SGD(model.parameters(), lr=lr)
 
-        def loss_fn(params, x, y):
+        def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(functional_call(model, params, (x,)), y)
 
-        def instance_step(params, x, y):
+        def instance_step(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
             grads, loss = grad_and_value(loss_fn)(params, x, y)
             return tp.pmean((grads, loss), "batch")  # one exchange, after the backward
 
         p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
 
-        def step(x, y):
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
             params = {k: p.detach() for k, p in model.named_parameters()}
             grads, loss = p_step(params, *shard((x, y), instances))
             for k, p in model.named_parameters():
@@ -212,7 +212,7 @@ def _worker(
             )
         opt = torch.optim.SGD(net.parameters(), lr=lr)
 
-        def step(x, y):
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(x), y)
             loss.backward()
@@ -223,13 +223,13 @@ def _worker(
 
     flat = torch.zeros(sum(p.numel() for p in initial.parameters()), device=device)
 
-    def allreduce(x, y):
+    def allreduce(x: torch.Tensor, y: torch.Tensor) -> None:
         dist.all_reduce(flat)
         return None
 
     mean_over_processes = tp.pmap(lambda v: tp.pmean(v, "batch"), axis_name="batch")
 
-    def pmean(x, y):
+    def pmean(x: torch.Tensor, y: torch.Tensor) -> Any:
         return mean_over_processes(flat[None])
 
     builders = {
@@ -240,7 +240,7 @@ def _worker(
     }
     columns = {name: builders[name]() for name in names}
 
-    def sync():
+    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default=f"{FEATURES},{HIDDEN},{CLASSES}", help="the MLP's features,hidden,classes")
     parser.add_argument("--worker", metavar="REPORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = tuple(int(v) for v in args.sizes.split(","))
+    sizes = cast("tuple[int, int, int]", tuple(int(v) for v in args.sizes.split(",")))
     columns = args.columns.split(",") if args.columns else None
     if args.worker:
         _worker(
