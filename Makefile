@@ -38,8 +38,9 @@ PIP_INSTALL = -m pip install --disable-pip-version-check -q
 TORCH_PIP_FLAGS ?=
 
 # $(call venv_rules,VERSION): the virtual environment for torch VERSION and its stamps:
-# `.stamp-demo` (the package and its examples extra: what `make demo` needs) and
-# `.stamp-test` (the test, examples and docs extras: tests/test_docs.py builds the site).
+# `.stamp-demo` (the package and its examples extra: what `make demo` needs),
+# `.stamp-test` (the test, examples and docs extras: tests/test_docs.py builds the site)
+# and `.stamp-lint` (the lint extra: ruff and mypy, pinned).
 # `torchVERSION.pin` holds the package installs to that torch (pip fails rather than swap it).
 define venv_rules
 $(call venv_of,$(1))/bin/python:
@@ -56,8 +57,16 @@ $(call venv_of,$(1))/.stamp-demo: pyproject.toml | $(call venv_of,$(1))/torch$(1
 $(call venv_of,$(1))/.stamp-test: pyproject.toml | $(call venv_of,$(1))/torch$(1).pin
 	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) -c $(call venv_of,$(1))/torch$(1).pin -e ".[test,examples,docs]"
 	touch $$@ $(call venv_of,$(1))/.stamp-demo
+
+$(call venv_of,$(1))/.stamp-lint: pyproject.toml | $(call venv_of,$(1))/torch$(1).pin
+	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) -c $(call venv_of,$(1))/torch$(1).pin -e ".[lint]"
+	touch $$@
 endef
-$(foreach v,$(sort $(TORCH) $(TORCH_OLDEST) $(TORCH_COMPAT) $(TORCH_GPU)),$(eval $(call venv_rules,$(v))))
+$(foreach v,$(sort $(TORCH) $(TORCH_MAIN) $(TORCH_OLDEST) $(TORCH_COMPAT) $(TORCH_GPU)),$(eval $(call venv_rules,$(v))))
+
+# The linters run on TORCH_MAIN's environment whatever TORCH says: mypy reads torch's own
+# annotations, which change between releases.
+LINT_VENV := $(call venv_of,$(TORCH_MAIN))
 
 # pytest's exit status 5 (no test collected) fails the recipe like any other failure.
 PYTEST = -m pytest -q
@@ -65,13 +74,20 @@ PYTEST = -m pytest -q
 JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
 	-W error::torchpmap.JitFallbackWarning
 
-.PHONY: setup demo test test-main test-oldest test-short test-compat test-quick test-jit-inductor bench bench-cluster docs test-gpu bench-gpu \
-	require-cuda gpu-check clean distclean
+.PHONY: setup demo lint test test-main test-oldest test-short test-compat test-quick test-jit-inductor bench bench-cluster \
+	docs test-gpu bench-gpu require-cuda gpu-check clean distclean
 
 setup: $(VENV)/.stamp-test
 
 demo: $(VENV)/.stamp-demo
 	$(PY) examples/train_digits.py
+
+# ruff (pyproject.toml's [tool.ruff]) over torchpmap/, tests/ and examples/, then mypy
+# ([tool.mypy]) over torchpmap/. The same checks run as pre-commit hooks
+# (.pre-commit-config.yaml; `$(LINT_VENV)/bin/pre-commit install` once, after a `make lint`).
+lint: $(LINT_VENV)/.stamp-lint
+	$(LINT_VENV)/bin/ruff check
+	$(LINT_VENV)/bin/python -m mypy
 
 ifdef MATRIX
 test: test-oldest test-short test-compat
@@ -118,6 +134,10 @@ test-compat: $(COMPAT_VENV)/.stamp-test
 test-jit-inductor: $(VENV)/.stamp-test
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY))
 
+# The inner loop while working: everything but the tests marked slow (several processes,
+# the examples, Hugging Face models, the long differential and device sweeps), on one
+# device and TORCH_MAIN only; under 5 minutes on a busy 2-core machine. `make test` runs
+# everything, the slow tests included.
 test-quick: $(VENV)/.stamp-test
 	$(PY) $(PYTEST) -x -m "not slow"
 
@@ -184,7 +204,7 @@ bench-gpu: require-cuda
 		--json bench-results/bench-gpu.json --png bench-results/bench-gpu.png
 
 clean:
-	rm -rf .venv*/.stamp-* .venv*/torch*.pin .setup-done site build *.egg-info
+	rm -rf .venv*/.stamp-* .venv*/torch*.pin .setup-done site build *.egg-info .mypy_cache .ruff_cache
 
 distclean: clean
 	rm -rf .venv .venv-torch*
