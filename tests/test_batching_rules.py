@@ -205,3 +205,101 @@ def test_attention_gradient_taken_outside_the_map_is_that_of_a_loop(shape, jit):
     torch.testing.assert_close(out, want)
     for a, w in zip(got, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(a, w)
+
+
+# --------------------------------------------------------------------------- the CUDA forwards' rule
+
+_lib = torch.library.Library("torchpmap_test", "DEF")
+_lib.define(
+    "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_bias, bool compute_log_sumexp, "
+    "float dropout_p=0., bool is_causal=False, *, float? scale=None) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_calls = []
+
+
+def _math_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+    """The memory-efficient forward's contract, in math: output, log-sum-exp (empty unless
+    asked), and a scalar random state. Records what it was called with."""
+    strides = None if attn_bias is None else attn_bias.stride()
+    _calls.append(dict(rows=query.shape[0], lse=compute_log_sumexp, bias_strides=strides))
+    scores = query @ key.transpose(-2, -1) * (scale or query.shape[-1] ** -0.5)
+    if attn_bias is not None:
+        scores = scores + attn_bias
+    lse = torch.logsumexp(scores, -1)
+    out = torch.softmax(scores, -1) @ value
+    if not compute_log_sumexp:
+        lse = lse[..., :0]
+    return out, lse, torch.tensor(7), torch.tensor(0)
+
+
+_lib.impl("attention", _math_attention, "CPU")
+_FORWARD = torch.ops.torchpmap_test.attention.default
+_RULE = batching_rules._attention_forward(_FORWARD)
+
+
+def test_the_cuda_attention_forward_rules_are_registered():
+    for op in private.cuda_attention_forwards():
+        assert private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"), op.name()
+
+
+@pytest.mark.parametrize("batched", ["all", "query only", "key and bias", "bias only"])
+def test_the_attention_forward_rule_folds_the_instances_into_one_call(batched):
+    """The rule of the CUDA forwards on a math kernel with their arguments: one call with
+    the instances folded into the batch gives each instance's own call, whichever
+    arguments are batched, and an attention bias reaches the kernel padded to strides of
+    16 elements."""
+    g = torch.Generator().manual_seed(11)
+    n, b, h, length, e = 3, 2, 2, 5, 4
+    q, k, v = (torch.randn(n, b, h, length, e, generator=g) for _ in range(3))
+    bias = torch.randn(n, 1, h, length, length, generator=g)
+    keep = {"all": "qkvb", "query only": "q", "key and bias": "kb", "bias only": "b"}[batched]
+    args = [t if name in keep else t[0] for name, t in zip("qkvb", (q, k, v, bias))]
+    dims = tuple(0 if name in keep else None for name in "qkvb")
+    _calls.clear()
+    got = vmap(lambda q, k, v, b: _RULE(q, k, v, b, True, 0.0, False)[:2], in_dims=dims)(*args)
+    assert [c["rows"] for c in _calls] == [n * b]
+    assert all(s % 16 == 0 for s in _calls[0]["bias_strides"][:-1])
+    for i in range(n):
+        one = [t[i] if d == 0 else t for t, d in zip(args, dims)]
+        want = _math_attention(*one, True)[:2]
+        for a, w in zip(got, want):
+            torch.testing.assert_close(a[i], w)
+
+
+def test_the_attention_forward_rule_computes_the_log_sum_exp_for_a_gradient_outside_the_map():
+    """The defect the rule exists for: ``F.scaled_dot_product_attention`` under vmap asks
+    for no log-sum-exp when the gradient is taken outside the map (the batched wrappers do
+    not require grad); the rule asks for it whenever an unwrapped input requires grad."""
+    q = torch.randn(3, 2, 2, 5, 4, requires_grad=True)
+    _calls.clear()
+    _, lse = vmap(lambda q: _RULE(q, q, q, None, False, 0.0, False)[:2])(q)
+    assert _calls[-1]["lse"] is True and lse.shape == (3, 2, 2, 5)
+    with torch.no_grad():
+        _, lse = vmap(lambda q: _RULE(q, q, q, None, False, 0.0, False)[:2])(q)
+    assert _calls[-1]["lse"] is False and lse.shape == (3, 2, 2, 0)
+    _, lse = vmap(lambda q: _RULE(q, q, q, None, False, 0.0, False)[:2])(q.detach())
+    assert _calls[-1]["lse"] is False
+
+
+@pytest.mark.parametrize("randomness", ["error", "same"])
+def test_the_attention_forward_rule_refuses_dropout_as_vmap_does(randomness):
+    q = torch.randn(3, 2, 2, 5, 4)
+    with pytest.raises(RuntimeError, match="random"):
+        vmap(lambda q: _RULE(q, q, q, None, False, 0.5, False)[0], randomness=randomness)(q)
+
+
+def test_the_attention_forward_rule_folds_dropout_under_different_randomness():
+    q = torch.randn(3, 2, 2, 5, 4)
+    _calls.clear()
+    vmap(lambda q: _RULE(q, q, q, None, False, 0.5, False)[0], randomness="different")(q)
+    assert [c["rows"] for c in _calls] == [6]
+
+
+def test_the_memory_efficient_forward_asks_for_the_log_sum_exp_under_vmap():
+    """The registered rule on torch's own memory-efficient kernel (its meta function on
+    the CPU; meta tensors cannot enter a pmap): the log-sum-exp is there for a gradient
+    outside the map."""
+    op = private.cuda_attention_forwards()[0]
+    q = torch.empty(4, 2, 2, 8, 16, device="meta", requires_grad=True)
+    out, lse = vmap(lambda q: op(q, q, q, None, False, 0.0, True)[:2])(q)
+    assert out.shape == (4, 2, 2, 8, 16) and lse.shape[:3] == (4, 2, 2) and lse.shape[3] >= 8

@@ -371,9 +371,10 @@ def test_make_mesh():
 def test_make_mesh_spreads_the_first_axis_over_fewer_devices(cpu_devices):
     devs = cpu_devices(3)
     with pytest.raises(ValueError, match=r"3 does not divide 4\. Pass devices=torchpmap.devices\(\)\[:2\]"):
-        tp.make_mesh((4, 2), NAMES)
-    mesh = tp.make_mesh((4, 2), NAMES, devices=devs[:2])
-    assert isinstance(mesh, tp.AbstractMesh) and mesh.devices == tuple(devs[:2])
+        tp.make_mesh((4, 2), NAMES, devices=devs)
+    for mesh in (tp.make_mesh((4, 2), NAMES, devices=devs[:2]), tp.make_mesh((4, 2), NAMES)):  # the most that divide 4
+        assert isinstance(mesh, tp.AbstractMesh) and mesh.devices == tuple(devs[:2])
+    assert tp.make_mesh((3, 4), NAMES).devices == tuple(devs)
 
 
 def test_shard_map_is_a_decorator():

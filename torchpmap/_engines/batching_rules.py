@@ -22,9 +22,10 @@ On CUDA, vmap folds the instances of the attention kernels' forwards itself, but
 rule for their backwards, which then ran once per instance; the rule here folds them the
 same way (see :func:`_attention_backward`), so that a gradient taken inside the map
 (``data_parallel_step``) makes one call, on the forward's own log-sum-exp and random
-state. (A gradient taken outside the map, ``.backward()`` on a pmap result, still fails
-in the memory-efficient kernel's backward on an H100 with torch 2.11, "LSE is not
-correctly aligned (strideH)": see ``docs/gpu.md``.)
+state. vmap's rules for the memory-efficient and cuDNN forwards are replaced (see
+:func:`_attention_forward`): they skipped the log-sum-exp when the gradient is taken
+outside the map (``.backward()`` on a pmap result), which failed on an H200 in the
+memory-efficient backward and gave silently wrong gradients in bfloat16 (``docs/gpu.md``).
 """
 from __future__ import annotations
 
@@ -63,6 +64,12 @@ def install() -> None:
     for op in private.cuda_attention_backwards():
         if not private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"):
             _library.impl(op, _attention_backward(op), "FuncTorchBatched")
+    if private.changed("cuda_attention_forwards") is not None:  # keep torch's rules (and their defect)
+        return
+    with warnings.catch_warnings():  # torch's own rules for these forwards are replaced on purpose (torch warns)
+        warnings.simplefilter("ignore")
+        for op in private.cuda_attention_forwards():
+            _library.impl(op, _attention_forward(op), "FuncTorchBatched")
 
 
 def _flash_forward(
@@ -105,6 +112,95 @@ def _flash_backward(
     return _folded(call, [grad_out, query, key, value, out, logsumexp], attn_mask, per_instance=dropout_p != 0.0)
 
 
+def _attention_forward(op: Callable[..., tuple]) -> Callable[..., tuple]:
+    """The rule for the forward of a CUDA attention kernel that computes its log-sum-exp
+    only when asked (memory-efficient, cuDNN). It replaces vmap's own rule, which folds the
+    instances into the batch the same way but passes on the ``compute_log_sumexp`` that
+    ``F.scaled_dot_product_attention`` chose from the batched wrappers: False when the
+    gradient is taken outside the map, whose backward then has no log-sum-exp (an error in
+    the memory-efficient kernel, silently wrong gradients in bfloat16, on an H200 with torch
+    2.11). Here the log-sum-exp is computed whenever grad mode is on and an unwrapped input
+    requires grad, as plain PyTorch decides on the whole batch.
+
+    Dropout follows vmap's rule: refused under ``randomness="error"``, and under "same"
+    with a batched input; under "different" the instances fold into one call, which draws
+    a mask per (instance, batch) row."""
+    names = [a.name for a in private.op_schema(op).arguments]
+
+    def rule(*args: object, **kwargs: object) -> tuple:
+        bound = dict(zip(names, args), **kwargs)
+        level = private.current_vmap_level()
+        unwrapped = {
+            k: private.unwrap_batched(v, level) if isinstance(v, torch.Tensor) else (v, None) for k, v in bound.items()
+        }
+        values = {k: v for k, (v, _) in unwrapped.items()}
+        batched = {k: d for k, (_, d) in unwrapped.items() if d is not None and d >= 0}
+        if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values.values()):
+            values["compute_log_sumexp"] = True
+        if batched and float(values.get("dropout_p") or 0.0) != 0.0:
+            _check_randomness(op)
+        with private.batching_excluded():
+            if not batched:  # nothing batched at this level: the op as it is, for the levels below
+                return op(**values)
+            size = next(unwrapped[k][0].shape[d] for k, d in batched.items())
+            folded = dict(values)
+            for k in ("query", "key", "value"):
+                folded[k] = _instances_first(values[k], batched.get(k), size).flatten(0, 1)
+            mask = values.get("attn_bias")
+            if isinstance(mask, torch.Tensor):
+                batch = folded["query"].shape[0] // size
+                folded["attn_bias"] = _aligned_bias(
+                    _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(0, 1)
+                )
+            outs = op(**folded)
+        rows = folded["query"].shape[0]
+        return tuple(
+            private.add_batch_dim(o.unflatten(0, (size, -1)), 0, level)
+            if isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[0] == rows
+            else o
+            for o in outs
+        )
+
+    return rule
+
+
+def _check_randomness(op: object) -> None:
+    """vmap's check of a random op with batched inputs (its message), for rules that fold
+    a random kernel."""
+    randomness = private.vmap_randomness()
+    if randomness == "error":
+        raise RuntimeError(
+            f"vmap: called random operation {op} (attention with dropout_p > 0) while in randomness error mode. "
+            "Pass randomness='different' (or 'same') to vmap or pmap, or set dropout_p=0."
+        )
+    if randomness == "same":
+        raise RuntimeError(
+            f"vmap: randomness='same' with a batched input is not supported for {op} (attention with "
+            "dropout_p > 0), as in torch's own rule: use randomness='different', or pass the inputs unbatched."
+        )
+
+
+def _kernel_layout(value: torch.Tensor) -> torch.Tensor:
+    """A folded argument of an attention backward, its layout kept where folding was a
+    view: the kernels read ``out`` in the layout their forward wrote it (the
+    memory-efficient bfloat16 backward gave wrong query and key gradients on an H200 when
+    ``out`` was made contiguous), and need only the last dim contiguous."""
+    return value if value.stride(-1) == 1 else value.contiguous()
+
+
+def _aligned_bias(bias: torch.Tensor) -> torch.Tensor:
+    """An attention bias as the memory-efficient kernel needs it: the last dim contiguous
+    and every other stride a multiple of 16 elements (``F.scaled_dot_product_attention``
+    pads the bias the same way before calling the kernel). Folding instances into the
+    batch can copy the bias into a layout without that padding."""
+    if bias.stride(-1) == 1 and all(s % 16 == 0 for s in bias.stride()[:-1]):
+        return bias
+    length = bias.shape[-1]
+    padded = bias.new_empty(*bias.shape[:-1], length + (-length) % 16)[..., :length]
+    padded.copy_(bias)
+    return padded
+
+
 def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
     """The rule for the backward of a CUDA attention kernel (memory-efficient, flash,
     cuDNN): the instances fold into the batch, as vmap's own rule folds them in the
@@ -114,7 +210,7 @@ def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
     an ``attn_bias`` folds as a mask; anything else (the random state, the sequence
     offsets) must be the same for every instance. Otherwise (another argument batched, or
     the bias' own gradient asked for) the instances run one at a time, each with its own
-    contiguous slices."""
+    slices."""
     names = [a.name for a in private.op_schema(op).arguments]
 
     def rule(*args: object, **kwargs: object) -> tuple:
@@ -139,11 +235,11 @@ def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
                 folded = dict(values)
                 for k in private.CUDA_ATTENTION_BATCH_FIRST & set(values):
                     if values[k] is not None:
-                        folded[k] = _instances_first(values[k], batched.get(k), size).flatten(0, 1).contiguous()
+                        folded[k] = _kernel_layout(_instances_first(values[k], batched.get(k), size).flatten(0, 1))
                 if isinstance(mask, torch.Tensor):
                     batch = folded["query"].shape[0] // size
-                    folded["attn_bias"] = _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(
-                        0, 1
+                    folded["attn_bias"] = _aligned_bias(
+                        _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(0, 1)
                     )
                 outs = [o if o is None else o.unflatten(0, (size, -1)) for o in op(**folded)]
         return tuple(o if o is None else private.add_batch_dim(o, 0, level) for o in outs)
@@ -152,10 +248,10 @@ def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
 
 
 def _one_at_a_time(op: Callable[..., tuple], values: dict, batched: dict, size: int) -> list:
-    """``op`` once per instance (contiguous slices), the results stacked instances first."""
+    """``op`` once per instance (slices in the layout they have), the results stacked instances first."""
     results = []
     for i in range(size):
-        one = {k: (v.select(batched[k], i).contiguous() if k in batched else v) for k, v in values.items()}
+        one = {k: (_kernel_layout(v.select(batched[k], i)) if k in batched else v) for k, v in values.items()}
         results.append(op(**one))
     return [None if parts[0] is None else torch.stack(parts) for parts in zip(*results)]
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from torchpmap._frontend.call import MapOptions, MappedFunction, _as_int_tuple
+from torchpmap._frontend.function_cache import mapped_function
 from torchpmap._frontend.shard_map import AnyMesh, MeshLike, ShardMapOptions, ShardMapped, Specs
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.mesh import Mesh
@@ -138,7 +139,7 @@ def pmap(
         mesh=mesh,
         jit=jit,
     )
-    return MappedFunction(fun, opts)
+    return mapped_function(fun, opts)
 
 
 def vmap(

@@ -156,9 +156,10 @@ def make_mesh(
 
     With at least as many devices as positions, a :class:`Mesh` of the first
     ``prod(axis_shapes)`` devices, laid out row-major. With fewer, an
-    :class:`AbstractMesh`: the positions run vectorized, several per device (the device
-    count must divide the first axis), so that the same program runs on one device and
-    on many. Like ``jax.make_mesh`` with ``AxisType.Auto`` axes.
+    :class:`AbstractMesh`: the positions run vectorized, several per device, so that the
+    same program runs on one device and on many. Its devices are the most of ``devices``
+    whose count divides the first axis (``devices`` given explicitly must all divide
+    it). Like ``jax.make_mesh`` with ``AxisType.Auto`` axes.
 
     Example:
         >>> import torchpmap as tp
@@ -179,8 +180,10 @@ def make_mesh(
     positions = int(np.prod(shape))
     if len(chosen) >= positions:
         return Mesh(np.array(chosen[:positions], dtype=object).reshape(shape), names)
+    usable = [d for d in range(len(chosen), 0, -1) if shape[0] % d == 0][0]
+    if devices is None:  # all of them: as many as divide the first axis
+        chosen = chosen[:usable]
     if shape[0] % len(chosen):
-        usable = [d for d in range(len(chosen), 0, -1) if shape[0] % d == 0][0]
         raise ValueError(
             f"make_mesh: {positions} positions (shape {dict(zip(names, shape))}) on {len(chosen)} devices: with fewer "
             f"devices than positions, the positions of the first axis {names[0]!r} ({shape[0]}) are spread evenly "

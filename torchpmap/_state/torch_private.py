@@ -236,6 +236,51 @@ def cuda_attention_backwards() -> tuple[Any, ...]:
     return tuple(found)
 
 
+#: The forwards of the CUDA kernels that compute the log-sum-exp only when asked to.
+_CUDA_ATTENTION_FORWARDS = (
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def cuda_attention_forwards() -> tuple[Any, ...]:
+    """The forward ops of the CUDA attention kernels that take ``compute_log_sumexp``
+    (memory-efficient, cuDNN) that this torch has.
+
+    For: torchpmap's batching rule for them, which replaces vmap's. Under vmap,
+    ``F.scaled_dot_product_attention`` decides ``compute_log_sumexp`` from the batched
+    wrappers' ``requires_grad``, which is False when the gradient is taken outside the
+    vmap (``.backward()`` on a pmap result): the forward then skips the log-sum-exp its
+    backward needs. Seen with torch 2.11.0 on an H200: the memory-efficient backward fails
+    ("LSE is not correctly aligned (strideH)"), in bfloat16 the default kernel returned wrong gradients, silently.
+    Public replacement: none (private aten ops; a fix in torch's rule would retire it).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (the schemas; the kernels ran on an H200 with 2.11.0)."""
+    found = []
+    for name in _CUDA_ATTENTION_FORWARDS:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            found.append(packet.default)
+    return tuple(found)
+
+
+def vmap_randomness() -> str | None:
+    """The ``randomness`` ("error", "same" or "different") of the innermost transform in
+    force when it is a vmap, else None.
+
+    For: torchpmap's batching rules of random ops (attention with dropout) refuse or draw
+    as vmap's own rules do. Public replacement: none (``torch._functorch.pyfunctorch``'s
+    ``VmapInterpreter.randomness`` is private too). Checked: torch 2.11.0, 2.13.0, 2.14.1
+    (``torch._C._functorch.peek_interpreter_stack``, ``CVmapInterpreterPtr.randomness``,
+    ``RandomnessType``)."""
+    f = torch._C._functorch
+    top = f.peek_interpreter_stack()
+    if top is None or top.key() != f.TransformType.Vmap:
+        return None
+    kind = f.CVmapInterpreterPtr(top).randomness()
+    names = {f.RandomnessType.Error: "error", f.RandomnessType.Same: "same", f.RandomnessType.Different: "different"}
+    return names[kind]
+
+
 def batching_excluded() -> contextlib.AbstractContextManager:
     """``with batching_excluded(): ...`` runs ops as a batching rule's body runs: below the
     innermost vmap level (the ``FuncTorchBatched`` dispatch key excluded), with the levels
@@ -1171,6 +1216,30 @@ def _probe_cuda_attention_backwards() -> None:
         _expect(all(r.type.kind() == "TensorType" for r in schema.returns), f"{op.name()} returns tensors")
 
 
+def _probe_cuda_attention_forwards() -> None:
+    ops = cuda_attention_forwards()
+    _expect(len(ops) == len(_CUDA_ATTENTION_FORWARDS), "every op exists")
+    for op in ops:
+        names = [a.name for a in op_schema(op).arguments]
+        expected = ["query", "key", "value", "attn_bias", "compute_log_sumexp"]
+        _expect(names[:5] == expected, f"{op.name()} takes its arguments")
+        _expect({"dropout_p", "is_causal", "scale"} <= set(names), f"{op.name()} takes dropout_p, is_causal, scale")
+    if ops:  # the memory-efficient kernel's meta function: the log-sum-exp is there when asked for
+        q = torch.empty(2, 3, 5, 8, device="meta")
+        _, lse, *_ = ops[0](q, q, q, None, True, 0.0, False)
+        _expect(lse.shape[:2] == (2, 3) and lse.shape[2] >= 5, "the log-sum-exp is batch x heads x length")
+
+
+def _probe_vmap_randomness() -> None:
+    _expect(vmap_randomness() is None, "none outside vmap")
+    for kind in ("error", "same", "different"):
+        vmap_increment_nesting(2, kind)
+        try:
+            _expect(vmap_randomness() == kind, f"randomness {kind!r} is read back")
+        finally:
+            vmap_decrement_nesting()
+
+
 def _probe_batching_excluded() -> None:
     level = vmap_increment_nesting(2, "error")
     try:
@@ -1305,6 +1374,16 @@ ENTRIES: dict[str, Entry] = {
             "cuda_attention_backwards",
             "torch.ops.aten._scaled_dot_product_{efficient,flash,cudnn}_attention_backward",
             _probe_cuda_attention_backwards,
+        ),
+        Entry(
+            "cuda_attention_forwards",
+            "torch.ops.aten._scaled_dot_product_{efficient,cudnn}_attention",
+            _probe_cuda_attention_forwards,
+        ),
+        Entry(
+            "vmap_randomness",
+            "torch._C._functorch.peek_interpreter_stack, CVmapInterpreterPtr.randomness",
+            _probe_vmap_randomness,
         ),
         Entry(
             "batching_excluded",

@@ -70,6 +70,8 @@ PARTS: list[Part] = [
     Part("step", "data_parallel_step against plain PyTorch: eager, compiled, bf16, fp16 + GradScaler",
          _program("step_check"), timeout=240),
     Part("jit", "pmap(jit=True) against eager: values and gradients", _program("jit_check"), timeout=240),
+    Part("attention", "scaled_dot_product_attention under the map on each kernel, gradients outside and inside",
+         _program("attention_check"), timeout=240),
     Part(
         "tests",
         "device-equivalence, API, sharded and multi-device tests, CUDA as the device",

@@ -1,0 +1,78 @@
+"""torchpmap._frontend.function_cache: ``pmap(f)`` made again with the same options shares
+what the one made before learned (and compiled)."""
+import gc
+
+import torch
+
+import torchpmap as tp
+
+
+def double(x):
+    return x * 2
+
+
+def shares(a, b):
+    return a._layouts is b._layouts and a._vmap_fallback is b._vmap_fallback and a._programs is b._programs
+
+
+def test_the_same_function_and_options_share_what_was_learned():
+    assert shares(tp.pmap(double), tp.pmap(double))
+    assert shares(tp.pmap(double, axis_name="i"), tp.pmap(double, axis_name="i"))
+    assert shares(tp.pmap(double, in_axes=(0,)), tp.pmap(double, in_axes=(0,)))
+    assert shares(tp.pmap(double, jit=True), tp.pmap(double, jit=True))
+
+
+def test_other_options_learn_apart():
+    kept = tp.pmap(double)
+    assert not shares(tp.pmap(double, axis_name="i"), kept)
+    assert not shares(tp.pmap(double, out_axes=1), kept)
+    assert not shares(tp.pmap(double, jit=True), kept)
+    assert not shares(tp.pmap(lambda x: x * 2), tp.pmap(lambda x: x * 2))  # two function objects
+
+
+def test_unhashable_options_learn_afresh_each_time():
+    options = {"options": {"max_autotune": False}}
+    assert not shares(tp.pmap(double, jit=options), tp.pmap(double, jit=options))
+
+
+def test_bad_options_still_raise_every_time():
+    for _ in range(2):
+        try:
+            tp.pmap(double, randomness="sometimes")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("randomness='sometimes' was accepted")
+
+
+def test_a_collected_function_takes_its_entry_with_it():
+    from torchpmap._frontend import function_cache
+
+    def local(x):
+        return x + 1
+
+    tp.pmap(local)(torch.ones(2, 3))
+    tp.pmap(local, jit=True)(torch.ones(2, 3))  # a compiled program must not hold the function either
+    assert local in function_cache._made
+    before = len(function_cache._made)
+    del local
+    gc.collect()
+    assert len(function_cache._made) == before - 1
+
+
+def test_inline_jit_calls_trace_once():
+    """``pmap(f, jit=True)(x)`` written inside a loop traces ``f`` once, as a kept mapped
+    function does (JAX caches on the function's identity the same way), and gives the
+    kept function's numbers."""
+    traced = []
+
+    def step(x):
+        traced.append(1)  # runs in Python only while tracing
+        return torch.sin(x) + tp.psum(x, "i")
+
+    x = torch.randn(4, 3)
+    one = tp.devices()[:1]  # one device: traced and compiled on every machine
+    results = [tp.pmap(step, axis_name="i", jit=True, devices=one)(x + k) for k in range(3)]
+    assert len(traced) == 1
+    for k, got in enumerate(results):
+        torch.testing.assert_close(got, tp.pmap(step, axis_name="i")(x + k))
