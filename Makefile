@@ -121,10 +121,15 @@ test-oldest: $(OLDEST_VENV)/.stamp-test
 	$(MAKE) --no-print-directory gpu-check PYTHON=$(OLDEST_VENV)/bin/python GPU_CHECK_FLAGS=--quick \
 		GPU_CHECK_OUT=build/gpu-check-quick
 
-# The release between: the whole suite (tests and doctests) on one device.
+# The release between the oldest and the newest, which run everything: the private torch
+# APIs' probes, then the quick pass (tests and doctests not marked slow, on one device).
+# It shows that the package installs on this release and that every module runs; the
+# full pass here took CI past its hour.
 test-short: $(VENV)/.stamp-test
-	@echo "== $$(date +%T) torch $(TORCH_MAIN): whole suite, 1 device"
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST)
+	@echo "== $$(date +%T) torch $(TORCH_MAIN): private torch API probes"
+	$(PY) -c "from torchpmap._state import torch_private; torch_private.check()"
+	@echo "== $$(date +%T) torch $(TORCH_MAIN): quick pass (not slow), 1 device"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -m "not slow"
 
 test-compat: $(COMPAT_VENV)/.stamp-test
 	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT))
@@ -135,11 +140,11 @@ test-jit-inductor: $(VENV)/.stamp-test
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY))
 
 # The inner loop while working: everything but the tests marked slow (several processes,
-# the examples, Hugging Face models, the long differential and device sweeps), on one
-# device and TORCH_MAIN only; under 5 minutes on a busy 2-core machine. `make test` runs
-# everything, the slow tests included.
+# the examples, Hugging Face models, the longest sweeps), tests and doctests, on one
+# device and torch $(TORCH) only (TORCH_MAIN unless given); under 5 minutes on a busy
+# 2-core machine. Stops at the first failure. `make test` runs the slow tests too.
 test-quick: $(VENV)/.stamp-test
-	$(PY) $(PYTEST) -x -m "not slow"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -x -m "not slow"
 
 bench: $(VENV)/.stamp-test
 	$(PY) -m torchpmap.bench

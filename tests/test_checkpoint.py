@@ -137,6 +137,7 @@ def _launch(scenario: str, path: Path, nproc: int):
     return finished, logs, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_in_one_process(tmp_path):
     path = tmp_path / "ckpt.pt"
     finished, logs, seconds = _launch("kill", path, nproc=1)
@@ -503,6 +504,7 @@ def test_sharded_tensor_values_round_trip_on_every_placement(tmp_path, four_devi
 # --------------------------------------------------------------------------- two processes
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_in_two_processes(tmp_path):
     path = tmp_path / "ckpt.pt"
     killed, logs, first = _launch("kill_distributed", path, nproc=2)
@@ -527,6 +529,7 @@ def test_killed_run_resumes_to_the_same_weights_in_two_processes(tmp_path):
     assert first + second < 40, (first, second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, victim", [
     ("save_writer_killed", 0), ("save_other_killed", 1), ("load_killed_rank1", 1), ("load_killed_rank0", 0),
 ])

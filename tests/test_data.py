@@ -289,6 +289,7 @@ def _launch(scenario: str, tmp_path: Path, timeout: float = 20.0):
     return finished, results, logs, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_two_processes_read_their_shares_and_end_epochs_together(tmp_path):
     finished, results, logs, seconds = _launch("shares", tmp_path)
     assert all(f.returncode == 0 for f in finished) and all(r is not None and "crashed" not in r for r in results), (
@@ -326,6 +327,7 @@ def test_two_processes_read_their_shares_and_end_epochs_together(tmp_path):
     assert seconds < 45, seconds
 
 
+@pytest.mark.slow
 def test_a_rank_whose_data_fails_is_named_and_nobody_hangs(tmp_path):
     finished, results, logs, seconds = _launch("data_error", tmp_path)
     r0, r1 = results

@@ -111,6 +111,7 @@ def reference():
 # TORCHPMAP_HEADERS_APART=1: every transfer's headers travel in a collective of their own
 # on the host, beside the payload's, as they do for CUDA payloads (read without
 # synchronising with the GPU); the same results, one more (small) all-gather per transfer.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, bitwise_placement, all_reduce, headers_apart",
     [(2, False, False, False), (4, False, False, False), (4, True, False, False), (2, False, True, False),
@@ -193,6 +194,7 @@ def _check_mesh(per_rank: list) -> None:
         torch.testing.assert_close(res["block_grad"], expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, nproc", [("raise", 2), ("raise", 3), ("raise_jit", 2)])
 def test_raise_in_one_rank_names_it_in_the_others(scenario, nproc, tmp_path):
     t = time.monotonic()
@@ -211,6 +213,7 @@ def test_raise_in_one_rank_names_it_in_the_others(scenario, nproc, tmp_path):
     assert time.monotonic() - t < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["die", "die_jit"])
 def test_dead_rank_is_named_and_nobody_hangs(scenario, tmp_path):
     finished, results = _run(scenario, 2, tmp_path, timeout=30)
@@ -223,6 +226,7 @@ def test_dead_rank_is_named_and_nobody_hangs(scenario, tmp_path):
     assert finished[0].returncode == 0, logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_killed_process_is_named_by_every_survivor(nproc, tmp_path):
     finished, results = _run("sigkill", nproc, tmp_path, timeout=20)
@@ -238,6 +242,7 @@ def test_a_killed_process_is_named_by_every_survivor(nproc, tmp_path):
         assert finished[r].returncode == 0, logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_process_sleeping_past_the_timeout_times_out_the_others_within_a_second(nproc, tmp_path):
     timeout = 4.0
@@ -254,6 +259,7 @@ def test_a_process_sleeping_past_the_timeout_times_out_the_others_within_a_secon
     assert all(f.returncode == 0 for f in finished), logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_absent_rank_times_out_with_where_everyone_is(nproc, tmp_path):
     finished, results = _run("absent", nproc, tmp_path, timeout=3)
@@ -279,6 +285,7 @@ DISAGREEMENTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, all_reduce, headers_apart", [(2, False, False), (3, False, False), (3, True, False),
                                                               (3, False, True)])
 def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(nproc, all_reduce, headers_apart, tmp_path):
@@ -321,6 +328,7 @@ def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(npro
         assert "out of step" in res["after_out_of_step"]["message"], res["after_out_of_step"]
 
 
+@pytest.mark.slow
 def test_an_uncaught_mismatch_ends_every_process_with_an_error_not_an_abort(tmp_path):
     """Payloads of different byte counts used to make gloo abort the process (SIGABRT):
     now every process exits with Python's status 1 and the error in its log."""
@@ -351,6 +359,7 @@ def test_single_process_initialize_is_a_quiet_noop(monkeypatch):
 
 
 # torchrun is `python -m torch.distributed.run`: run as a module, it needs no PATH entry (CI has none)
+@pytest.mark.slow
 def test_example_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
@@ -383,6 +392,7 @@ def _split_steps(events: list) -> list[list]:
     return steps + [current]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, headers_apart", [(2, False), (3, False), (2, True)])
 def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, headers_apart, tmp_path):
     env = {"TORCHPMAP_HEADERS_APART": "1"} if headers_apart else {}
@@ -438,6 +448,7 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
         torch.testing.assert_close(res["after"], res["overlapped"]["losses"][:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_process_raising_while_its_buckets_travel_is_named_by_every_other(nproc, tmp_path):
     finished, results = _run("raise_in_backward", nproc, tmp_path, timeout=30)
@@ -451,6 +462,7 @@ def test_a_process_raising_while_its_buckets_travel_is_named_by_every_other(npro
         assert "out of step" in res["after"]
 
 
+@pytest.mark.slow
 def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
     """shard_map over a 2 x 2 mesh of processes (torchpmap.distributed.mesh and a torch
     DeviceMesh): plain tensors that every process holds, DTensors with the specs'
@@ -476,6 +488,7 @@ def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
 
 
 # loading in a process without a process group is what this test does on purpose; DCP says so
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_shard_map_results_save_on_two_processes_and_load_on_one(tmp_path):
     """DTensor results of a shard_map (weights split over "data") go through
@@ -497,6 +510,8 @@ def test_shard_map_results_save_on_two_processes_and_load_on_one(tmp_path):
 # --------------------------------------------------------------------------- same answers as plain PyTorch (issue 27)
 
 
+# Not slow: the one multi-process test that `make test-quick` keeps (a few seconds), so
+# that the quick pass runs the multi-process engine and the exchange between processes.
 def test_processes_give_the_answers_of_one_process(tmp_path):
     """Two processes that build their models from different seeds (as the DDP tutorial
     does, relying on DDP's wrap-time copy) train process 0's model, bitwise the same in

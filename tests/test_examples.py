@@ -17,6 +17,9 @@ import sys
 import pytest
 import torch
 
+# the examples, each run as a process of its own: `make test-quick` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SEEDS = (

@@ -35,6 +35,7 @@ def test_least_recently_used_eviction(monkeypatch):
     assert len(f._programs) == 3
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_past_the_bound(monkeypatch):
     monkeypatch.setattr(tp.config, "jit_cache_size", 4)
     f = tp.pmap(lambda v: v * 2 + 1, jit=EAGER, devices=tp.devices()[:1])

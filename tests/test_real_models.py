@@ -166,6 +166,7 @@ def _text_batch(vocab: int, with_labels: str) -> dict[str, torch.Tensor]:
     return batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", _devices(), ids=["one", "all"])
 def test_bert_with_padding_masks(devices):
     transformers = pytest.importorskip("transformers")
@@ -179,6 +180,7 @@ def test_bert_with_padding_masks(devices):
     _train_both(model, _text_batch(30, "class"), lambda out, b: out.loss, lambda b: b, devices, 1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", _devices(), ids=["one", "all"])
 def test_gpt2_with_padding_masks(devices):
     transformers = pytest.importorskip("transformers")
