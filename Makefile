@@ -38,8 +38,9 @@ PIP_INSTALL = -m pip install --disable-pip-version-check -q
 TORCH_PIP_FLAGS ?=
 
 # $(call venv_rules,VERSION): the virtual environment for torch VERSION and its stamps:
-# `.stamp-demo` (the package and its examples extra: what `make demo` needs) and
-# `.stamp-test` (the test, examples and docs extras: tests/test_docs.py builds the site).
+# `.stamp-demo` (the package and its examples extra: what `make demo` needs),
+# `.stamp-test` (the test, examples and docs extras: tests/test_docs.py builds the site)
+# and `.stamp-lint` (the lint extra: ruff and mypy, pinned).
 # `torchVERSION.pin` holds the package installs to that torch (pip fails rather than swap it).
 define venv_rules
 $(call venv_of,$(1))/bin/python:
@@ -56,8 +57,16 @@ $(call venv_of,$(1))/.stamp-demo: pyproject.toml | $(call venv_of,$(1))/torch$(1
 $(call venv_of,$(1))/.stamp-test: pyproject.toml | $(call venv_of,$(1))/torch$(1).pin
 	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) -c $(call venv_of,$(1))/torch$(1).pin -e ".[test,examples,docs]"
 	touch $$@ $(call venv_of,$(1))/.stamp-demo
+
+$(call venv_of,$(1))/.stamp-lint: pyproject.toml | $(call venv_of,$(1))/torch$(1).pin
+	$(call venv_of,$(1))/bin/python $(PIP_INSTALL) -c $(call venv_of,$(1))/torch$(1).pin -e ".[lint]"
+	touch $$@
 endef
-$(foreach v,$(sort $(TORCH) $(TORCH_OLDEST) $(TORCH_COMPAT) $(TORCH_GPU)),$(eval $(call venv_rules,$(v))))
+$(foreach v,$(sort $(TORCH) $(TORCH_MAIN) $(TORCH_OLDEST) $(TORCH_COMPAT) $(TORCH_GPU)),$(eval $(call venv_rules,$(v))))
+
+# The linters run on TORCH_MAIN's environment whatever TORCH says: mypy reads torch's own
+# annotations, which change between releases.
+LINT_VENV := $(call venv_of,$(TORCH_MAIN))
 
 # pytest's exit status 5 (no test collected) fails the recipe like any other failure.
 PYTEST = -m pytest -q
@@ -65,13 +74,20 @@ PYTEST = -m pytest -q
 JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
 	-W error::torchpmap.JitFallbackWarning
 
-.PHONY: setup demo test test-main test-oldest test-short test-compat test-quick test-jit-inductor bench bench-cluster docs test-gpu bench-gpu \
-	require-cuda gpu-check clean distclean
+.PHONY: setup demo lint test test-main test-oldest test-short test-compat test-quick test-jit-inductor bench bench-cluster \
+	docs test-gpu bench-gpu require-cuda gpu-check clean distclean
 
 setup: $(VENV)/.stamp-test
 
 demo: $(VENV)/.stamp-demo
 	$(PY) examples/train_digits.py
+
+# ruff (pyproject.toml's [tool.ruff]) over torchpmap/, tests/ and examples/, then mypy
+# ([tool.mypy]) over torchpmap/. The same checks run as pre-commit hooks
+# (.pre-commit-config.yaml; `$(LINT_VENV)/bin/pre-commit install` once, after a `make lint`).
+lint: $(LINT_VENV)/.stamp-lint
+	$(LINT_VENV)/bin/ruff check
+	$(LINT_VENV)/bin/python -m mypy
 
 ifdef MATRIX
 test: test-oldest test-short test-compat
@@ -105,10 +121,15 @@ test-oldest: $(OLDEST_VENV)/.stamp-test
 	$(MAKE) --no-print-directory gpu-check PYTHON=$(OLDEST_VENV)/bin/python GPU_CHECK_FLAGS=--quick \
 		GPU_CHECK_OUT=build/gpu-check-quick
 
-# The release between: the whole suite (tests and doctests) on one device.
+# The release between the oldest and the newest, which run everything: the private torch
+# APIs' probes, then the quick pass (tests and doctests not marked slow, on one device).
+# It shows that the package installs on this release and that every module runs; the
+# full pass here took CI past its hour.
 test-short: $(VENV)/.stamp-test
-	@echo "== $$(date +%T) torch $(TORCH_MAIN): whole suite, 1 device"
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST)
+	@echo "== $$(date +%T) torch $(TORCH_MAIN): private torch API probes"
+	$(PY) -c "from torchpmap._state import torch_private; torch_private.check()"
+	@echo "== $$(date +%T) torch $(TORCH_MAIN): quick pass (not slow), 1 device"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -m "not slow"
 
 test-compat: $(COMPAT_VENV)/.stamp-test
 	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT))
@@ -118,8 +139,12 @@ test-compat: $(COMPAT_VENV)/.stamp-test
 test-jit-inductor: $(VENV)/.stamp-test
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY))
 
+# The inner loop while working: everything but the tests marked slow (several processes,
+# the examples, Hugging Face models, the longest sweeps), tests and doctests, on one
+# device and torch $(TORCH) only (TORCH_MAIN unless given); under 5 minutes on a busy
+# 2-core machine. Stops at the first failure. `make test` runs the slow tests too.
 test-quick: $(VENV)/.stamp-test
-	$(PY) $(PYTEST) -x -m "not slow"
+	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -x -m "not slow"
 
 bench: $(VENV)/.stamp-test
 	$(PY) -m torchpmap.bench
@@ -184,7 +209,7 @@ bench-gpu: require-cuda
 		--json bench-results/bench-gpu.json --png bench-results/bench-gpu.png
 
 clean:
-	rm -rf .venv*/.stamp-* .venv*/torch*.pin .setup-done site build *.egg-info
+	rm -rf .venv*/.stamp-* .venv*/torch*.pin .setup-done site build *.egg-info .mypy_cache .ruff_cache
 
 distclean: clean
 	rm -rf .venv .venv-torch*

@@ -37,7 +37,10 @@ def load_data(seed: int):
     x_train, x_test, y_train, y_test = train_test_split(
         images / 16.0, labels, test_size=0.2, stratify=labels, random_state=seed
     )
-    as_x = lambda a: torch.tensor(a, dtype=torch.float32)
+
+    def as_x(a):
+        return torch.tensor(a, dtype=torch.float32)
+
     return as_x(x_train), torch.tensor(y_train), as_x(x_test), torch.tensor(y_test)
 
 
@@ -129,7 +132,9 @@ def main() -> None:
             accuracies.append(accuracy(model, x_test, y_test))
             bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", acc=f"{accuracies[-1]:.3f}")
             if not interactive:
-                print(f"epoch {epoch}/{args.epochs}: loss {loss:.4f}, held-out accuracy {accuracies[-1]:.4f}", flush=True)
+                print(
+                    f"epoch {epoch}/{args.epochs}: loss {loss:.4f}, held-out accuracy {accuracies[-1]:.4f}", flush=True
+                )
     seconds = time.perf_counter() - start
 
     print(f"trained {args.epochs} epochs in {seconds:.1f} s ({total / seconds:,.0f} samples/s)")

@@ -1,7 +1,7 @@
 """Programs run by tests/test_distributed.py, in several processes and in one.
 
 ``python tests/_distributed_programs.py SCENARIO OUTDIR`` runs in every process of a
-multi-process launch (the environment comes from torchpmap._frontend.launch, like torchrun's),
+multi-process launch (the environment comes from torchpmap.bench.launch, like torchrun's),
 and saves what the process computed to ``OUTDIR/rank<r>.pt``. The test runs the same
 programs on the whole global data in one process (:func:`reference`) and compares.
 """
@@ -86,12 +86,17 @@ def collective_programs(d: dict[str, torch.Tensor], jit: bool = False):
                 axis_name="j",
             )
         )(d["x_nested"]),
-        "vmap_inside": lambda d: pm(
-            lambda v: tp.vmap(lambda u: tp.psum(u, "i") * tp.psum(u, "k"), axis_name="k")(v)
-        )(d["x_nested"]),
+        "vmap_inside": lambda d: pm(lambda v: tp.vmap(lambda u: tp.psum(u, "i") * tp.psum(u, "k"), axis_name="k")(v))(
+            d["x_nested"]
+        ),
         "grad_inside": lambda d: pm(
-            grad(lambda v: (tp.psum(v**2, "i") * v).sum() + (tp.all_gather(v, "i") * tp.axis_index("i")).sum()
-                 + (tp.ppermute(v, "i", _ring(G)) ** 3).sum())
+            grad(
+                lambda v: (
+                    (tp.psum(v**2, "i") * v).sum()
+                    + (tp.all_gather(v, "i") * tp.axis_index("i")).sum()
+                    + (tp.ppermute(v, "i", _ring(G)) ** 3).sum()
+                )
+            )
         )(d["x"]),
         "vmap_around": lambda d: torch.func.vmap(pm(lambda v: tp.psum(v, "i") * v), in_dims=1, out_dims=1)(
             torch.stack([d["x"], 2 * d["x"]], dim=1)
@@ -101,7 +106,12 @@ def collective_programs(d: dict[str, torch.Tensor], jit: bool = False):
         "pytree_pmax": lambda d: pm(lambda t: tp.pmax({k: v for k, v in t.items() if k != "c64"}, "i"))(d["tree"]),
         "pytree_grad_inside": lambda d: pm(lambda t: grad(_tree_loss)(_floats(t), t["i64"]))(d["tree"]),
         "grad_inside_scatter_a2a": lambda d: pm(
-            grad(lambda v: (tp.psum_scatter(v, "i") ** 2).sum() + (tp.all_to_all(v, "i", 0, 0) * v * (tp.axis_index("i") + 1)).sum())
+            grad(
+                lambda v: (
+                    (tp.psum_scatter(v, "i") ** 2).sum()
+                    + (tp.all_to_all(v, "i", 0, 0) * v * (tp.axis_index("i") + 1)).sum()
+                )
+            )
         )(d["x_sq"]),
     }
 
@@ -141,10 +151,14 @@ def pytree_backward(d: dict) -> dict:
 def count_transfers(d: dict) -> dict:
     """How many all-gathers, all-to-alls and all-reduces a pmean of a 6-leaf pytree and its
     backward make, once the steps repeat."""
-    from torchpmap._engines import distributed as engine
+    from torchpmap._engines import process_exchange as engine
 
     counts = {"all_gather": 0, "all_to_all": 0, "all_gather_bytes": 0, "all_reduce": 0}
-    gather, all_to_all, all_reduce = engine._all_gather_flat, torch.distributed.all_to_all_single, torch.distributed.all_reduce
+    gather, all_to_all, all_reduce = (
+        engine._all_gather_flat,
+        torch.distributed.all_to_all_single,
+        torch.distributed.all_reduce,
+    )
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -563,9 +577,8 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
     """data_parallel_step across processes with its all-reduce started bucket by bucket in
     the backward: when the buckets start, the trained model against the same step written
     by hand, and processes whose buckets differ."""
+    import torchpmap._engines.process_exchange as engine
     import torchpmap.training
-
-    import torchpmap._engines.distributed as engine
 
     x, y = (t[rank : rank + 1] for t in bucket_data(nproc))
     tp.config.all_reduce_bytes = 1 << 10  # this little MLP's gradients go through all-reduces, its loss is gathered
@@ -676,7 +689,12 @@ def scenario_raise_in_backward(rank: int, nproc: int) -> dict:
     tp.config.all_reduce_bytes, tp.config.bucket_bytes = 1, 16 << 10
     torch.manual_seed(3)
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), Boom(), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64)
+        torch.nn.Linear(16, 64),
+        Boom(),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
     )
     step = data_parallel_step(model, torch.nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = torch.randn(1, 8, 16), torch.randn(1, 8, 64)
@@ -775,7 +793,9 @@ def scenario_same_answers(rank: int, nproc: int) -> dict:
         "scalar": torch.tensor(float(rank)),
     }
     first = tpd.broadcast(mine)
-    out["broadcast"] = {k: (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).clone()) for k, t in first.items()}
+    out["broadcast"] = {
+        k: (t.dtype, tuple(t.shape), t.contiguous().view(-1).view(torch.uint8).clone()) for k, t in first.items()
+    }
     out["check_same_equal"] = _failure_of(lambda: tpd.check_same(first, what="broadcast"))
     same_but_b = {"a": torch.ones(3), "b": torch.ones(2) * (1 if rank == 0 else 2), "c": torch.zeros(1) + rank}
     try:
@@ -819,7 +839,11 @@ SHARD_MAP_MESH = ((2, 2), ("data", "model"))
 
 def shard_map_data():
     g = torch.Generator().manual_seed(7)
-    return {"x": torch.randn(8, 4, generator=g), "w": torch.randn(4, 6, generator=g), "w1": torch.randn(4, 8, generator=g)}
+    return {
+        "x": torch.randn(8, 4, generator=g),
+        "w": torch.randn(4, 6, generator=g),
+        "w1": torch.randn(4, 8, generator=g),
+    }
 
 
 def shard_map_programs(mesh, d: dict) -> dict:
@@ -858,7 +882,9 @@ def scenario_shard_map_checkpoint(rank: int, nproc: int) -> dict:
 
     mesh = tpd.mesh((nproc,), ("data",))
     d = shard_map_data()
-    step = tp.shard_map(lambda w: w * 2 + tp.axis_index("data"), mesh=mesh, in_specs=tp.P("data"), out_specs=tp.P("data"))
+    step = tp.shard_map(
+        lambda w: w * 2 + tp.axis_index("data"), mesh=mesh, in_specs=tp.P("data"), out_specs=tp.P("data")
+    )
     state = {"w1": step(d["w1"])}
     dcp.save(state, checkpoint_id=os.environ["TEST_CHECKPOINT"])
     return {"local": state["w1"].to_local()}
@@ -910,7 +936,17 @@ def main() -> None:
     torch.save(out, path + ".tmp")
     os.replace(path + ".tmp", path)  # complete when it appears
     sys.stdout.flush()
-    if scenario in ("raise", "raise_jit", "die", "die_jit", "absent", "disagree", "sigkill", "sleep", "raise_in_backward"):
+    if scenario in (
+        "raise",
+        "raise_jit",
+        "die",
+        "die_jit",
+        "absent",
+        "disagree",
+        "sigkill",
+        "sleep",
+        "raise_in_backward",
+    ):
         # The group is out of step: skip waiting for its collectives at exit, but let rank 0
         # (the store's host) stay as long as torchpmap's own exit hook would.
         if rank == 0:

@@ -1,4 +1,4 @@
-"""Programs that tests/test_store_exposure.py runs in several processes (torchpmap._frontend.launch).
+"""Programs that tests/test_store_exposure.py runs in several processes (torchpmap.bench.launch).
 
 Usage: ``python _store_programs.py SCENARIO OUT_DIR``; each rank writes what it saw to
 ``OUT_DIR/rank<r>.json``.

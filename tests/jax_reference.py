@@ -34,16 +34,17 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from typing import Any, Callable, Optional  # noqa: E402
+from collections.abc import Callable
+from typing import Any
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from jax import lax  # noqa: E402
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import torch
+from jax import lax
 
-import torchpmap as tp  # noqa: E402
+import torchpmap as tp
 
 assert not jax.config.jax_enable_x64, "the JAX reference runs with x64 disabled, JAX's default"
 
@@ -233,7 +234,7 @@ JAX = _Jax()
 # --------------------------------------------------------------------------- running
 
 
-def run(program: Callable, backend: Backend, kind: Optional[str], args: tuple) -> Any:
+def run(program: Callable, backend: Backend, kind: str | None, args: tuple) -> Any:
     """``program(B, M, *args)`` with the numpy ``args`` converted for ``backend``; ``M`` is
     ``backend.map(kind)`` (or None when ``kind`` is None).
 
@@ -310,11 +311,11 @@ def check(
     args: tuple,
     *,
     torch_kind: Any = DEFAULT_TORCH_KINDS,
-    jax_kind: Optional[str] = "pmap",
-    jax_args: Optional[tuple] = None,
-    jax_program: Optional[Callable] = None,
+    jax_kind: str | None = "pmap",
+    jax_args: tuple | None = None,
+    jax_program: Callable | None = None,
     jax_default_int: bool = False,
-    tol: Optional[tuple[float, float]] = None,
+    tol: tuple[float, float] | None = None,
 ) -> tuple[Any, Any]:
     """Runs ``program`` once with JAX (map kind ``jax_kind``) and with torchpmap for each map
     kind in ``torch_kind`` (a kind or a tuple of kinds; by default both ``tp.pmap`` and
@@ -378,7 +379,7 @@ def assert_same(
     jax_out: Any,
     *,
     jax_default_int: bool = False,
-    tol: Optional[tuple[float, float]] = None,
+    tol: tuple[float, float] | None = None,
 ) -> None:
     """Same pytree structure, and per leaf: same shape, corresponding dtype, same values.
 
@@ -407,14 +408,16 @@ def assert_same(
         tn, jn = _leaf_to_numpy(t), _leaf_to_numpy(j)
         if t.dtype.is_floating_point:
             rtol, atol = tol or TOLERANCES[t.dtype]
-            np.testing.assert_allclose(tn, jn.astype(tn.dtype), rtol=rtol, atol=atol, err_msg=f"values differ at {where}")
+            np.testing.assert_allclose(
+                tn, jn.astype(tn.dtype), rtol=rtol, atol=atol, err_msg=f"values differ at {where}"
+            )
         else:
             np.testing.assert_array_equal(tn, jn, err_msg=f"values differ at {where}")
     if jax_default_int:
         assert seen_default_int, "jax_default_int=True but no leaf has JAX's default int: drop the flag"
 
 
-def assert_same_torch(actual: Any, expected: Any, *, tol: Optional[tuple[float, float]] = None) -> None:
+def assert_same_torch(actual: Any, expected: Any, *, tol: tuple[float, float] | None = None) -> None:
     """For torch-vs-torch comparisons (torchpmap against a Python loop): same pytree
     structure, and per leaf the same shape, exactly the same dtype and the same values."""
     a_leaves, a_def = _torch_leaves(actual)

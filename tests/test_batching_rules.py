@@ -49,11 +49,11 @@ def test_the_rules_are_registered():
 
 
 MASKS = {
-    "none": lambda n, b, h, l, s: None,
-    "bool, shared, L x S": lambda n, b, h, l, s: torch.rand(l, s) > 0.3,
-    "float, shared, B x 1 x L x S": lambda n, b, h, l, s: torch.randn(b, 1, l, s),
-    "float, per instance, B x H x L x S": lambda n, b, h, l, s: torch.randn(n, b, h, l, s),
-    "bool, per instance, 1 x L x S": lambda n, b, h, l, s: torch.rand(n, 1, l, s) > 0.3,
+    "none": lambda n, b, h, L, s: None,
+    "bool, shared, L x S": lambda n, b, h, L, s: torch.rand(L, s) > 0.3,
+    "float, shared, B x 1 x L x S": lambda n, b, h, L, s: torch.randn(b, 1, L, s),
+    "float, per instance, B x H x L x S": lambda n, b, h, L, s: torch.randn(n, b, h, L, s),
+    "bool, per instance, 1 x L x S": lambda n, b, h, L, s: torch.rand(n, 1, L, s) > 0.3,
 }
 
 
@@ -63,18 +63,22 @@ def test_forward_and_gradients_equal_one_call_per_instance(mask_kind, causal):
     if causal and mask_kind != "none":
         pytest.skip("sdpa takes a mask or is_causal, not both")
     torch.manual_seed(0)
-    n, b, h, l, s, e = 3, 2, 4, 8, 8, 16
-    q, k, v = (torch.randn(n, b, h, l if i == 0 else s, e) for i in range(3))
-    mask = MASKS[mask_kind](n, b, h, l, s)
+    n, b, h, L, s, e = 3, 2, 4, 8, 8, 16
+    q, k, v = (torch.randn(n, b, h, L if i == 0 else s, e) for i in range(3))
+    mask = MASKS[mask_kind](n, b, h, L, s)
     mask_dim = 0 if mask is not None and mask.shape[0] == n and mask.dim() > 2 and "per instance" in mask_kind else None
 
     def pick(i):
         return mask if mask_dim is None else mask[i]
 
     want_out = torch.stack([attention(q[i], k[i], v[i], pick(i), causal) for i in range(n)])
-    want_grads = [torch.stack(g) for g in zip(*(grad(loss, (0, 1, 2))(q[i], k[i], v[i], pick(i), causal) for i in range(n)))]
+    want_grads = [
+        torch.stack(g) for g in zip(*(grad(loss, (0, 1, 2))(q[i], k[i], v[i], pick(i), causal) for i in range(n)))
+    ]
     got_out = no_fallback_warning(lambda: vmap(attention, (0, 0, 0, mask_dim, None))(q, k, v, mask, causal))
-    got_grads = no_fallback_warning(lambda: vmap(grad(loss, (0, 1, 2)), (0, 0, 0, mask_dim, None))(q, k, v, mask, causal))
+    got_grads = no_fallback_warning(
+        lambda: vmap(grad(loss, (0, 1, 2)), (0, 0, 0, mask_dim, None))(q, k, v, mask, causal)
+    )
     assert torch.equal(got_out, want_out)
     for got, want in zip(got_grads, want_grads):
         assert torch.equal(got, want)
@@ -91,9 +95,12 @@ def test_unbatched_keys_and_values_broadcast_over_the_instances():
 def test_nested_vmaps_and_a_batch_dim_that_is_not_first():
     torch.manual_seed(2)
     q, k, v = (torch.randn(2, 1, 3, 2, 6, 8).movedim(2, 4) for _ in range(3))  # instances at dims 0 and 4
-    want = torch.stack([
-        torch.stack([attention(q[i, :, :, :, j], k[i, :, :, :, j], v[i, :, :, :, j]) for j in range(3)]) for i in range(2)
-    ])
+    want = torch.stack(
+        [
+            torch.stack([attention(q[i, :, :, :, j], k[i, :, :, :, j], v[i, :, :, :, j]) for j in range(3)])
+            for i in range(2)
+        ]
+    )
     got = no_fallback_warning(lambda: vmap(vmap(attention, (3, 3, 3)))(q, k, v))
     assert torch.equal(got, want)
 
@@ -154,11 +161,13 @@ def test_the_attention_backward_rule_folds_the_instances_as_one_call_per_instanc
     (forward, backward) = private.cpu_flash_attention()
     rule = batching_rules._attention_backward(backward)
     g = torch.Generator().manual_seed(3)
-    n, b, h, l, e = 3, 2, 2, 5, 4
-    q, k, v, grad_out = (torch.randn(n, b, h, l, e, generator=g) for _ in range(4))
+    n, b, h, L, e = 3, 2, 2, 5, 4
+    q, k, v, grad_out = (torch.randn(n, b, h, L, e, generator=g) for _ in range(4))
     if batched == "query only":
         k, v = k[0], v[0]
-    outs, lses = zip(*(forward(q[i], k if k.dim() == 4 else k[i], v if v.dim() == 4 else v[i], 0.0, True) for i in range(n)))
+    outs, lses = zip(
+        *(forward(q[i], k if k.dim() == 4 else k[i], v if v.dim() == 4 else v[i], 0.0, True) for i in range(n))
+    )
     out, lse = torch.stack(outs), torch.stack(lses)
     if batched == "grads and log-sum-exp only":
         q = q[0]
@@ -211,7 +220,8 @@ _calls = []
 def _math_attention(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     """The memory-efficient forward's contract, in math: output, log-sum-exp (empty unless
     asked), and a scalar random state. Records what it was called with."""
-    _calls.append(dict(rows=query.shape[0], lse=compute_log_sumexp, bias_strides=None if attn_bias is None else attn_bias.stride()))
+    strides = None if attn_bias is None else attn_bias.stride()
+    _calls.append(dict(rows=query.shape[0], lse=compute_log_sumexp, bias_strides=strides))
     scores = query @ key.transpose(-2, -1) * (scale or query.shape[-1] ** -0.5)
     if attn_bias is not None:
         scores = scores + attn_bias
@@ -239,9 +249,9 @@ def test_the_attention_forward_rule_folds_the_instances_into_one_call(batched):
     arguments are batched, and an attention bias reaches the kernel padded to strides of
     16 elements."""
     g = torch.Generator().manual_seed(11)
-    n, b, h, l, e = 3, 2, 2, 5, 4
-    q, k, v = (torch.randn(n, b, h, l, e, generator=g) for _ in range(3))
-    bias = torch.randn(n, 1, h, l, l, generator=g)
+    n, b, h, length, e = 3, 2, 2, 5, 4
+    q, k, v = (torch.randn(n, b, h, length, e, generator=g) for _ in range(3))
+    bias = torch.randn(n, 1, h, length, length, generator=g)
     keep = {"all": "qkvb", "query only": "q", "key and bias": "kb", "bias only": "b"}[batched]
     args = [t if name in keep else t[0] for name, t in zip("qkvb", (q, k, v, bias))]
     dims = tuple(0 if name in keep else None for name in "qkvb")

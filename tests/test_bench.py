@@ -13,7 +13,7 @@ import torch
 
 from torchpmap.bench import report, suite, timing
 from torchpmap.bench.core import COLUMNS, NA, SUBJECT, Case, Config, Impl, Workload, all_close
-from torchpmap.bench.workloads import WORKLOADS, by_name, distributed
+from torchpmap.bench.workloads import WORKLOADS, by_name, multiprocess
 
 CPU = Config(quick=True, device=torch.device("cpu"))
 TINY = timing.Plan(reps=3, warmup=1, min_sample_s=0.0, max_total_s=1.0, min_reps=1)
@@ -154,7 +154,7 @@ def test_ddp_column_of_the_distributed_workload() -> None:
     """The multi-process harness works today: its DDP column runs and matches the plain step."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
-    result = distributed.run_processes(TINY, ("torch.ddp",))
+    result = multiprocess.run_processes(TINY, ("torch.ddp",))
     assert len(result.samples["torch.ddp"]) == TINY.reps and min(result.samples["torch.ddp"]) > 0
     assert all_close(result.results["torch.ddp"], result.expected, rtol=1e-4, atol=1e-5)
 
@@ -191,7 +191,7 @@ def test_missing_feature_makes_the_whole_workload_na() -> None:
 
 
 def test_distributed_workload_reports_its_missing_feature() -> None:
-    reason = distributed.needs()
+    reason = multiprocess.needs()
     try:
         import torchpmap.distributed  # noqa: F401
     except ImportError:

@@ -5,14 +5,14 @@ The core test kills a data-parallel training run (``data_parallel_step`` over a
 that no checkpoint holds, resumes it from the last checkpoint, and finds bitwise the
 weights, optimizer state and losses of a run that was never interrupted: in one process
 (on the ambient number of CPU devices) and in two gloo processes (this file run as a
-program by torchpmap._frontend.launch, as torchrun would).
+program by torchpmap.bench.launch, as torchrun would).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import datetime
+import itertools
 import os
 import pickle
 import random
@@ -129,7 +129,7 @@ def assert_same(got, want, where: str = "") -> None:
 
 
 def _launch(scenario: str, path: Path, nproc: int):
-    from torchpmap._frontend.launch import launch
+    from torchpmap.bench.launch import launch
 
     started = time.monotonic()
     finished = launch([str(Path(__file__).resolve()), scenario, str(path)], nproc, timeout=90)
@@ -137,6 +137,7 @@ def _launch(scenario: str, path: Path, nproc: int):
     return finished, logs, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_in_one_process(tmp_path):
     path = tmp_path / "ckpt.pt"
     finished, logs, seconds = _launch("kill", path, nproc=1)
@@ -318,7 +319,9 @@ def test_a_refused_load_changes_nothing(tmp_path, case):
         match = "different number of parameter groups"
     else:  # a loader built for another data order: checked on a copy
         state["data"] = ShardedLoader(dataset(), 32, n=1, seed=5)
-        checkpoint.save(path, {**torch.load(path)["state"], "data": ShardedLoader(dataset(), 32, n=1, seed=11)}, rng=False)
+        checkpoint.save(
+            path, {**torch.load(path)["state"], "data": ShardedLoader(dataset(), 32, n=1, seed=11)}, rng=False
+        )
         match = "the saved position belongs to another data order"
     before, generator = _snapshot(state), torch.get_rng_state()
     with pytest.raises(Exception, match=match) as error:
@@ -354,7 +357,9 @@ def test_a_checkpoint_holding_other_objects_names_the_path_and_weights_only(tmp_
     with pytest.raises(pickle.UnpicklingError) as error:
         checkpoint.load(path)
     message = str(error.value)
-    assert message.startswith(f"checkpoint.load: {path} holds objects that weights_only=True does not unpickle"), message
+    assert message.startswith(f"checkpoint.load: {path} holds objects that weights_only=True does not unpickle"), (
+        message
+    )
     assert "weights_only=False if you trust where it came from" in message
     assert checkpoint.load(path, weights_only=False)["opaque"].n == 3
 
@@ -365,17 +370,29 @@ def _a_checkpoint(tmp_path) -> bytes:
     return path.read_bytes()
 
 
-@pytest.mark.parametrize("damage, match", [
-    ("empty", r"is empty \(0 bytes\), so it holds no checkpoint.*Load an earlier checkpoint"),
-    ("truncated", r"is truncated: its \d+ bytes are the beginning of an archive as torch.save writes, whose end .* is "
-                  r"missing.*copy it again from where it came, or load an earlier checkpoint"),
-    ("random_bytes", r"is not a torchpmap checkpoint: it is not an archive as torch.save writes \(its first bytes are "
-                     r".*\)\. Check the path"),
-    ("corrupted_inside", r"is damaged: it is an archive as torch.save writes, but torch.load could not read it .*load an "
-                         r"earlier checkpoint"),
-    ("garbled_pickle", r"is damaged: it is an archive as torch.save writes, but torch.load could not read it"),
-    ("another_archive", r"is damaged: it is an archive as torch.save writes, but torch.load could not read it"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        ("empty", r"is empty \(0 bytes\), so it holds no checkpoint.*Load an earlier checkpoint"),
+        (
+            "truncated",
+            r"is truncated: its \d+ bytes are the beginning of an archive as torch.save writes, whose end .* is "
+            r"missing.*copy it again from where it came, or load an earlier checkpoint",
+        ),
+        (
+            "random_bytes",
+            r"is not a torchpmap checkpoint: it is not an archive as torch.save writes \(its first bytes are "
+            r".*\)\. Check the path",
+        ),
+        (
+            "corrupted_inside",
+            r"is damaged: it is an archive as torch.save writes, but torch.load could not read it .*load an "
+            r"earlier checkpoint",
+        ),
+        ("garbled_pickle", r"is damaged: it is an archive as torch.save writes, but torch.load could not read it"),
+        ("another_archive", r"is damaged: it is an archive as torch.save writes, but torch.load could not read it"),
+    ],
+)
 def test_a_damaged_file_is_named_with_what_is_wrong_and_what_to_do(tmp_path, damage, match):
     """They used to raise OSError "[Errno 22] Invalid argument" (truncated), a bare EOFError
     (empty), or torch's advice to retry with weights_only=False (random bytes)."""
@@ -462,14 +479,18 @@ def test_sharded_tensor_values_round_trip_on_every_placement(tmp_path, four_devi
         step = tp.pmap(lambda v: (v * 2, tp.psum(v, "i")), "i", devices=devices)
         doubled, summed = step(x)
         model = nn.Linear(6, 1)
-        model.register_buffer("running", tp.pmap(lambda v: v + 1, devices=devices)(x))  # a ShardedTensor in a state dict
+        # a ShardedTensor in a state dict
+        model.register_buffer("running", tp.pmap(lambda v: v + 1, devices=devices)(x))
         with mesh:
             nested = tp.pmap(tp.pmap(lambda v: v - 1, axis_name="model"), axis_name="data")(x.reshape(2, 2, 6))
         path = tmp_path / f"on{len(devices)}.pt"
         checkpoint.save(path, {"model": model, "values": {"doubled": doubled, "list": [summed, (nested,)]}})
         assert isinstance(doubled, tp.ShardedTensor) == (len(devices) > 1)
         raw = torch.load(path, weights_only=True)  # plain tensors only
-        assert type(raw["state"]["values"]["doubled"]) is torch.Tensor and type(raw["state"]["model"]["running"]) is torch.Tensor
+        assert (
+            type(raw["state"]["values"]["doubled"]) is torch.Tensor
+            and type(raw["state"]["model"]["running"]) is torch.Tensor
+        )
         fresh = nn.Linear(6, 1)
         fresh.register_buffer("running", torch.zeros(4, 6))
         back = checkpoint.load(path, {"model": fresh})
@@ -483,6 +504,7 @@ def test_sharded_tensor_values_round_trip_on_every_placement(tmp_path, four_devi
 # --------------------------------------------------------------------------- two processes
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_same_weights_in_two_processes(tmp_path):
     path = tmp_path / "ckpt.pt"
     killed, logs, first = _launch("kill_distributed", path, nproc=2)
@@ -507,6 +529,7 @@ def test_killed_run_resumes_to_the_same_weights_in_two_processes(tmp_path):
     assert first + second < 40, (first, second)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, victim", [
     ("save_writer_killed", 0), ("save_other_killed", 1), ("load_killed_rank1", 1), ("load_killed_rank0", 0),
 ])

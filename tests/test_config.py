@@ -78,7 +78,8 @@ def test_a_timeout_the_platform_cannot_wait_is_refused_naming_the_variable(four_
     monkeypatch.delattr(tp.config, "collective_timeout")  # read from the environment again at its next use
     monkeypatch.setenv("TORCHPMAP_COLLECTIVE_TIMEOUT", value)
     psum = tp.pmap(lambda v: tp.psum(v, "i"), "i", devices=four_devices)
-    assert tp.pmap(lambda v: tp.psum(v, "i"), "i", devices=four_devices[:1])(torch.ones(4)).tolist() == [4.0] * 4  # never waits
+    # never waits
+    assert tp.pmap(lambda v: tp.psum(v, "i"), "i", devices=four_devices[:1])(torch.ones(4)).tolist() == [4.0] * 4
     with pytest.raises(ValueError, match=rf"TORCHPMAP_COLLECTIVE_TIMEOUT={value!r} is not valid: .*below 9223372036"):
         psum(torch.ones(4))
     with pytest.raises(ValueError, match=r"collective_timeout must be a number > 0 \(seconds\) below 9223372036"):
@@ -99,7 +100,16 @@ def test_booleans_are_refused_where_numbers_are_expected(monkeypatch, name):
 
 
 def test_booleans_accept_the_usual_spellings(monkeypatch):
-    spellings = {"1": True, "true": True, "YES": True, "on": True, "0": False, "false": False, "no": False, "Off": False}
+    spellings = {
+        "1": True,
+        "true": True,
+        "YES": True,
+        "on": True,
+        "0": False,
+        "false": False,
+        "no": False,
+        "Off": False,
+    }
     for value, expected in spellings.items():
         monkeypatch.setenv("TORCHPMAP_DISABLE_VECTORIZATION", value)
         assert tp._state.config.Config().disable_vectorization is expected, value

@@ -2,7 +2,7 @@
 
 One process: the batches against a seeded permutation, padding and masks, resuming, the
 global RNG left alone, loaders and workers, the errors. Two gloo processes (this file
-run as a program by torchpmap._frontend.launch, as torchrun would): every rank reads its own
+run as a program by torchpmap.bench.launch, as torchrun would): every rank reads its own
 share through DistributedSampler, the ranks' shares of a step put together are the
 one-process global batch, every rank takes the same number of steps (with a collective
 in every step), padding covers every example exactly once, mismatched set-ups raise at
@@ -65,7 +65,10 @@ def epoch_of(loader) -> list[list[int]]:
     out = []
     for batch in loader:
         (x, y), *_ = batch if loader.mask else (batch,)
-        assert x.shape == (loader.n, loader.instance_batch_size, 2) and y.shape == (loader.n, loader.instance_batch_size)
+        assert x.shape == (loader.n, loader.instance_batch_size, 2) and y.shape == (
+            loader.n,
+            loader.instance_batch_size,
+        )
         assert torch.equal(x[..., 0], y.double().to(x.dtype)) and torch.equal(x[..., 1], -x[..., 0])
         out.append(unshard(y).tolist())
     return out
@@ -107,7 +110,7 @@ def test_pad_repeats_first_examples_and_the_mask_marks_them():
     assert len(loader) == 5  # ceil(50 / 12)
     order = permutation(1, 0)
     steps, masks = [], []
-    for (x, y), mask in loader:
+    for (_x, y), mask in loader:
         assert mask.dtype == torch.bool and mask.shape == y.shape == (3, 4)
         steps.append(unshard(y).tolist())
         masks.append(unshard(mask).tolist())
@@ -240,7 +243,9 @@ def test_errors_name_the_sizes_and_the_fix():
     with pytest.raises(TypeError, match="set num_workers, collate_fn"):
         ShardedLoader(DataLoader(Indexed(), batch_size=4), num_workers=2)
     with pytest.raises(ValueError, match="num_replicas=2 processes, but this run has 1"):
-        ShardedLoader(DataLoader(Indexed(), batch_size=4, sampler=DistributedSampler(Indexed(), num_replicas=2, rank=0)))
+        ShardedLoader(
+            DataLoader(Indexed(), batch_size=4, sampler=DistributedSampler(Indexed(), num_replicas=2, rank=0))
+        )
     with pytest.raises(ValueError, match="differs from the loader's global batch of 4"):
         ShardedLoader(DataLoader(Indexed(), batch_size=4), 8)
 
@@ -251,8 +256,8 @@ def test_an_empty_dataset_gets_torchpmaps_own_message(options):
     with pytest.raises(ValueError) as e:
         ShardedLoader(TensorDataset(torch.zeros(0, 3)), B, **options)
     assert str(e.value).startswith(
-        f"ShardedLoader: the dataset (TensorDataset) is empty: len(dataset) == 0, so there is nothing to load (a global "
-        f"batch needs {B} examples)."
+        "ShardedLoader: the dataset (TensorDataset) is empty: len(dataset) == 0, so there is nothing to load (a "
+        f"global batch needs {B} examples)."
     ), str(e.value)
     assert "Check that it found its data" in str(e.value)
 
@@ -268,12 +273,14 @@ def test_a_failing_example_is_raised_in_the_loop():
 
 
 def _launch(scenario: str, tmp_path: Path, timeout: float = 20.0):
-    from torchpmap._frontend.launch import launch
+    from torchpmap.bench.launch import launch
 
     out = tmp_path / scenario
     out.mkdir()
     started = time.monotonic()
-    finished = launch([str(Path(__file__).resolve()), scenario, str(out)], 2, timeout=90, env={"TEST_TIMEOUT": str(timeout)})
+    finished = launch(
+        [str(Path(__file__).resolve()), scenario, str(out)], 2, timeout=90, env={"TEST_TIMEOUT": str(timeout)}
+    )
     logs = "\n".join(f"--- rank {f.rank} (rc={f.returncode}, {f.seconds:.1f} s)\n{f.output[-3000:]}" for f in finished)
     results = []
     for f in finished:
@@ -282,6 +289,7 @@ def _launch(scenario: str, tmp_path: Path, timeout: float = 20.0):
     return finished, results, logs, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_two_processes_read_their_shares_and_end_epochs_together(tmp_path):
     finished, results, logs, seconds = _launch("shares", tmp_path)
     assert all(f.returncode == 0 for f in finished) and all(r is not None and "crashed" not in r for r in results), (
@@ -319,6 +327,7 @@ def test_two_processes_read_their_shares_and_end_epochs_together(tmp_path):
     assert seconds < 45, seconds
 
 
+@pytest.mark.slow
 def test_a_rank_whose_data_fails_is_named_and_nobody_hangs(tmp_path):
     finished, results, logs, seconds = _launch("data_error", tmp_path)
     r0, r1 = results
@@ -340,7 +349,7 @@ def _run_epochs(loader, epochs: int = 2) -> dict:
     out = {"len": len(loader), "steps": [], "masks": [], "psum": []}
     for _ in range(epochs):
         steps, masks, sums = [], [], []
-        for (x, y), mask in loader:
+        for (_x, y), mask in loader:
             steps.append(unshard(y).tolist())
             masks.append(unshard(mask).tolist())
             total, weighted = p_count(mask, y)  # a collective every step: a rank with more steps would wait here

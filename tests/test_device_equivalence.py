@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -194,7 +195,9 @@ def shared_module_data_parallel(devices):
     def loss(p, x, y):
         return ((functional_call(model, p, (x,)) - y) ** 2).mean()
 
-    step = tp.pmap(lambda p, x, y: tp.pmean(grad(loss)(p, x, y), "b"), "b", in_axes=(None, 0, 0), out_axes=None, devices=devices)
+    step = tp.pmap(
+        lambda p, x, y: tp.pmean(grad(loss)(p, x, y), "b"), "b", in_axes=(None, 0, 0), out_axes=None, devices=devices
+    )
     return [step(params, xs, ys) for _ in range(3)]
 
 
@@ -240,7 +243,9 @@ def test_a_module_reparametrized_across_a_collective(eight_devices):
 
 def batch_norm_training_step(devices):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).double()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    ).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step = tp.training.data_parallel_step(model, torch.nn.functional.mse_loss, opt, devices=devices)
     xs, ys = _data(8, 4, 3, seed=8), _data(8, 4, 1, seed=9)
@@ -415,7 +420,12 @@ SHARED_MEMORY = {
     # one matrix passed twice, as rows and as columns: instance i writes row i, instance j reads column j
     "passed_twice_as_rows_and_columns": (lambda a, b: a.add_(1) + b, lambda: (lambda m: (m, m))(_grid()), (0, 1), "a"),
     # passed twice, mapped and whole: every instance reads what the others write
-    "passed_twice_mapped_and_whole": (lambda a, b: a.add_(b.sum()), lambda: (lambda m: (m, m))(_grid()), (0, None), "b"),
+    "passed_twice_mapped_and_whole": (
+        lambda a, b: a.add_(b.sum()),
+        lambda: (lambda m: (m, m))(_grid()),
+        (0, None),
+        "b",
+    ),
     # every instance sees all of an unmapped argument
     "unmapped": (lambda w, x: w.add_(1) + x, lambda: (torch.zeros(3), _data(8, 3)), (None, 0), "w"),
 }
@@ -438,7 +448,9 @@ def test_an_in_place_write_to_shared_memory_raises_on_every_placement(eight_devi
         assert f"pmap: the mapped function wrote in place to the memory of argument {name!r}" in message, (n, message)
         assert "more than one element of the written-to tensor refers to a single memory location" in message, message
         assert "instances share that memory" in message and "x.clone()" in message, message
-        reads.append(tp.pmap(lambda *a: sum(t.sum() for t in a), in_axes=in_axes, devices=eight_devices[:n])(*arguments()))
+        reads.append(
+            tp.pmap(lambda *a: sum(t.sum() for t in a), in_axes=in_axes, devices=eight_devices[:n])(*arguments())
+        )
     for n, read in zip((2, 4, 8), reads[1:]):
         assert_same(reads[0], read, f"{case}: reading on {n} devices", exact=bitwise)
 
@@ -457,12 +469,42 @@ def _nested(layout=torch.strided) -> torch.Tensor:
 
 #: Sparse and nested tensors pmap cannot map or return on every placement: function, arguments, in_axes, message.
 REFUSED_KINDS = {
-    "mapped_sparse_coo": (lambda v: v * 2, lambda: (_sparse(),), 0, r"argument 'v' is mapped along axis 0, but it is a sparse_coo tensor"),
-    "mapped_sparse_csr": (lambda v: v * 2, lambda: (_sparse(torch.sparse_csr),), 0, r"argument 'v' is mapped .* a sparse_csr tensor"),
-    "mapped_nested": (lambda v: v * 2, lambda: (_nested(),), 0, r"argument 'v' is mapped along axis 0, but it is a nested tensor \(layout torch.strided\)"),
-    "mapped_jagged": (lambda v: v * 2, lambda: (_nested(torch.jagged),), 0, r"argument 'v' is mapped .* a nested tensor \(layout torch.jagged\)"),
-    "returned_sparse": (lambda s, x: (x, s * 2), lambda: (_sparse(), X), (None, 0), r"returned output leaf 1 at \[1\], but it is a sparse_coo tensor"),
-    "returned_nested": (lambda n, x: n, lambda: (_nested(), X), (None, 0), r"returned output leaf 0, but it is a nested tensor"),
+    "mapped_sparse_coo": (
+        lambda v: v * 2,
+        lambda: (_sparse(),),
+        0,
+        r"argument 'v' is mapped along axis 0, but it is a sparse_coo tensor",
+    ),
+    "mapped_sparse_csr": (
+        lambda v: v * 2,
+        lambda: (_sparse(torch.sparse_csr),),
+        0,
+        r"argument 'v' is mapped .* a sparse_csr tensor",
+    ),
+    "mapped_nested": (
+        lambda v: v * 2,
+        lambda: (_nested(),),
+        0,
+        r"argument 'v' is mapped along axis 0, but it is a nested tensor \(layout torch.strided\)",
+    ),
+    "mapped_jagged": (
+        lambda v: v * 2,
+        lambda: (_nested(torch.jagged),),
+        0,
+        r"argument 'v' is mapped .* a nested tensor \(layout torch.jagged\)",
+    ),
+    "returned_sparse": (
+        lambda s, x: (x, s * 2),
+        lambda: (_sparse(), X),
+        (None, 0),
+        r"returned output leaf 1 at \[1\], but it is a sparse_coo tensor",
+    ),
+    "returned_nested": (
+        lambda n, x: n,
+        lambda: (_nested(), X),
+        (None, 0),
+        r"returned output leaf 0, but it is a nested tensor",
+    ),
 }
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import torchpmap as tp
-from torchpmap._frontend.launch import free_port, launch
+from torchpmap.bench.launch import free_port, launch
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -37,7 +37,12 @@ NOT_BITWISE = {"backward_outside", "grad_around"}
 
 
 def _run(
-    scenario: str, nproc: int, tmp_path: Path, timeout: float = 30.0, launch_timeout: float = 120.0, env: dict = {}
+    scenario: str,
+    nproc: int,
+    tmp_path: Path,
+    timeout: float = 30.0,
+    launch_timeout: float = 120.0,
+    env: dict | None = None,
 ):
     out = tmp_path / scenario
     out.mkdir()
@@ -45,7 +50,7 @@ def _run(
         [str(HERE / "_distributed_programs.py"), scenario, str(out)],
         nproc,
         timeout=launch_timeout,
-        env={"TEST_TIMEOUT": str(timeout), **env},
+        env={"TEST_TIMEOUT": str(timeout), **(env or {})},
     )
     results = {}
     for f in finished:
@@ -62,7 +67,7 @@ def _concat(per_rank: list, key: str):
     """The ranks' local outputs of one program, put back together along the mapped axis."""
     leaves = [pytree.tree_flatten(r[key]) for r in per_rank]
     spec = leaves[0][1]
-    return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*(l for l, _ in leaves))], spec)
+    return pytree.tree_unflatten([torch.cat(parts) for parts in zip(*(parts for parts, _ in leaves))], spec)
 
 
 def _assert_same(name: str, got, want, bitwise: bool) -> None:
@@ -106,6 +111,7 @@ def reference():
 # TORCHPMAP_HEADERS_APART=1: every transfer's headers travel in a collective of their own
 # on the host, beside the payload's, as they do for CUDA payloads (read without
 # synchronising with the GPU); the same results, one more (small) all-gather per transfer.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, bitwise_placement, all_reduce, headers_apart",
     [(2, False, False, False), (4, False, False, False), (4, True, False, False), (2, False, True, False),
@@ -188,6 +194,7 @@ def _check_mesh(per_rank: list) -> None:
         torch.testing.assert_close(res["block_grad"], expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, nproc", [("raise", 2), ("raise", 3), ("raise_jit", 2)])
 def test_raise_in_one_rank_names_it_in_the_others(scenario, nproc, tmp_path):
     t = time.monotonic()
@@ -206,6 +213,7 @@ def test_raise_in_one_rank_names_it_in_the_others(scenario, nproc, tmp_path):
     assert time.monotonic() - t < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["die", "die_jit"])
 def test_dead_rank_is_named_and_nobody_hangs(scenario, tmp_path):
     finished, results = _run(scenario, 2, tmp_path, timeout=30)
@@ -218,6 +226,7 @@ def test_dead_rank_is_named_and_nobody_hangs(scenario, tmp_path):
     assert finished[0].returncode == 0, logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_killed_process_is_named_by_every_survivor(nproc, tmp_path):
     finished, results = _run("sigkill", nproc, tmp_path, timeout=20)
@@ -233,6 +242,7 @@ def test_a_killed_process_is_named_by_every_survivor(nproc, tmp_path):
         assert finished[r].returncode == 0, logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_process_sleeping_past_the_timeout_times_out_the_others_within_a_second(nproc, tmp_path):
     timeout = 4.0
@@ -249,6 +259,7 @@ def test_a_process_sleeping_past_the_timeout_times_out_the_others_within_a_secon
     assert all(f.returncode == 0 for f in finished), logs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_absent_rank_times_out_with_where_everyone_is(nproc, tmp_path):
     finished, results = _run("absent", nproc, tmp_path, timeout=3)
@@ -274,6 +285,7 @@ DISAGREEMENTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, all_reduce, headers_apart", [(2, False, False), (3, False, False), (3, True, False),
                                                               (3, False, True)])
 def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(nproc, all_reduce, headers_apart, tmp_path):
@@ -316,6 +328,7 @@ def test_processes_that_disagree_at_an_exchange_all_raise_naming_both_sides(npro
         assert "out of step" in res["after_out_of_step"]["message"], res["after_out_of_step"]
 
 
+@pytest.mark.slow
 def test_an_uncaught_mismatch_ends_every_process_with_an_error_not_an_abort(tmp_path):
     """Payloads of different byte counts used to make gloo abort the process (SIGABRT):
     now every process exits with Python's status 1 and the error in its log."""
@@ -346,6 +359,7 @@ def test_single_process_initialize_is_a_quiet_noop(monkeypatch):
 
 
 # torchrun is `python -m torch.distributed.run`: run as a module, it needs no PATH entry (CI has none)
+@pytest.mark.slow
 def test_example_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
@@ -378,6 +392,7 @@ def _split_steps(events: list) -> list[list]:
     return steps + [current]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, headers_apart", [(2, False), (3, False), (2, True)])
 def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, headers_apart, tmp_path):
     env = {"TORCHPMAP_HEADERS_APART": "1"} if headers_apart else {}
@@ -418,9 +433,13 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
         # a weight split across the first bucket (11 of its 64 rows in it): eager and compiled
         # (each of the weight's two row blocks its own product), the model of pmean
         split_sizes = [4 + 4 * 64 + 64 + 11 * 64, 53 * 64, 64 + 64 * 64, 64 + 64 * 16] * 3
-        assert res["split_all_reduces"] == split_sizes and res["split_compiled_all_reduces"] == split_sizes, res["split_all_reduces"]
+        assert res["split_all_reduces"] == split_sizes and res["split_compiled_all_reduces"] == split_sizes, res[
+            "split_all_reduces"
+        ]
         _assert_same(f"rank {r} split vs by hand", res["split"], res["by_hand"], bitwise=nproc == 2)
-        _assert_same(f"rank {r} split compiled vs rank 0", res["split_compiled"], results[0]["split_compiled"], bitwise=True)
+        _assert_same(
+            f"rank {r} split compiled vs rank 0", res["split_compiled"], results[0]["split_compiled"], bitwise=True
+        )
         _assert_same(f"rank {r} split compiled vs eager", res["split_compiled"], res["split"], bitwise=False)
         failure = res["disagree"]
         assert failure and failure["error"] == "ExchangeMismatch", failure
@@ -429,6 +448,7 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
         torch.testing.assert_close(res["after"], res["overlapped"]["losses"][:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_a_process_raising_while_its_buckets_travel_is_named_by_every_other(nproc, tmp_path):
     finished, results = _run("raise_in_backward", nproc, tmp_path, timeout=30)
@@ -442,6 +462,7 @@ def test_a_process_raising_while_its_buckets_travel_is_named_by_every_other(npro
         assert "out of step" in res["after"]
 
 
+@pytest.mark.slow
 def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
     """shard_map over a 2 x 2 mesh of processes (torchpmap.distributed.mesh and a torch
     DeviceMesh): plain tensors that every process holds, DTensors with the specs'
@@ -459,12 +480,15 @@ def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
         assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
         for how in ("plain", "dtensor_as_spec", "dtensor_redistributed"):
             for name, want in reference.items():
-                torch.testing.assert_close(res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}")
+                torch.testing.assert_close(
+                    res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}"
+                )
         assert res["placements"] == [("Shard", 0), ("Replicate", None)] and res["local_shape"] == (4, 6), res
         assert "not supported yet" in res["backward"] and "inside the map" in res["backward"], res["backward"]
 
 
 # loading in a process without a process group is what this test does on purpose; DCP says so
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_shard_map_results_save_on_two_processes_and_load_on_one(tmp_path):
     """DTensor results of a shard_map (weights split over "data") go through
@@ -486,6 +510,8 @@ def test_shard_map_results_save_on_two_processes_and_load_on_one(tmp_path):
 # --------------------------------------------------------------------------- same answers as plain PyTorch (issue 27)
 
 
+# Not slow: the one multi-process test that `make test-quick` keeps (a few seconds), so
+# that the quick pass runs the multi-process engine and the exchange between processes.
 def test_processes_give_the_answers_of_one_process(tmp_path):
     """Two processes that build their models from different seeds (as the DDP tutorial
     does, relying on DDP's wrap-time copy) train process 0's model, bitwise the same in
@@ -501,14 +527,18 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
         assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
     assert not torch.equal(per_rank[0]["initial"]["head.weight"], per_rank[1]["initial"]["head.weight"])
     with _on_one_device():
-        reference = {"trained": progs.same_answers_reference(seed=100, n=4), "bucketed": progs.same_answers_reference(seed=200, n=2)}
+        reference = {
+            "trained": progs.same_answers_reference(seed=100, n=4),
+            "bucketed": progs.same_answers_reference(seed=200, n=2),
+        }
     for run in ("trained", "bucketed"):
         got = [res[run] for res in per_rank]
         for r in range(2):
             assert got[r]["no_grad"] == ["spare.bias", "spare.weight"], (run, got[r]["no_grad"])
             for k in ("state", "losses", "accuracies"):
                 _assert_same(f"{run}: {k} of rank {r} vs rank 0", got[r][k], got[0][k], bitwise=True)
-        assert torch.equal(got[0]["state"]["spare.weight"], reference[run]["state"]["spare.weight"])  # untouched by AdamW
+        # untouched by AdamW
+        assert torch.equal(got[0]["state"]["spare.weight"], reference[run]["state"]["spare.weight"])
         for k in ("state", "losses", "accuracies"):
             _assert_same(f"{run}: {k} vs one process", got[0][k], reference[run][k], bitwise=False)
     for res in per_rank:
@@ -516,7 +546,9 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
             err = res[f"differ_{case}"]
             assert err is not None and err["error"] == "ExchangeMismatch", (case, err)
             assert "still in step" in err["message"] and err["ranks"] == [1], (case, err["message"])
-            assert torch.equal(res[f"differ_{case}_after"], torch.full((1, 1, 4), 0.0) + torch.arange(4.0) * 2 + 1), case
+            assert torch.equal(res[f"differ_{case}_after"], torch.full((1, 1, 4), 0.0) + torch.arange(4.0) * 2 + 1), (
+                case
+            )
         message = lambda case: res[f"differ_{case}"]["message"]  # noqa: E731
         assert "in_axes=0," in message("in_axes") and "in_axes=1," in message("in_axes")
         assert "out_axes=0," in message("out_axes") and "out_axes=1," in message("out_axes")
@@ -524,7 +556,9 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
         assert "reached the end of pmap call" in message("no_collective") and "in_axes=1," in message("no_collective")
         # process 0's bits in every process: -0.0 and a NaN's payload included
         for k, (dtype, shape, bits) in res["broadcast"].items():
-            assert (dtype, shape) == per_rank[0]["broadcast"][k][:2] and torch.equal(bits, per_rank[0]["broadcast"][k][2]), k
+            assert (dtype, shape) == per_rank[0]["broadcast"][k][:2] and torch.equal(
+                bits, per_rank[0]["broadcast"][k][2]
+            ), k
         assert res["check_same_equal"] is None
         differ = res["check_same_differ"]
         assert differ is not None and differ["path"] == "['b']" and differ["ranks"] == [1], differ

@@ -78,7 +78,10 @@ def extract_blocks(text: str) -> list[Block]:
         previous_end = m.end()
         if lang == "python":
             code = textwrap.dedent(
-                "\n".join(line[len(m["indent"]) :] if line.startswith(m["indent"]) else line for line in m["body"].splitlines())
+                "\n".join(
+                    line[len(m["indent"]) :] if line.startswith(m["indent"]) else line
+                    for line in m["body"].splitlines()
+                )
             )
             if between.rstrip().endswith(SKIP_BLOCK) or _TORCHRUN.match(code.lstrip("\n")):
                 last = None
@@ -179,7 +182,9 @@ def test_page_code_runs(page: Path, tmp_path: Path) -> None:
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{rel}: its code did not finish within {PAGE_TIMEOUT_S} s\n{e.stdout or ''}\n{e.stderr or ''}")
     if proc.returncode != 0:
-        pytest.fail(f"{rel}: its code failed (exit {proc.returncode})\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        pytest.fail(
+            f"{rel}: its code failed (exit {proc.returncode})\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
     marker = "\n@@DOCS-TEST-OUTPUTS@@\n"
     assert marker in proc.stdout, f"{rel}: the runner reported no outputs\n{proc.stdout}\n{proc.stderr}"
     outputs = json.loads(proc.stdout.rsplit(marker, 1)[1])

@@ -355,7 +355,9 @@ def test_all_gather_axis_out_of_range():
 
 @pytest.mark.parametrize("op", ["psum", "pmean", "pmax", "pmin", "all_gather"])
 @pytest.mark.parametrize(
-    "groups", [[[0, 1], [2]], [[0, 1], [1, 2, 3]], [[0, 1], [2, 3, 4]]], ids=["not-covering", "duplicate", "out-of-range"]
+    "groups",
+    [[[0, 1], [2]], [[0, 1], [1, 2, 3]], [[0, 1], [2, 3, 4]]],
+    ids=["not-covering", "duplicate", "out-of-range"],
 )
 def test_axis_index_groups_that_do_not_partition_the_axis(op, groups):
     with raises(ValueError, op, "axis_index_groups", repr(groups), "exactly once", "0..3"):
@@ -473,7 +475,7 @@ def test_torch_compile_never_returns_wrong_numbers(where):
     expected = (torch.full((4,), float((X4 * X4).sum())) + torch.arange(4.0)) * 2
     try:
         out = f(X4)
-    except Exception as e:  # a refusal is fine if it says what is going on
+    except Exception as e:  # noqa: BLE001 - a refusal is fine if it says what is going on
         assert all(s.lower() in str(e).lower() for s in COMPILE_FRAGMENTS), str(e)
     else:
         torch.testing.assert_close(torch.as_tensor(out), expected)
@@ -495,7 +497,12 @@ def test_saved_tensor_hooks_around_a_pmap_are_refused_clearly():
 
 
 def test_axis_index_groups_of_strings_say_what_is_expected():
-    with raises(TypeError, "axis_index_groups must be a list of lists of integer axis indices", "0..3", "[['a', 'b'], ['c', 'd']]"):
+    with raises(
+        TypeError,
+        "axis_index_groups must be a list of lists of integer axis indices",
+        "0..3",
+        "[['a', 'b'], ['c', 'd']]",
+    ):
         tp.pmap(lambda v: tp.psum(v, "i", axis_index_groups=[["a", "b"], ["c", "d"]]), "i")(torch.ones(4))
 
 
@@ -551,7 +558,9 @@ def test_a_function_returning_none_returns_none_as_in_jax(placement):
 
 
 def test_a_mesh_that_is_no_mesh_is_refused_naming_it():
-    with raises(TypeError, "mesh must be a torchpmap.Mesh", "got str 'notamesh'", "torchpmap.Mesh(devices, axis_names)"):
+    with raises(
+        TypeError, "mesh must be a torchpmap.Mesh", "got str 'notamesh'", "torchpmap.Mesh(devices, axis_names)"
+    ):
         tp.pmap(lambda v: v, axis_name="i", mesh="notamesh")
 
 
@@ -598,7 +607,7 @@ def test_complex_values_travel_through_all_gather_and_ppermute(placement, dtype)
     assert torch.allclose(leaf.grad, x / x.abs())
 
 
-# --------------------------------------------------------------------------- errors independent of the placement (issue 27)
+# ------------------------------------------------------------------ errors independent of the placement (issue 27)
 
 
 def _error_of(fn):
@@ -616,7 +625,10 @@ def test_an_error_of_the_function_is_the_same_on_every_placement(placement, size
     for where, devices in (("one", placement[:1]), ("all", placement)):
         errors[where] = _error_of(lambda: tp.pmap(lambda v: torch.vdot(v, v), devices=devices)(x))
     for where, error in errors.items():
-        assert type(error) is RuntimeError and str(error) == "1D tensors expected, but got 2D and 2D tensors", (where, error)
+        assert type(error) is RuntimeError and str(error) == "1D tensors expected, but got 2D and 2D tensors", (
+            where,
+            error,
+        )
     for error in errors.values():
         assert "torchpmap: raised by instance 0 (on device cpu:0)" in error.__notes__, error.__notes__
 

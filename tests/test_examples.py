@@ -17,6 +17,9 @@ import sys
 import pytest
 import torch
 
+# the examples, each run as a process of its own: `make test-quick` leaves them out
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SEEDS = (
@@ -55,7 +58,9 @@ def runs() -> dict[str, subprocess.CompletedProcess]:
 
 def _output(runs, name: str) -> str:
     proc = runs[name]
-    assert proc.returncode == 0, f"{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    assert proc.returncode == 0, (
+        f"{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    )
     return proc.stdout
 
 
@@ -145,12 +150,17 @@ def _printed_dict(out: str, prefix: str) -> dict[str, float]:
 def test_seed_gradient_step(runs):
     out = _output(runs, "seed_gradient_step.py")
     assert _printed_dict(out, "Original params:") == {"w": 1.0, "b": 0.0}
-    for prefix, n in (("Updated params (on device 0):", _device_count()), ("4 instances, updated params (instance 0):", 4)):
+    for prefix, n in (
+        ("Updated params (on device 0):", _device_count()),
+        ("4 instances, updated params (instance 0):", 4),
+    ):
         got, want = _printed_dict(out, prefix), _expected_update(n)
         for key in ("w", "b"):
             assert got[key] == pytest.approx(want[key], abs=1e-5), (prefix, key, got, want)
     # JAX's numbers for the seed on a 4-device machine.
-    assert _printed_dict(out, "4 instances, updated params (instance 0):") == pytest.approx({"w": 2.625, "b": 0.16}, abs=1e-5)
+    assert _printed_dict(out, "4 instances, updated params (instance 0):") == pytest.approx(
+        {"w": 2.625, "b": 0.16}, abs=1e-5
+    )
     assert _line(out, "4 instances, same on every instance:").strip() == "True"
 
 

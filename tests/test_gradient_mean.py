@@ -27,7 +27,9 @@ def test_buckets_hold_every_name_once_last_first_and_close_at_their_limit(params
     buckets = buckets_of(named, limit)
     pieces = [p for b in buckets for p in b]
     # every parameter once, last first; a split one as consecutive row ranges that cover it
-    assert [n for i, n in enumerate(p.name for p in pieces) if i == 0 or pieces[i - 1].name != n] == [n for n, *_ in reversed(named)]
+    assert [n for i, n in enumerate(p.name for p in pieces) if i == 0 or pieces[i - 1].name != n] == [
+        n for n, *_ in reversed(named)
+    ]
     size = {n: s for n, s, _ in named}
     rows = {n: r for n, _, r in named}
     split = [p.name for p in pieces if p.rows is not None]
@@ -63,7 +65,10 @@ def test_a_parameter_far_bigger_than_the_first_bucket_is_split_across_it():
         [("2.weight", (245, 1024))],
         [("0.bias", None), ("0.weight", None)],
     ]
-    assert sum(s // r * (p.rows[1] - p.rows[0]) if p.rows else s for p in buckets[0] for n, s, r in sizes if n == p.name) <= FIRST_BUCKET_BYTES + 4096
+    assert (
+        sum(s // r * (p.rows[1] - p.rows[0]) if p.rows else s for p in buckets[0] for n, s, r in sizes if n == p.name)
+        <= FIRST_BUCKET_BYTES + 4096
+    )
 
 
 def _step(w, b, x):

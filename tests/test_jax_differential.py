@@ -200,7 +200,9 @@ def test_constant_outputs(jax_kind):
 def test_axis_index_and_size(jax_kind, n):
     x = sample((n, 2), seed=n)
     # axis_index and a returned Python int: JAX's default int (int32) vs torchpmap's int64.
-    t, _ = check(mapped(lambda B, v: (B.axis_index("i"), B.axis_size("i"))), (x,), jax_kind=jax_kind, jax_default_int=True)
+    t, _ = check(
+        mapped(lambda B, v: (B.axis_index("i"), B.axis_size("i"))), (x,), jax_kind=jax_kind, jax_default_int=True
+    )
     np.testing.assert_array_equal(t[0], np.arange(n))
     np.testing.assert_array_equal(t[1], [n] * n)
     check(mapped(lambda B, v: v * B.axis_size("i") + B.cast(B.axis_index("i"), "float32")), (x,), jax_kind=jax_kind)
@@ -211,7 +213,10 @@ def test_axis_index_and_size(jax_kind, n):
 
 @jax_param
 def test_collectives_on_pytrees(jax_kind):
-    tree = {"a": sample((4, 2), "float32", seed=1), "b": (sample((4,), "int32", seed=2), sample((4, 3), "float16", seed=3))}
+    tree = {
+        "a": sample((4, 2), "float32", seed=1),
+        "b": (sample((4,), "int32", seed=2), sample((4, 3), "float16", seed=3)),
+    }
     check(mapped(lambda B, t: {"sum": B.psum(t, "i"), "gather": B.all_gather(t, "i"), "max": B.pmax(t, "i")}),
           (tree,), jax_kind=jax_kind)
     pair = Pair(sample((4, 2), seed=4), sample((4,), "int32", seed=5))
@@ -259,10 +264,14 @@ def _with_size(shape, dim, size):
 def test_psum_scatter(jax_kind, tiled, n):
     dims = {"dim0": 0, "dim1": 1, "dim-1": -1, "dim-2": -2}
     args = {k: sample((n, *_with_size((2, 3), d, 2 * n if tiled else n)), seed=n + d) for k, d in dims.items()}
-    prog = variants({k: (lambda B, v, d=d: B.psum_scatter(v, "i", scatter_dimension=d, tiled=tiled)) for k, d in dims.items()})
+    prog = variants(
+        {k: (lambda B, v, d=d: B.psum_scatter(v, "i", scatter_dimension=d, tiled=tiled)) for k, d in dims.items()}
+    )
     # Negative scatter_dimension: JAX 0.10.2 asserts (vmap) or fails to lower (pmap);
     # torchpmap normalizes it, so the JAX side gets the normalized dimension.
-    jax_prog = variants({k: (lambda B, v, d=d: B.psum_scatter(v, "i", scatter_dimension=d % 2, tiled=tiled)) for k, d in dims.items()})
+    jax_prog = variants(
+        {k: (lambda B, v, d=d: B.psum_scatter(v, "i", scatter_dimension=d % 2, tiled=tiled)) for k, d in dims.items()}
+    )
     check(prog, (args,), jax_kind=jax_kind, jax_program=jax_prog)
 
 
@@ -434,7 +443,9 @@ def test_namedtuple_in_and_out(jax_kind):
 
 @jax_param
 @pytest.mark.parametrize(
-    "out_axes", [None, 0, 1, 2, {"s": None, "v": 1}, {"s": 0, "v": (2, None)}], ids=["None", "0", "1", "2", "dict", "nested"]
+    "out_axes",
+    [None, 0, 1, 2, {"s": None, "v": 1}, {"s": 0, "v": (2, None)}],
+    ids=["None", "0", "1", "2", "dict", "nested"],
 )
 def test_out_axes(jax_kind, out_axes):
     x = sample((4, 2, 3), seed=1)
@@ -480,7 +491,12 @@ def test_static_broadcasted_argnums():
     x = sample((4, 3), seed=1)
 
     def program(B, M, a):
-        f = M(lambda u, k, scale: B.psum(u, "i") * k + scale, "i", static_broadcasted_argnums=(1,), in_axes=(0, None, None))
+        f = M(
+            lambda u, k, scale: B.psum(u, "i") * k + scale,
+            "i",
+            static_broadcasted_argnums=(1,),
+            in_axes=(0, None, None),
+        )
         return f(a, 3, 0.5)
 
     check(program, (x,), torch_kind="pmap", jax_kind="pmap")  # a pmap-only option
@@ -589,7 +605,11 @@ def test_nested_against_mixed_jax_forms(jax_nest):
 def test_nested_all_to_all(names, tiled):
     n = 8 if isinstance(names, tuple) else {"i": 2, "j": 4}[names]
     size = n * (2 if tiled else 1)
-    args = {"s0c0": _with_size((3, 2), 0, size), "s0c1": _with_size((3, 2), 0, size), "s1c0": _with_size((3, 2), 1, size)}
+    args = {
+        "s0c0": _with_size((3, 2), 0, size),
+        "s0c1": _with_size((3, 2), 0, size),
+        "s1c0": _with_size((3, 2), 1, size),
+    }
     forms = {"s0c0": (0, 0), "s0c1": (0, 1), "s1c0": (1, 0)}
     xs = {k: sample((2, 4, *shape), seed=len(k)) for k, shape in args.items()}
 
@@ -680,7 +700,9 @@ def test_nested_psum_scatter_over_tuple(names, tiled):
 
 
 @TUPLE_NAMES
-@pytest.mark.parametrize("pairs", [[(k, (k + 3) % 8) for k in range(8)], [(0, 7), (5, 1), (6, 6)]], ids=["shift3", "partial"])
+@pytest.mark.parametrize(
+    "pairs", [[(k, (k + 3) % 8) for k in range(8)], [(0, 7), (5, 1), (6, 6)]], ids=["shift3", "partial"]
+)
 def test_nested_ppermute_and_pshuffle_over_tuple(names, pairs):
     x = sample((2, 4, 3), seed=5, low=1)
     source = [-1] * 8
@@ -895,7 +917,9 @@ def test_grad_through_broadcast_argument_sums_cotangents(jax_kind):
     np.testing.assert_allclose(t, 56)
     for kind in ("pmap", "vmap"):  # the same through .backward()
         w = torch.tensor(2.0, requires_grad=True)
-        TORCH.map(kind)(lambda w_, x_: _loss(TORCH, w_, x_), "i", in_axes=(None, 0))(w, torch.arange(4.0)).sum().backward()
+        TORCH.map(kind)(lambda w_, x_: _loss(TORCH, w_, x_), "i", in_axes=(None, 0))(
+            w, torch.arange(4.0)
+        ).sum().backward()
         assert_same(w.grad, jnp.asarray(j))
 
 

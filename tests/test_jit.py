@@ -465,7 +465,9 @@ def test_a_custom_autograd_function_runs_eagerly_with_a_warning(fun):
 
 
 def test_a_custom_autograd_function_compiles_when_no_gradient_is_needed():
-    fun = lambda v: _StraightThrough.apply(v) * v + torch.func.grad(lambda u: _StraightThrough.apply(u).sum())(v)
+    def fun(v):
+        return _StraightThrough.apply(v) * v + torch.func.grad(lambda u: _StraightThrough.apply(u).sum())(v)
+
     x = torch.randn(4, 3)
     with warnings.catch_warnings():
         warnings.simplefilter("error", tp.JitFallbackWarning)

@@ -24,7 +24,9 @@ def test_least_recently_used_eviction(monkeypatch):
     f = tp.pmap(lambda v: v + 1, jit=EAGER, devices=tp.devices()[:1])
     traces = []
     f_inner = f._programs._note_trace
-    monkeypatch.setattr(f._programs, "_note_trace", lambda call, sig: (traces.append(sig.leaves[0][0]), f_inner(call, sig)))
+    monkeypatch.setattr(
+        f._programs, "_note_trace", lambda call, sig: (traces.append(sig.leaves[0][0]), f_inner(call, sig))
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tp.JitRecompileWarning)
         for width in [1, 2, 3, 1, 4, 1, 2]:  # 1 stays recent; 2 and 3 are evicted in turn
@@ -33,6 +35,7 @@ def test_least_recently_used_eviction(monkeypatch):
     assert len(f._programs) == 3
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_past_the_bound(monkeypatch):
     monkeypatch.setattr(tp.config, "jit_cache_size", 4)
     f = tp.pmap(lambda v: v * 2 + 1, jit=EAGER, devices=tp.devices()[:1])
@@ -50,13 +53,17 @@ def test_memory_stays_flat_past_the_bound(monkeypatch):
 
 def test_a_function_that_recompiles_on_most_calls_is_told_why():
     f = tp.pmap(lambda v: v * 2, jit=EAGER, devices=tp.devices()[:1])
-    with pytest.warns(tp.JitRecompileWarning, match=r"traced and compiled on 8 of its 8 calls: the shapes, strides, dtypes or values of argument leaves \[0\] keep changing"):
+    with pytest.warns(
+        tp.JitRecompileWarning,
+        match=r"traced and compiled on 8 of its 8 calls: the shapes, strides, dtypes or values of argument leaves "
+        r"\[0\] keep changing",
+    ):
         for i in range(8):
             f(torch.ones(2, i + 1))
     g = tp.pmap(lambda v: v * 2, jit=EAGER, devices=tp.devices()[:1])
     with warnings.catch_warnings():
         warnings.simplefilter("error", tp.JitRecompileWarning)  # a steady shape never warns
-        for i in range(20):
+        for _ in range(20):
             g(torch.ones(2, 3))
 
 
@@ -114,4 +121,8 @@ def test_a_first_compile_in_a_thread_that_exits_leaves_later_compiles_working():
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0 and done.stdout.split() == ["18.0", "1"], (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.returncode == 0 and done.stdout.split() == ["18.0", "1"], (
+        done.returncode,
+        done.stdout,
+        done.stderr[-2000:],
+    )

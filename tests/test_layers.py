@@ -6,7 +6,7 @@ the folder it sits in; a module may import from its own layer or any layer below
 
 0. front end: the public modules at the top of the package (``torchpmap``, ``training``,
    ``data``, ``checkpoint``, ``distributed``) and ``_frontend/`` (the signatures of
-   ``pmap``/``vmap``, the call record, pytree prefix matching, the local launcher)
+   ``pmap``/``vmap``, the arguments and outputs of a call, shard_map, pytree prefix matching)
 1. collectives: ``_collectives/`` (the public collectives, the math of each collective and
    its autograd/vmap binding)
 2. engines: ``_engines/``
@@ -18,6 +18,12 @@ the folder it sits in; a module may import from its own layer or any layer below
 Every private module sits in a layer folder: a private module at the top of the package
 (``torchpmap/_x.py``), or a private folder that is not a layer, fails here.
 ``torchpmap/bench/`` sits on top of everything and is not checked.
+
+A layer folder's ``__init__.py`` holds its docstring and nothing else: every class and
+function lives in a module named for what it holds, so that no module imports its own
+package for a name (``from torchpmap._engines import MappedCall`` inside ``_engines``, a
+loop that Python hides by running the package's ``__init__`` first). The graph counts
+such edges, from a module to the package it sits in, as any other.
 """
 from __future__ import annotations
 
@@ -59,22 +65,29 @@ def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(parts + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            for target in targets:
-                while target not in modules and "." in target:
-                    target = target.rsplit(".", 1)[0]
-                if target in modules and target != name and not name.startswith(target + "."):
-                    graph[name].add(target)
+        graph[name] |= _targets(ast.parse(path.read_text()), name, package, modules)
     return graph
+
+
+def _targets(tree: ast.Module, name: str, package: str, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The modules that ``tree`` (module ``name``, in ``package``) imports, its own package included."""
+    found = set()
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for target in targets:
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in modules and target != name:
+                found.add(target)
+    return found
 
 
 def test_every_module_has_a_layer():
@@ -93,6 +106,27 @@ def test_every_private_module_sits_in_a_layer_folder():
     assert not stray, f"private modules outside the layer folders ({', '.join(FOLDERS)}): {stray}"
     missing = sorted(f for f in FOLDERS if not (ROOT / f / "__init__.py").is_file())
     assert not missing, f"layer folders that are not packages: {missing}"
+
+
+def test_layer_packages_hold_no_code():
+    """``_frontend/__init__.py`` and the others: a docstring, nothing else."""
+    holding = {}
+    for folder in FOLDERS:
+        body = ast.parse((ROOT / folder / "__init__.py").read_text()).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        if body:
+            holding[folder] = sorted({type(node).__name__ for node in body})
+    assert not holding, f"layer packages whose __init__.py holds code (move it to a module of its own): {holding}"
+
+
+def test_the_graph_sees_imports_of_a_modules_own_package():
+    """An import of the package a module sits in is an edge like any other (it used to
+    be left out, which hid a loop through ``_engines/__init__.py``)."""
+    modules, package = _modules(), "torchpmap._engines"
+    probe = ast.parse("from torchpmap._engines import dispatch, MappedCall\nfrom . import vectorized\n")
+    found = _targets(probe, f"{package}.probe", package, modules)
+    assert found == {f"{package}.dispatch", package, f"{package}.vectorized"}, found
 
 
 def test_no_import_loops():

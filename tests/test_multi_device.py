@@ -108,7 +108,9 @@ def test_exception_reaches_caller_and_pool_recovers(cpu_devices):
         tp.pmap(fails_on_device_2, axis_name="i")(torch.arange(4.))
     assert any("instance 2" in note and "cpu:2" in note for note in info.value.__notes__)
     assert info.traceback[-1].name == "fails_on_device_2"  # the original traceback
-    assert torch.equal(torch.as_tensor(tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.arange(4.))), torch.full((4,), 6.0))
+    assert torch.equal(
+        torch.as_tensor(tp.pmap(lambda v: tp.psum(v, "i"), axis_name="i")(torch.arange(4.0))), torch.full((4,), 6.0)
+    )
     assert threading.active_count() <= threads_before + 4  # the workers were reused, none left hanging
 
 
@@ -142,7 +144,7 @@ def test_concurrent_callers_from_python_threads(cpu_devices):
         try:
             x = torch.arange(8.) * seed
             results[seed] = (x, torch.as_tensor(f(x)))
-        except Exception as e:  # pragma: no cover - reported below
+        except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=call, args=(s,)) for s in range(6)]
@@ -164,10 +166,15 @@ def test_autodiff_across_devices(cpu_devices):
     out = tp.pmap(lambda v: tp.all_gather(v, "i") * (tp.axis_index("i") + 1), axis_name="i")(y)
     torch.as_tensor(out).sum().backward()  # a ShardedTensor is a tensor: as_tensor keeps the graph
     y1 = x.clone().requires_grad_()
-    tp.pmap(lambda v: tp.all_gather(v, "i") * (tp.axis_index("i") + 1), axis_name="i", devices=devs[:1])(y1).sum().backward()
+    tp.pmap(lambda v: tp.all_gather(v, "i") * (tp.axis_index("i") + 1), axis_name="i", devices=devs[:1])(
+        y1
+    ).sum().backward()
     assert torch.equal(y.grad, y1.grad) and torch.equal(y.grad, torch.full((8,), 36.0))
     # a torch.func transform around a pmap on several devices: as on one device
-    around = [grad(lambda v: tp.pmap(lambda u: tp.psum(u, "i") * u, axis_name="i", devices=d)(v).sum())(x) for d in (devs, devs[:1])]
+    around = [
+        grad(lambda v: tp.pmap(lambda u: tp.psum(u, "i") * u, axis_name="i", devices=d)(v).sum())(x)
+        for d in (devs, devs[:1])
+    ]
     assert torch.equal(around[0], around[1])
 
 
@@ -207,7 +214,11 @@ def test_mesh_places_instance_d_m_on_mesh_device(cpu_devices):
     assert on_mesh[3].tolist() == [[2.0, 4.0], [2.0, 4.0]]  # "data": within a mesh column
     # the same through pmap(..., mesh=mesh), and gradients through the mesh
     y = x.clone().requires_grad_()
-    f = tp.pmap(tp.pmap(lambda v: tp.psum(v**2, "data") * (tp.axis_index("model") + 1), axis_name="model", mesh=mesh), axis_name="data", mesh=mesh)
+    f = tp.pmap(
+        tp.pmap(lambda v: tp.psum(v**2, "data") * (tp.axis_index("model") + 1), axis_name="model", mesh=mesh),
+        axis_name="data",
+        mesh=mesh,
+    )
     torch.sum(f(y)).backward()  # torch functions gather differentiably
     assert torch.equal(y.grad, 4 * (torch.arange(2.0) + 1) * x)
 
@@ -264,14 +275,18 @@ def test_device_at_refuses_unknown_axes_and_asks_for_missing_ones(cpu_devices, c
 @pytest.mark.parametrize("count", [1, 4])
 def test_a_ragged_device_list_is_described_as_ragged(cpu_devices, count):
     d = cpu_devices(count)
-    with pytest.raises(ValueError, match=r"the device list is ragged: its rows have different lengths \[1, 2\]\. A mesh "
-                                         r"is a full grid: give every row the same number of devices"):
+    with pytest.raises(
+        ValueError,
+        match=r"the device list is ragged: its rows have different lengths \[1, 2\]\. A mesh "
+        r"is a full grid: give every row the same number of devices",
+    ):
         tp.Mesh([[d[0]], [d[-1], d[0]]], ("data", "model"))
     with pytest.raises(ValueError, match=r"ragged: at nesting level 1, some entries are lists and others are devices"):
         tp.Mesh([[d[0]], d[-1]], ("data", "model"))
     with pytest.raises(ValueError, match=r"ragged: the lists at nesting level 2 have different lengths \[1, 1, 1, 2\]"):
         tp.Mesh([[[d[0]], [d[0]]], [[d[0]], [d[0], d[-1]]]], ("a", "b", "c"))
-    with pytest.raises(ValueError, match="the device grid has 2 dimensions .* but 1 axis names"):  # not ragged: too deep
+    # not ragged: too deep
+    with pytest.raises(ValueError, match="the device grid has 2 dimensions .* but 1 axis names"):
         tp.Mesh([[d[0]], [d[-1]]], ("data",))
 
 
@@ -300,7 +315,9 @@ def test_forward_mode_ad_across_devices(cpu_devices):
     x = torch.arange(8.0)
     programs = {
         "jvp": lambda v: torch.func.jvp(torch.sin, (v,), (torch.ones_like(v),))[1],
-        "jvp through psum": lambda v: torch.func.jvp(lambda u: tp.psum(torch.sin(u), "i") * u, (v,), (torch.ones_like(v),))[1],
+        "jvp through psum": lambda v: torch.func.jvp(
+            lambda u: tp.psum(torch.sin(u), "i") * u, (v,), (torch.ones_like(v),)
+        )[1],
         "jacfwd through all_gather": lambda v: torch.func.jacfwd(lambda u: tp.all_gather(u * u, "i"))(v),
     }
     for name, fun in programs.items():
@@ -415,7 +432,7 @@ def test_pytree_leaves_batched_at_different_levels(cpu_devices):
 
 def _record_meetings(monkeypatch) -> list:
     """Records (meeting key, number of tensors) for every rendezvous a device thread joins."""
-    from torchpmap._engines.rendezvous import Rendezvous
+    from torchpmap._engines.thread_exchange import Rendezvous
 
     meetings, meet = [], Rendezvous.meet
 
@@ -471,7 +488,15 @@ def test_device_slices_that_disagree_on_shapes_or_dtypes(cpu_devices):
         first = _devices.current_default()[0].id == 0
         return tp.psum(v if first else v.double(), "i")
 
-    with pytest.raises(RuntimeError, match=r"disagree on the values of psum over axis 'i': slice 0 passes float32\[2, 2\], slice 1 passes float64\[2, 2\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"disagree on the values of psum over axis 'i': slice 0 passes float32\[2, 2\], slice 1 passes "
+        r"float64\[2, 2\]",
+    ):
         tp.pmap(by_device, "i")(torch.ones(4, 2))
-    with pytest.raises(ValueError, match=r"output 0 differs between devices: cpu:0 returns torch.float32 with per-instance shape \(2,\), cpu:1 returns torch.float32 with shape \(3,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"output 0 differs between devices: cpu:0 returns torch.float32 with per-instance shape \(2,\), cpu:1 "
+        r"returns torch.float32 with shape \(3,\)",
+    ):
         tp.pmap(lambda v: v if _devices.current_default()[0].id == 0 else torch.cat([v, v[:1]]))(torch.ones(2, 2))

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torchpmap as tp
 from torchpmap.training import data_parallel_step, shard
 
 
@@ -60,7 +59,9 @@ def test_a_parameter_the_loss_never_reaches_keeps_grad_none(placement, jit):
     for _ in range(3):
         step(shard((x, y), n=4))
     assert plain.spare.weight.grad is None and parallel.spare.weight.grad is None
-    assert torch.equal(parallel.spare.weight, torch.ones(3, 8)) and torch.equal(parallel.spare.weight, plain.spare.weight)
+    assert torch.equal(parallel.spare.weight, torch.ones(3, 8)) and torch.equal(
+        parallel.spare.weight, plain.spare.weight
+    )
     for (name, p), q in zip(parallel.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         assert (p.grad is None) == (q.grad is None), name
@@ -102,14 +103,19 @@ def test_a_loss_that_does_not_depend_on_the_parameters_is_an_error(placement, lo
 
 def test_an_optimizer_holding_none_of_the_models_parameters_is_an_error():
     model, other = WithUnusedBranch(), nn.Linear(5, 3)
-    with pytest.raises(ValueError, match=r"the optimizer holds none of the model's parameters \(2 tensors of its own, 6 in the model\)"):
+    with pytest.raises(
+        ValueError, match=r"the optimizer holds none of the model's parameters \(2 tensors of its own, 6 in the model\)"
+    ):
         data_parallel_step(model, F.cross_entropy, torch.optim.SGD(other.parameters(), lr=0.1))
     data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.head.parameters(), lr=0.1))  # some of them: fine
 
 
 def _metrics_loss(out, y):
     loss = F.cross_entropy(out, y)
-    return loss, {"accuracy": (out.argmax(-1) == y).float().mean(), "per_class": (y.unsqueeze(-1) == torch.arange(3)).sum(0)}
+    return loss, {
+        "accuracy": (out.argmax(-1) == y).float().mean(),
+        "per_class": (y.unsqueeze(-1) == torch.arange(3)).sum(0),
+    }
 
 
 def test_has_aux_returns_metrics_averaged_over_every_instance(placement):
@@ -120,7 +126,7 @@ def test_has_aux_returns_metrics_averaged_over_every_instance(placement):
     for _ in range(2):
         loss, aux = step(shard((x, y), n=4))
         shards = [_metrics_loss(plain(xs), ys) for xs, ys in zip(*shard((x, y), n=4))]
-        want_loss = torch.stack([l for l, _ in shards]).mean()
+        want_loss = torch.stack([loss for loss, _ in shards]).mean()
         opt.zero_grad()
         want_loss.backward()
         opt.step()

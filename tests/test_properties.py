@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import jax
 import pytest
@@ -131,7 +131,7 @@ def _norm(axis: int, rank: int) -> int:
 
 
 @st.composite
-def op_for(draw, shape: tuple, dtype: torch.dtype, n: int, only: Optional[str] = None) -> Op:
+def op_for(draw, shape: tuple, dtype: torch.dtype, n: int, only: str | None = None) -> Op:
     """An Op that applies to per-instance values of ``shape``/``dtype`` over ``n`` instances
     (the collective ``only``, if given: the caller makes sure that it applies)."""
     rank = len(shape)
@@ -198,7 +198,7 @@ DIM_CHOICES = lambda n: st.sampled_from(sorted({1, 2, 3, n, 2 * n}))  # noqa: E7
 
 
 @st.composite
-def instance_shape(draw, n: int, max_rank: int, collective: Optional[str]) -> tuple[int, ...]:
+def instance_shape(draw, n: int, max_rank: int, collective: str | None) -> tuple[int, ...]:
     """A random instance shape of rank 0..max_rank for an axis of size ``n``; for a
     collective that splits a dim (psum_scatter, all_to_all), one dim is ``n`` or ``2n``."""
     rank = draw(st.integers(0, max_rank))  # drawn uniformly: st.lists favours short lists
@@ -216,7 +216,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int32": tor
 
 
 @st.composite
-def chain_case(draw, first: Optional[str] = None):
+def chain_case(draw, first: str | None = None):
     """A random chain of one or two collectives (the first one ``first``, if given), with
     random size, dtype, instance shape and (possibly negative) in/out axes."""
     n = draw(st.integers(1, 6))
@@ -327,7 +327,10 @@ def prefix_case(draw):
     elif form == "per_arg":
         in_axes = (axis_for(("a", "b", "c"), allow_none=False), axis_for(("d",)))
     elif form == "per_leaf":
-        in_axes = ({"a": axis_for(("a",)), "b": (axis_for(("b",), allow_none=False), axis_for(("c",)))}, axis_for(("d",)))
+        in_axes = (
+            {"a": axis_for(("a",)), "b": (axis_for(("b",), allow_none=False), axis_for(("c",)))},
+            axis_for(("d",)),
+        )
     else:
         in_axes = ({"a": axis_for(("a",), allow_none=False), "b": axis_for(("b", "c"))}, axis_for(("d",)))
     leaf_axes = _leaf_axes(in_axes)
@@ -408,11 +411,15 @@ def test_pytree_prefixes_match_loop_and_jax(case):
     expected = {"s": stack("s"), "g": (stack("g0"), stack("g1")), "d": stack("d")}
 
     for kind in TORCH_KINDS:
-        got = TORCH.map(kind)(lambda tree, d: _pytree_body(TORCH, tree, d), "i", in_axes=in_axes, out_axes=out_axes)(*args_t)
+        got = TORCH.map(kind)(lambda tree, d: _pytree_body(TORCH, tree, d), "i", in_axes=in_axes, out_axes=out_axes)(
+            *args_t
+        )
         assert_same_torch(got, expected)
 
     j = jit_call(
-        lambda *a: jax.vmap(lambda tree, d: _pytree_body(JAX, tree, d), in_axes=in_axes, out_axes=out_axes, axis_name="i")(*a),
+        lambda *a: jax.vmap(
+            lambda tree, d: _pytree_body(JAX, tree, d), in_axes=in_axes, out_axes=out_axes, axis_name="i"
+        )(*a),
         *JAX.tree_from_numpy(args_np),
     )
     assert_same(got, j)
@@ -428,7 +435,7 @@ def nested_ref(op: Op, grid: list[list[torch.Tensor]], names) -> list[list[torch
     instances (grid[i][j]): each group is the instances that agree on the other axis,
     ordered row-major over ``names`` (the first name most significant)."""
     names = names if isinstance(names, tuple) else (names,)
-    I, J = len(grid), len(grid[0])
+    I, J = len(grid), len(grid[0])  # noqa: E741 - the grid is I x J, as in the axis names i, j
     size = {"i": I, "j": J}
     out = [[None] * J for _ in range(I)]
     fixed = [a for a in ("i", "j") if a not in names]
@@ -449,7 +456,7 @@ def nested_ref(op: Op, grid: list[list[torch.Tensor]], names) -> list[list[torch
 
 @st.composite
 def nested_case(draw, only: str):
-    I, J = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    I, J = draw(st.integers(1, 3)), draw(st.integers(1, 3))  # noqa: E741 - the sizes of axes i and j
     names = draw(st.sampled_from(NAME_CHOICES))
     n = (I * J) if isinstance(names, tuple) else {"i": I, "j": J}[names]
     dtype_name = draw(st.sampled_from(["float32", "int32"]))
@@ -472,7 +479,7 @@ def nested_case(draw, only: str):
 @settings(SETTINGS, max_examples=5)
 @given(data=st.data())
 def test_nested_maps_with_tuple_names(only, data):
-    I, J, names, op, nest, outer_in, inner_in, x = data.draw(nested_case(only), label="case")
+    I, J, names, op, nest, outer_in, inner_in, x = data.draw(nested_case(only), label="case")  # noqa: E741
 
     def run(B, nest_kinds, arr):
         outer, inner = (B.map(k) for k in nest_kinds)

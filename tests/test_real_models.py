@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -66,7 +67,10 @@ def _call(model: nn.Module, inputs: Any) -> Any:
 
 def _sequence_batch(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"x": torch.randn(N * B, 5, 3, generator=g, dtype=dtype), "y": torch.randn(N * B, 5, 8, generator=g, dtype=dtype)}
+    return {
+        "x": torch.randn(N * B, 5, 3, generator=g, dtype=dtype),
+        "y": torch.randn(N * B, 5, 8, generator=g, dtype=dtype),
+    }
 
 
 class _Recurrent(nn.Module):
@@ -79,7 +83,16 @@ class _Recurrent(nn.Module):
 
 
 @pytest.mark.parametrize("devices", _devices(), ids=["one", "all"])
-@pytest.mark.parametrize("kind, dtype", [("GRU", torch.float32), ("RNN", torch.float32), ("LSTM", torch.float32), ("LSTM", torch.float64), ("GRU", torch.float64)])
+@pytest.mark.parametrize(
+    "kind, dtype",
+    [
+        ("GRU", torch.float32),
+        ("RNN", torch.float32),
+        ("LSTM", torch.float32),
+        ("LSTM", torch.float64),
+        ("GRU", torch.float64),
+    ],
+)
 def test_recurrent_networks(kind, dtype, devices):
     torch.manual_seed(0)
     model = _Recurrent(kind).to(dtype)
@@ -91,8 +104,12 @@ def test_recurrent_networks(kind, dtype, devices):
 def test_transformer_encoder(devices):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
-    model = nn.Sequential(nn.Linear(3, 8), nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)).double()
-    fell_back = _train_both(model, _sequence_batch(torch.float64), lambda out, b: F.mse_loss(out, b["y"]), lambda b: b["x"], devices, 1e-10)
+    model = nn.Sequential(
+        nn.Linear(3, 8), nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    ).double()
+    fell_back = _train_both(
+        model, _sequence_batch(torch.float64), lambda out, b: F.mse_loss(out, b["y"]), lambda b: b["x"], devices, 1e-10
+    )
     assert not fell_back  # vectorized
 
 
@@ -106,7 +123,10 @@ def test_cnn_with_batch_norm(devices):
         nn.Linear(8, 3),
     ).double()
     g = torch.Generator().manual_seed(1)
-    batch = {"x": torch.randn(N * B, 3, 8, 8, generator=g, dtype=torch.float64), "y": torch.randint(0, 3, (N * B,), generator=g)}
+    batch = {
+        "x": torch.randn(N * B, 3, 8, 8, generator=g, dtype=torch.float64),
+        "y": torch.randint(0, 3, (N * B,), generator=g),
+    }
     fell_back = _train_both(model, batch, lambda out, b: F.cross_entropy(out, b["y"]), lambda b: b["x"], devices, 1e-10)
     assert not fell_back  # vectorized
 
@@ -126,7 +146,9 @@ def test_embedding_models(devices):
 
     g = torch.Generator().manual_seed(1)
     batch = {"tokens": torch.randint(0, 20, (N * B, 6), generator=g), "y": torch.randint(0, 2, (N * B,), generator=g)}
-    _train_both(Bag().double(), batch, lambda out, b: F.cross_entropy(out, b["y"]), lambda b: b["tokens"], devices, 1e-10)
+    _train_both(
+        Bag().double(), batch, lambda out, b: F.cross_entropy(out, b["y"]), lambda b: b["tokens"], devices, 1e-10
+    )
 
 
 # --------------------------------------------------------------------------- Hugging Face transformers
@@ -138,10 +160,13 @@ def _text_batch(vocab: int, with_labels: str) -> dict[str, torch.Tensor]:
     lengths = torch.randint(3, 8, (N * B,), generator=g)
     mask = (torch.arange(7) < lengths[:, None]).long()  # padding at the end: the normal case for real text
     batch = {"input_ids": ids * mask, "attention_mask": mask}
-    batch["labels"] = torch.randint(0, 2, (N * B,), generator=g) if with_labels == "class" else torch.where(mask.bool(), ids, -100)
+    batch["labels"] = (
+        torch.randint(0, 2, (N * B,), generator=g) if with_labels == "class" else torch.where(mask.bool(), ids, -100)
+    )
     return batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", _devices(), ids=["one", "all"])
 def test_bert_with_padding_masks(devices):
     transformers = pytest.importorskip("transformers")
@@ -155,6 +180,7 @@ def test_bert_with_padding_masks(devices):
     _train_both(model, _text_batch(30, "class"), lambda out, b: out.loss, lambda b: b, devices, 1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", _devices(), ids=["one", "all"])
 def test_gpt2_with_padding_masks(devices):
     transformers = pytest.importorskip("transformers")

@@ -176,7 +176,7 @@ def _inputs(shapes: list, seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(s).astype(np.float32) for s in shapes]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jax_result(name: str):
     program, shapes = PROGRAMS[name]
     return jax.tree_util.tree_map(np.asarray, program(jax_side(), *map(jnp.asarray, _inputs(shapes))))
@@ -205,7 +205,7 @@ def test_the_notebook_programs_give_jax_numbers_on_every_placement(cpu_devices, 
 GRADIENT_PROGRAMS = ["matmul_psum", "reduce_scatter", "megatron_mlp", "all_gather"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jax_gradient(name: str):
     program, shapes = PROGRAMS[name]
     args = list(map(jnp.asarray, _inputs(shapes)))
@@ -322,7 +322,11 @@ def test_pvary_transposes_to_psum():
 @pytest.mark.parametrize(
     "in_specs, x_shape, match",
     [
-        (P("batch", None, None), (8, 4), r"PartitionSpec\('batch', None, None\), with 3 entries, but the tensor has rank 2 \(shape \(8, 4\)\)"),
+        (
+            P("batch", None, None),
+            (8, 4),
+            r"PartitionSpec\('batch', None, None\), with 3 entries, but the tensor has rank 2 \(shape \(8, 4\)\)",
+        ),
         (P("depth"), (8, 4), r"names mesh axis 'depth', but the mesh's axes are \('batch', 'model'\)"),
         (P("batch", "batch"), (8, 4), r"names mesh axis 'batch' twice"),
         (P(("batch", "model")), (12, 4), r"dim 0 of argument 0 has size 12.*\('batch', 'model'\).*8 blocks.*Pad"),
@@ -339,7 +343,9 @@ def test_other_misuse_is_named():
     mesh = tp.make_mesh(SHAPE, NAMES, devices=tp.devices()[:1])
     with pytest.raises(TypeError, match="mesh must be a torchpmap.Mesh"):
         tp.shard_map(lambda x: x, mesh="mesh", in_specs=P(), out_specs=P())
-    with pytest.raises(TypeError, match=r"in_specs\[0\] is 'batch' of type str; the leaves of in_specs are PartitionSpecs"):
+    with pytest.raises(
+        TypeError, match=r"in_specs\[0\] is 'batch' of type str; the leaves of in_specs are PartitionSpecs"
+    ):
         tp.shard_map(lambda x: x, mesh=mesh, in_specs=("batch",), out_specs=P())
     with pytest.raises(TypeError, match="keyword arguments"):
         tp.shard_map(lambda x: x, mesh=mesh, in_specs=P(), out_specs=P())(x=torch.zeros(2))

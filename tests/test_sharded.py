@@ -57,7 +57,7 @@ def test_it_is_a_tensor_and_as_tensor_keeps_its_graph(devices):
 
 def test_as_tensor_with_a_dtype_converts_differentiably(devices):
     one_leaf, one, many_leaf, many = both(devices, square_and_sum, X)
-    for leaf, out in ((one_leaf, one), (many_leaf, many)):
+    for _leaf, out in ((one_leaf, one), (many_leaf, many)):
         converted = torch.as_tensor(out, dtype=torch.float64)
         assert type(converted) is torch.Tensor and converted.dtype == torch.float64
         (converted**2).sum().backward()
@@ -118,7 +118,9 @@ def test_a_mesh_result_routes_gradients_into_its_blocks(devices):
     fun = tp.pmap(tp.pmap(lambda v: v * tp.psum(v, "model"), axis_name="model"), axis_name="data")
     x = torch.arange(1.0, 5.0).reshape(2, 2)
     on_one, on_mesh = x.clone().requires_grad_(), x.clone().requires_grad_()
-    one = tp.pmap(tp.pmap(lambda v: v * tp.psum(v, "model"), axis_name="model"), axis_name="data", devices=devices[:1])(on_one)
+    one = tp.pmap(tp.pmap(lambda v: v * tp.psum(v, "model"), axis_name="model"), axis_name="data", devices=devices[:1])(
+        on_one
+    )
     with mesh:
         out = fun(on_mesh)
     assert isinstance(out, ShardedTensor) and isinstance(out.shards[0].tensor, ShardedTensor)
@@ -206,7 +208,9 @@ def _outcome(fn):
         out = fn()
     except (IndexError, RuntimeError, ValueError, TypeError) as e:
         return "raised", type(e)
-    return "ok", torch.as_tensor(out).detach().clone() if not isinstance(out, ShardedTensor) else out.gather().detach().clone()
+    return "ok", torch.as_tensor(out).detach().clone() if not isinstance(
+        out, ShardedTensor
+    ) else out.gather().detach().clone()
 
 
 def _same_outcome(got, want, what):
@@ -369,16 +373,25 @@ def test_a_write_through_a_view_of_a_pmap_result_is_differentiated_as_on_one_dev
         assert torch.equal(one, many)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: [], "needs at least one shard"),
-    (lambda d: [(d[0], torch.tensor(1.0)), (d[-1], torch.tensor(2.0))], "0-d tensors"),
-    (lambda d: [(d[0], torch.zeros(2)), (d[-1], torch.zeros(2, dtype=torch.int64))], "shard 1 has dtype torch.int64, shard 0 has torch.float32"),
-    (lambda d: [(d[0], torch.zeros(2, 3)), (d[-1], torch.zeros(2, 4))], r"shard 1 has shape \(2, 4\), shard 0 has \(2, 3\)"),
-    (lambda d: [(d[0], torch.zeros(2, 3)), (d[-1], torch.zeros(2))], "shard 1 has rank 1, shard 0 has 2"),
-    (lambda d: [(d[0], torch.zeros(2, 2)), (d[-1], torch.zeros(2, 2).to_sparse())], "layout"),
-    (lambda d: [(d[0], torch.zeros(2))], "dim=1 is not a dim"),
-    (lambda d: [("cpu:0", torch.zeros(2))], r"shard 0 is \(str, Tensor\)"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: [], "needs at least one shard"),
+        (lambda d: [(d[0], torch.tensor(1.0)), (d[-1], torch.tensor(2.0))], "0-d tensors"),
+        (
+            lambda d: [(d[0], torch.zeros(2)), (d[-1], torch.zeros(2, dtype=torch.int64))],
+            "shard 1 has dtype torch.int64, shard 0 has torch.float32",
+        ),
+        (
+            lambda d: [(d[0], torch.zeros(2, 3)), (d[-1], torch.zeros(2, 4))],
+            r"shard 1 has shape \(2, 4\), shard 0 has \(2, 3\)",
+        ),
+        (lambda d: [(d[0], torch.zeros(2, 3)), (d[-1], torch.zeros(2))], "shard 1 has rank 1, shard 0 has 2"),
+        (lambda d: [(d[0], torch.zeros(2, 2)), (d[-1], torch.zeros(2, 2).to_sparse())], "layout"),
+        (lambda d: [(d[0], torch.zeros(2))], "dim=1 is not a dim"),
+        (lambda d: [("cpu:0", torch.zeros(2))], r"shard 0 is \(str, Tensor\)"),
+    ],
+)
 def test_construction_checks_the_shards(placement, make, message):
     dim = 1 if "dim=1" in message else 0
     with pytest.raises((ValueError, TypeError), match=message):

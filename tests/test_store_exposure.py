@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from torchpmap._frontend.launch import Finished, free_port, launch
 from torchpmap._state import process_group as pg
 from torchpmap._state import store as _store
+from torchpmap.bench.launch import Finished, free_port, launch
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -45,6 +45,7 @@ def _logs(finished: list[Finished]) -> str:
 # --------------------------------------------------------------------------- job tokens
 
 
+@pytest.mark.slow
 def test_each_initialize_draws_a_new_token_that_every_rank_shares(tmp_path):
     finished, results = _run("tokens", tmp_path)
     assert [f.returncode for f in finished] == [0, 0], _logs(finished)
@@ -55,6 +56,7 @@ def test_each_initialize_draws_a_new_token_that_every_rank_shares(tmp_path):
     assert results[0]["psum"] == results[1]["psum"] == 2.0  # and the second group works
 
 
+@pytest.mark.slow
 def test_records_left_in_the_store_by_an_earlier_job_do_not_fail_the_next(tmp_path):
     # A store that outlives the jobs using it, as torchrun's agent store does: the
     # processes are its clients (TORCHELASTIC_USE_AGENT_STORE=True).

@@ -33,9 +33,11 @@ def _docstrings() -> dict[str, str]:
     for node, following in zip(body, body[1:] + [None]):
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             docs[node.name] = ast.get_docstring(node) or ""
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
-                docs[node.targets[0].id] = str(following.value.value)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            named = len(targets) == 1 and isinstance(targets[0], ast.Name)
+            if named and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
+                docs[targets[0].id] = str(following.value.value)
     return docs
 
 
@@ -45,7 +47,9 @@ def test_entry_says_what_it_is_for_and_what_replaces_it(name):
     doc = " ".join(_docstrings().get(name, "").split())
     assert "For:" in doc, f"{name}: its docstring must say what torchpmap uses it for ('For: ...')"
     assert "Public replacement" in doc, f"{name}: its docstring must name the public replacement, or 'none'"
-    assert f"Checked: torch {', '.join(private.CHECKED)}" in doc, f"{name}: its docstring must list the versions checked"
+    assert f"Checked: torch {', '.join(private.CHECKED)}" in doc, (
+        f"{name}: its docstring must list the versions checked"
+    )
 
 
 def test_every_entry_is_in_the_docs():
@@ -87,7 +91,9 @@ def test_check_names_the_failing_entry(monkeypatch):
     monkeypatch.setitem(
         private.ENTRIES, "add_batch_dim", private.Entry("add_batch_dim", "torch._C._functorch._add_batch_dim", broken)
     )
-    with pytest.raises(private.TorchPrivateError, match=r"torchpmap\._state\.torch_private\.add_batch_dim .*gone") as info:
+    with pytest.raises(
+        private.TorchPrivateError, match=r"torchpmap\._state\.torch_private\.add_batch_dim .*gone"
+    ) as info:
         private.check("add_batch_dim", "current_vmap_level")
     assert info.value.entry == "add_batch_dim"
 
@@ -133,7 +139,9 @@ def test_default_store_failure_warns_that_fault_watching_is_off(monkeypatch):
     monkeypatch.setattr(private, "default_store", gone)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.warns(private.TorchPrivateWarning, match=r"_state\.torch_private\.default_store.*fault watching is off"):
+        with pytest.warns(
+            private.TorchPrivateWarning, match=r"_state\.torch_private\.default_store.*fault watching is off"
+        ):
             st = pg._adopt_existing_group()
         assert st.store is None
     finally:
@@ -171,7 +179,9 @@ _FIRST_PMAP = {
     "vmap": "torch.func.vmap(f)(torch.ones(2, 4, 3))",
     "jvp": "torch.func.jvp(f, (x,), (x,))",
     "nested_pmaps": "tp.pmap(lambda v: f(v), axis_name='j')(torch.ones(2, 4, 3))",
-    "grad_of_nested_pmaps": "torch.func.grad(lambda v: tp.pmap(lambda w: f(w), axis_name='j')(v).sum())(torch.ones(2, 4, 3))",
+    "grad_of_nested_pmaps": (
+        "torch.func.grad(lambda v: tp.pmap(lambda w: f(w), axis_name='j')(v).sum())(torch.ones(2, 4, 3))"
+    ),
 }
 
 

@@ -121,7 +121,9 @@ def test_shard_refuses_leaves_of_different_batch_sizes_naming_them():
         shard(batch, n=4)
     message = str(info.value)
     assert "different batch sizes" in message
-    assert "batch['x'] has 8 rows (shape (8, 3))" in message and "batch['labels'][1] has 12 rows (shape (12,))" in message
+    assert (
+        "batch['x'] has 8 rows (shape (8, 3))" in message and "batch['labels'][1] has 12 rows (shape (12,))" in message
+    )
     with pytest.raises(ValueError, match="different batch sizes"):
         next(iter(prefetch_to_device([batch], n=2)))
     assert shard({"x": torch.zeros(8, 3), "y": np.zeros(8)}, n=4)["y"].shape == (4, 2)  # the same size: fine
@@ -334,7 +336,9 @@ def test_data_parallel_step_gradients_are_right_on_every_call():
         step(batch)
         assert all(p is q for p, q in zip(model.parameters(), params_before)), f"call {call}: parameters replaced"
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, c=call, k=name: f"call {c}, {k}: {m}")
+            torch.testing.assert_close(
+                p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, c=call, k=name: f"call {c}, {k}: {m}"
+            )
 
 
 def test_data_parallel_step_keeps_optimizer_state():
@@ -556,7 +560,10 @@ def test_gradients_only_step_accumulates_like_backward(devices):
     reference = copy.deepcopy(model)
     step = data_parallel_step(model, F.mse_loss, None, devices=devices)
     g = torch.Generator().manual_seed(1)
-    micro = [(torch.randn(16, 3, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64)) for _ in range(3)]
+    micro = [
+        (torch.randn(16, 3, generator=g, dtype=torch.float64), torch.randn(16, 1, generator=g, dtype=torch.float64))
+        for _ in range(3)
+    ]
     losses = [step(shard(b, n=4)) for b in micro]  # accumulation over micro-batches
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the user clips, as with DDP
     for x, y in micro:
@@ -565,7 +572,9 @@ def test_gradients_only_step_accumulates_like_backward(devices):
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.stack(losses), torch.stack([F.mse_loss(reference(x), y) for x, y in micro]).detach())
+    torch.testing.assert_close(
+        torch.stack(losses), torch.stack([F.mse_loss(reference(x), y) for x, y in micro]).detach()
+    )
 
 
 @pytest.mark.parametrize("devices", _step_devices(), ids=["one", "all"])
@@ -592,7 +601,12 @@ def test_dict_inputs_and_a_loss_that_sees_the_batch(devices):
         loss = step(shard(batch, n=4))
         ref_opt.zero_grad()
         # the mean over 4 equal shards of the per-shard loss (the aux term is a per-shard mean too)
-        ref = torch.stack([loss_fn(reference(**inputs(b)), b) for b in [{k: v[4 * i:4 * i + 4] for k, v in batch.items()} for i in range(4)]]).mean()
+        ref = torch.stack(
+            [
+                loss_fn(reference(**inputs(b)), b)
+                for b in [{k: v[4 * i : 4 * i + 4] for k, v in batch.items()} for i in range(4)]
+            ]
+        ).mean()
         ref.backward()
         ref_opt.step()
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
@@ -618,7 +632,9 @@ def test_data_parallel_step_says_what_is_wrong():
 
 def _small_cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.0), nn.Linear(4 * 6 * 6, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.0), nn.Linear(4 * 6 * 6, 3)
+    )
 
 
 def _images(seed: int = 0):
@@ -637,7 +653,9 @@ def test_bf16_autocast_with_batch_norm_matches_plain_pytorch(devices):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = step(shard((x, y), n=4))
             ref_opt.zero_grad()
-            ref = torch.stack([F.cross_entropy(reference(x[4 * i:4 * i + 4]), y[4 * i:4 * i + 4]) for i in range(4)]).mean()
+            ref = torch.stack(
+                [F.cross_entropy(reference(x[4 * i : 4 * i + 4]), y[4 * i : 4 * i + 4]) for i in range(4)]
+            ).mean()
         ref.backward()
         ref_opt.step()
         torch.testing.assert_close(loss, ref.detach(), rtol=2e-2, atol=2e-2)  # bfloat16 rounding

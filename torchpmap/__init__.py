@@ -1,5 +1,5 @@
 """torchpmap: JAX-style ``pmap`` for PyTorch, with named-axis collectives."""
-from torchpmap._frontend.api import pmap, shard_map, vmap
+from torchpmap import checkpoint, data, distributed
 from torchpmap._collectives.public import (
     all_gather,
     all_to_all,
@@ -15,12 +15,8 @@ from torchpmap._collectives.public import (
     pswapaxes,
     pvary,
 )
-from torchpmap._state.config import config, disable_vectorization
-from torchpmap._engines import VectorizationFallbackWarning
-from torchpmap._engines.compiled import JitFallbackWarning, JitRecompileWarning
-from torchpmap._placement.mesh import AbstractMesh, Mesh, make_mesh
-from torchpmap._placement.partition_spec import P, PartitionSpec
-from torchpmap._placement.sharded import ShardedTensor, ShardedView
+from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning, VectorizationFallbackWarning
+from torchpmap._frontend.api import pmap, shard_map, vmap
 from torchpmap._placement.devices import (
     Device,
     device_count,
@@ -30,7 +26,11 @@ from torchpmap._placement.devices import (
     process_count,
     process_index,
 )
-
+from torchpmap._placement.mesh import AbstractMesh, Mesh, make_mesh
+from torchpmap._placement.partition_spec import P, PartitionSpec
+from torchpmap._placement.sharded import ShardedTensor, ShardedView
+from torchpmap._state.config import config, disable_vectorization
+from torchpmap.data import ShardedLoader
 from torchpmap.training import (
     data_parallel_step,
     prefetch_to_device,
@@ -39,10 +39,6 @@ from torchpmap.training import (
     unreplicate,
     unshard,
 )
-
-from torchpmap import distributed
-from torchpmap import checkpoint, data
-from torchpmap.data import ShardedLoader
 
 __version__ = "0.1.0"
 

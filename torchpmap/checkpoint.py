@@ -77,16 +77,17 @@ import socket
 import uuid
 import warnings
 import zipfile
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from torchpmap._placement.sharded import ShardedTensor
-from torchpmap.data import ShardedLoader
 from torchpmap._state import process_group as _process_group
 from torchpmap._state.log import logger
+from torchpmap.data import ShardedLoader
 
 __all__ = ["save", "load"]
 
@@ -107,7 +108,7 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _exchange(mine: Optional[str], what: str) -> list[Optional[str]]:
+def _exchange(mine: str | None, what: str) -> list[str | None]:
     """Every process' ``mine`` (None: nothing to report), in rank order: a collective of the
     default group, watched like a pmap's (a process that fails or dies makes the others raise
     ``RankFailed`` naming it)."""
@@ -130,7 +131,7 @@ def _from_bytes(data: bytes) -> Any:
 
 def _rng_state() -> dict[str, Any]:
     """This process' random number generators, in types that ``torch.load(weights_only=True)`` reads."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state())  # legacy=True: the tuple
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -149,7 +150,9 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         random.setstate((version, tuple(internal), gauss))
     if "numpy" in state:
         s = state["numpy"]
-        np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"]))
+        np.random.set_state(
+            (s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["cached_gaussian"])
+        )
     if "cuda" in state and torch.cuda.is_available():
         saved = list(state["cuda"])
         count = torch.cuda.device_count()
@@ -193,12 +196,12 @@ def _plain(value: Any) -> Any:
             out[k] = v
         return out
     if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
-        if all(a is b for a, b in zip(items, value)):
+        elems = [_plain(v) for v in value]
+        if all(a is b for a, b in zip(elems, value)):
             return value
         if isinstance(value, list):
-            return type(value)(items) if type(value) is not list else items
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            return type(value)(elems) if type(value) is not list else elems
+        return type(value)(*elems) if hasattr(value, "_fields") else type(value)(elems)
     return value
 
 
@@ -246,7 +249,12 @@ def _remove_stale_temporaries(path: str) -> None:
             continue
         try:
             os.unlink(entry.path)
-            logger.info("checkpoint: removed %s, left by process %s (no longer running) in a save of %s", entry.path, parts[1], path)
+            logger.info(
+                "checkpoint: removed %s, left by process %s (no longer running) in a save of %s",
+                entry.path,
+                parts[1],
+                path,
+            )
         except OSError:
             pass
 
@@ -312,9 +320,10 @@ def _read(path: str, map_location: Any, weights_only: bool) -> dict:
         if head == _ZIP_START:
             raise ValueError(
                 f"checkpoint.load: {path} is truncated: its {size} bytes are the beginning of an archive as torch.save "
-                "writes, whose end (the archive's directory) is missing. checkpoint.save never leaves a partial file at "
-                "its path (it renames a complete temporary file over it), so it was cut short by a copy or a transfer "
-                "that stopped, or by a full disk: copy it again from where it came, or load an earlier checkpoint."
+                "writes, whose end (the archive's directory) is missing. checkpoint.save never leaves a partial file "
+                "at its path (it renames a complete temporary file over it), so it was cut short by a copy or a "
+                "transfer that stopped, or by a full disk: copy it again from where it came, or load an earlier "
+                "checkpoint."
             )
         raise ValueError(
             f"checkpoint.load: {path} is not a torchpmap checkpoint: it is not an archive as torch.save writes (its "
@@ -326,7 +335,7 @@ def _read(path: str, map_location: Any, weights_only: bool) -> dict:
         payload = torch.load(path, map_location=map_location, weights_only=weights_only)
     except (MemoryError, PermissionError, FileNotFoundError):
         raise
-    except Exception as error:  # noqa: BLE001 -- a damaged archive fails in many ways; each is told as damage
+    except Exception as error:
         if weights_only and isinstance(error, pickle.UnpicklingError) and _pickle_is_whole(path):
             first = (str(error).strip().splitlines() or [""])[0]
             raise pickle.UnpicklingError(
@@ -340,10 +349,11 @@ def _read(path: str, map_location: Any, weights_only: bool) -> dict:
             "another program wrote it: load an earlier checkpoint."
         ) from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        held = f"a dict without the checkpoint format {FORMAT!r}" if isinstance(payload, dict) else None
+        held = held or f"a {type(payload).__name__}"
         raise ValueError(
-            f"checkpoint.load: {path} is not a checkpoint written by torchpmap.checkpoint.save: torch.load reads it, but it holds "
-            f"{'a dict without the checkpoint format ' + repr(FORMAT) if isinstance(payload, dict) else 'a ' + type(payload).__name__}. "
-            "Read it with torch.load, or save the training state with checkpoint.save."
+            f"checkpoint.load: {path} is not a checkpoint written by torchpmap.checkpoint.save: torch.load reads it, "
+            f"but it holds {held}. Read it with torch.load, or save the training state with checkpoint.save."
         )
     return payload
 
@@ -391,12 +401,12 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, rng: bool = True)
     path = os.fspath(path)
     rank, processes = _world()
     mine = _rng_state() if rng else None
-    gathered: Optional[list] = [mine]
+    gathered: list | None = [mine]
     if processes > 1:  # entering together; rank 0 gets every process' generators
         what = f"checkpoint.save of {path} (every process' random generators to rank 0)"
         received = _process_group.all_gather_bytes(_to_bytes(mine) if rng else b"", what)
         gathered = [_from_bytes(r) for r in received] if rng and rank == 0 else None
-    failure: Optional[BaseException] = None
+    failure: BaseException | None = None
     if rank == 0:
         try:
             _remove_stale_temporaries(path)
@@ -408,12 +418,14 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, rng: bool = True)
                 "rng": gathered if rng else None,
             }
             _write_atomically(payload, path)
-        except BaseException as error:  # noqa: BLE001 -- told to every process, then raised
+        except BaseException as error:
             if processes == 1:
                 raise
             failure = error
     if processes > 1:  # leaving together, once the file is complete (or with rank 0's error)
-        outcome = _exchange(None if failure is None else _describe(failure), f"checkpoint.save of {path} (rank 0 writing it)")[0]
+        outcome = _exchange(
+            None if failure is None else _describe(failure), f"checkpoint.save of {path} (rank 0 writing it)"
+        )[0]
         if failure is not None:
             raise failure
         if outcome is not None:
@@ -422,7 +434,7 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, rng: bool = True)
 
 def load(
     path: str | os.PathLike,
-    state: Optional[Mapping[str, Any]] = None,
+    state: Mapping[str, Any] | None = None,
     *,
     rng: bool = True,
     map_location: Any = "cpu",
@@ -493,13 +505,14 @@ def load(
         _remove_stale_temporaries(path)
         payload = _read(path, map_location, weights_only)
         _check_restorable(payload, state, rng, processes, path)
-    except BaseException as error:  # noqa: BLE001 -- told to every process, then raised
+    except BaseException as error:
         if processes == 1:
             raise
         failure = error
     if processes > 1:
         _agree(failure, processes, path, "could not load", "every process reads the checkpoint, so it must be on a "
                "file system they all see")
+    payload = cast(dict, payload)  # read, or a failure was raised (by _agree across processes)
     restore = _restore_all_or_nothing(payload, state, rng, rank, path, agree=processes > 1)
     if processes > 1:
         try:  # every process restored its objects, or every process puts them back
@@ -511,7 +524,7 @@ def load(
     return {name: state.get(name, value) for name, value in payload["state"].items()}
 
 
-def _agree(failure: Optional[BaseException], processes: int, path: str, did: str, why: str) -> None:
+def _agree(failure: BaseException | None, processes: int, path: str, did: str, why: str) -> None:
     """Every process' outcome; raises in every process, naming the ranks, when one failed."""
     outcomes = _exchange(None if failure is None else _describe(failure), f"checkpoint.load of {path}")
     failed = [(r, told) for r, told in enumerate(outcomes) if told is not None]
@@ -562,11 +575,13 @@ def _restore_all_or_nothing(
         try:
             put_back()
         except RuntimeError as also:
-            error.add_note(str(also))
-        error.add_note(
-            f"checkpoint.load: {where} failed while restoring {path}; the objects restored before it, it and the "
-            "random generators were put back as they were before the call"
-        )
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(str(also))
+        if hasattr(error, "add_note"):
+            error.add_note(
+                f"checkpoint.load: {where} failed while restoring {path}; the objects restored before it, it and the "
+                "random generators were put back as they were before the call"
+            )
         if agree:  # the others put theirs back too
             _agree(error, _world()[1], path, "could not restore the objects from",
                    "every process put its objects back as they were before the call")
@@ -594,8 +609,8 @@ def _check_restorable(payload: dict, state: Mapping[str, Any], rng: bool, proces
     for name, obj in state.items():
         if not _stateful(obj):
             raise TypeError(
-                f"checkpoint.load: state[{name!r}] is a {type(obj).__name__}, which has no load_state_dict(); pass only "
-                "objects to restore in place (plain values such as the step come back in the returned dict)"
+                f"checkpoint.load: state[{name!r}] is a {type(obj).__name__}, which has no load_state_dict(); pass "
+                "only objects to restore in place (plain values such as the step come back in the returned dict)"
             )
     if rng and payload.get("rng") is not None and len(payload["rng"]) != processes:
         raise ValueError(
@@ -607,8 +622,8 @@ def _check_restorable(payload: dict, state: Mapping[str, Any], rng: bool, proces
         saved_cuda, count = len(payload["rng"][0]["cuda"]), torch.cuda.device_count()
         if saved_cuda != count:
             raise ValueError(
-                f"checkpoint.load: {path} holds the state of {saved_cuda} CUDA generators but this process sees {count} "
-                "CUDA devices; pass rng=False to keep the current generators"
+                f"checkpoint.load: {path} holds the state of {saved_cuda} CUDA generators but this process sees "
+                f"{count} CUDA devices; pass rng=False to keep the current generators"
             )
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
@@ -618,7 +633,7 @@ def _check_restorable(payload: dict, state: Mapping[str, Any], rng: bool, proces
         elif isinstance(obj, ShardedLoader):  # its load_state_dict only rebinds attributes: a shallow copy is a dry run
             try:
                 copy.copy(obj).load_state_dict(saved[name])
-            except Exception as error:  # noqa: BLE001 -- its own words, then ours
+            except Exception as error:
                 raise _refusal(obj, name, path, f"its load_state_dict refuses it: {_describe(error)}") from error
 
 
@@ -649,7 +664,9 @@ def _check_module(module: torch.nn.Module, saved: Any, name: str, path: str) -> 
     kinds = [
         f"{k!r} is {saved[k].dtype} in the checkpoint and {v.dtype} here"
         for k, v in current.items()
-        if isinstance(v, torch.Tensor) and isinstance(saved.get(k), torch.Tensor) and _kind(v.dtype) != _kind(saved[k].dtype)
+        if isinstance(v, torch.Tensor)
+        and isinstance(saved.get(k), torch.Tensor)
+        and _kind(v.dtype) != _kind(saved[k].dtype)
     ]
     if kinds:
         raise _refusal(module, name, path, "tensors of another kind of dtype: " + "; ".join(kinds))
@@ -672,9 +689,10 @@ def _check_module(module: torch.nn.Module, saved: Any, name: str, path: str) -> 
         return
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "copying from a non-meta parameter ... to a meta parameter ... is a no-op"
+            # "copying from a non-meta parameter ... to a meta parameter ... is a no-op"
+            warnings.simplefilter("ignore")
             copy_.load_state_dict(saved)
-    except Exception as error:  # noqa: BLE001 -- torch's own words, then ours
+    except Exception as error:
         raise _refusal(module, name, path, f"its load_state_dict refuses it: {_describe(error).strip()}") from error
 
 
@@ -687,7 +705,9 @@ def _meta_copy(module: torch.nn.Module) -> torch.nn.Module:
         if id(t) in memo:
             continue
         meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+        memo[id(t)] = (
+            torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+        )
     return copy.deepcopy(module, memo)
 
 
@@ -707,6 +727,6 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Any, name: str, pa
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dry.load_state_dict(saved)
-    except Exception as error:  # noqa: BLE001 -- torch's own words, then ours
+            dry.load_state_dict(cast(dict, saved))
+    except Exception as error:
         raise _refusal(optimizer, name, path, f"its load_state_dict refuses it: {_describe(error).strip()}") from error

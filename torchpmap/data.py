@@ -28,7 +28,8 @@ to the device by :func:`torchpmap.training.prefetch_to_device`: exactly what
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,7 @@ def _positive_int(value: Any, what: str) -> int:
     return value
 
 
-def _split_error(global_batch_size: int, processes: int, n: int) -> Optional[str]:
+def _split_error(global_batch_size: int, processes: int, n: int) -> str | None:
     """Why ``global_batch_size`` does not split over ``processes`` x ``n`` instances, or None."""
     instances = processes * n
     if global_batch_size % instances == 0:
@@ -175,16 +176,16 @@ class ShardedLoader:
     def __init__(
         self,
         data: Any,
-        global_batch_size: Optional[int] = None,
+        global_batch_size: int | None = None,
         *,
-        shuffle: Optional[bool] = None,
-        seed: Optional[int] = None,
+        shuffle: bool | None = None,
+        seed: int | None = None,
         last_batch: str = "drop",
         mask: bool = False,
-        n: Optional[int] = None,
+        n: int | None = None,
         prefetch: int = 2,
         num_workers: int = 0,
-        collate_fn: Optional[Callable[[list], Any]] = None,
+        collate_fn: Callable[[list], Any] | None = None,
         **loader_kwargs: Any,
     ) -> None:
         for name in _OWN_ARGUMENTS.keys() & loader_kwargs.keys():
@@ -197,7 +198,9 @@ class ShardedLoader:
                     "ShardedLoader: with a DataLoader, its own loading settings are used; set num_workers, collate_fn "
                     "and the other DataLoader arguments on the loader (or pass its dataset instead)"
                 )
-            dataset, global_batch_size, shuffle, seed = self._from_loader(data, global_batch_size, shuffle, seed, processes)
+            dataset, global_batch_size, shuffle, seed = self._from_loader(
+                data, global_batch_size, shuffle, seed, processes
+            )
             settings = {k: getattr(data, k) for k in _LOADING_SETTINGS if hasattr(data, k)}
             if not settings.get("num_workers"):
                 for k in ("prefetch_factor", "persistent_workers", "timeout"):  # worker-only settings
@@ -209,7 +212,9 @@ class ShardedLoader:
                 settings["collate_fn"] = collate_fn
             if global_batch_size is None:
                 raise TypeError("ShardedLoader: pass global_batch_size= (the examples per step, over all processes)")
-        if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        if isinstance(dataset, IterableDataset) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+        ):
             raise TypeError(
                 f"ShardedLoader: needs a map-style dataset (with __len__ and __getitem__), got a "
                 f"{type(dataset).__name__}. An iterable-style dataset cannot be split by a sampler, so the processes "
@@ -219,7 +224,9 @@ class ShardedLoader:
         if last_batch not in _LAST_BATCH:
             raise ValueError(f"ShardedLoader: last_batch must be 'drop' or 'pad', got {last_batch!r}")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
-            raise ValueError(f"ShardedLoader: prefetch must be a positive int (how many batches to keep ready), got {prefetch!r}")
+            raise ValueError(
+                f"ShardedLoader: prefetch must be a positive int (how many batches to keep ready), got {prefetch!r}"
+            )
         if seed is None:
             seed = 0
         if not isinstance(seed, int) or isinstance(seed, bool):
@@ -246,7 +253,12 @@ class ShardedLoader:
         self._size = len(dataset)
         if processes > 1:
             self._sampler: Any = DistributedSampler(
-                dataset, num_replicas=processes, rank=rank, shuffle=self.shuffle, seed=seed, drop_last=last_batch == "drop"
+                dataset,
+                num_replicas=processes,
+                rank=rank,
+                shuffle=self.shuffle,
+                seed=seed,
+                drop_last=last_batch == "drop",
             )
             # DistributedSampler repeats the first examples of the epoch's order at its end so
             # that every process gets as many: this process' positions rank, rank + P, ... < N
@@ -258,7 +270,9 @@ class ShardedLoader:
             if self._size == 0:  # refused below, after the processes agree (RandomSampler refuses it in its own words)
                 self._sampler = SequentialSampler(dataset)
             else:
-                self._sampler = RandomSampler(dataset, generator=self._order) if self.shuffle else SequentialSampler(dataset)
+                self._sampler = (
+                    RandomSampler(dataset, generator=self._order) if self.shuffle else SequentialSampler(dataset)
+                )
             share = self._real = self._size
         b = self.process_batch_size
         self.steps_per_epoch = share // b if last_batch == "drop" else -(-share // b)
@@ -272,12 +286,15 @@ class ShardedLoader:
             )
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"ShardedLoader: a dataset of {self._size} examples holds no whole global batch of {global_batch_size}, "
-                "so an epoch would have no step; use a smaller global_batch_size or last_batch='pad'"
+                f"ShardedLoader: a dataset of {self._size} examples holds no whole global batch of "
+                f"{global_batch_size}, so an epoch would have no step; use a smaller global_batch_size or "
+                "last_batch='pad'"
             )
 
     @staticmethod
-    def _from_loader(loader: DataLoader, global_batch_size, shuffle, seed, processes: int):
+    def _from_loader(
+        loader: DataLoader, global_batch_size: int | None, shuffle: bool | None, seed: int | None, processes: int
+    ) -> tuple[Any, int, bool | None, int | None]:
         sampler = loader.sampler
         if loader.batch_size is None:
             raise TypeError(
@@ -308,8 +325,8 @@ class ShardedLoader:
             )
         if global_batch_size is not None and global_batch_size != batch:
             raise ValueError(
-                f"ShardedLoader: global_batch_size={global_batch_size} differs from the loader's global batch of {batch}; "
-                "pass one of them"
+                f"ShardedLoader: global_batch_size={global_batch_size} differs from the loader's global batch of "
+                f"{batch}; pass one of them"
             )
         return loader.dataset, batch, shuffle, seed
 
@@ -332,7 +349,9 @@ class ShardedLoader:
         dist.all_gather_object(everyone, mine)
         differ = [k for k in mine if any(c[k] != everyone[0][k] for c in everyone)]
         if differ:
-            detail = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {c[k]!r}" for r, c in enumerate(everyone)) for k in differ)
+            detail = "; ".join(
+                f"{k}: " + ", ".join(f"rank {r}: {c[k]!r}" for r, c in enumerate(everyone)) for k in differ
+            )
             raise ValueError(
                 f"ShardedLoader: the processes disagree on {', '.join(differ)} ({detail}). Every process must build "
                 "the loader over the same data with the same settings: otherwise their epochs would end at "
@@ -432,7 +451,9 @@ class ShardedLoader:
         indices = self._indices(epoch)[start * b :]
         generator = torch.Generator()
         generator.manual_seed(self._worker_seed(epoch))  # DataLoader draws the workers' base seed from it
-        loader = DataLoader(self.dataset, batch_size=b, sampler=indices, drop_last=False, generator=generator, **self._settings)
+        loader = DataLoader(
+            self.dataset, batch_size=b, sampler=indices, drop_last=False, generator=generator, **self._settings
+        )
         for step, batch in enumerate(loader, start):
             if self.mask:
                 positions = torch.arange(step * b, (step + 1) * b)

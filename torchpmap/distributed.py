@@ -100,16 +100,17 @@ import datetime
 import hashlib
 import math
 import os
-from typing import Any, Hashable, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
+from torchpmap._placement.devices import Device, devices, local_devices, process_count, process_index
+from torchpmap._placement.mesh import ProcessMesh
 from torchpmap._state import process_group as _pg
 from torchpmap._state import store as _store
 from torchpmap._state.config import TIMEOUT_MAX
-from torchpmap._placement.devices import Device, devices, local_devices, process_count, process_index
-from torchpmap._placement.mesh import ProcessMesh
 from torchpmap._state.faults import ExchangeMismatch, SizeMismatch
 from torchpmap._state.process_group import RankFailed
 
@@ -135,7 +136,7 @@ __all__ = [
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
+def initialize(backend: str | None = None, timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> None:
     """Joins the process group described by the ``torchrun`` environment.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``
@@ -210,7 +211,10 @@ def initialize(backend: Optional[str] = None, timeout: datetime.timedelta = date
     # NCCL moves CUDA tensors only: gloo beside it carries the exchanges' headers on the
     # host, so that comparing them never waits for the GPU (see headers_on_host).
     dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if backend == "nccl" else backend, store=dist.PrefixStore(_store.group_prefix(use), store), rank=rank, world_size=world_size,
+        "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+        store=dist.PrefixStore(_store.group_prefix(use), store),
+        rank=rank,
+        world_size=world_size,
         timeout=timeout,
     )
     st = _pg.install(
@@ -242,7 +246,7 @@ def shutdown() -> None:
             # while another rank's client still talks to it can abort that process at exit.
             try:
                 dist.barrier()
-            except Exception:  # a peer is gone: nothing to wait for
+            except Exception:  # noqa: BLE001 - a peer is gone: nothing to wait for
                 pass
         # gloo's threads then drop the last collectives' tensors (the barrier's included)
         # while the interpreter lives: otherwise about one exit in 20 aborts
@@ -281,7 +285,9 @@ def mesh(shape: Sequence[int], axis_names: Sequence[Hashable]) -> ProcessMesh:
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape):
         raise ValueError(f"mesh: shape must be positive ints, got {shape!r}")
     if len(shape) != len(axis_names):
-        raise ValueError(f"mesh: shape {shape} has {len(shape)} axes but {len(axis_names)} names were given: {axis_names}")
+        raise ValueError(
+            f"mesh: shape {shape} has {len(shape)} axes but {len(axis_names)} names were given: {axis_names}"
+        )
     if len(set(axis_names)) != len(axis_names) or not all(isinstance(a, str) for a in axis_names):
         raise ValueError(f"mesh: axis_names must be distinct strings, got {axis_names!r}")
     if not _pg.active():
@@ -299,7 +305,8 @@ def mesh(shape: Sequence[int], axis_names: Sequence[Hashable]) -> ProcessMesh:
 
     st = _pg.state()
     st.check_usable()
-    device_mesh = init_device_mesh(st.local_device.platform, shape, mesh_dim_names=axis_names)
+    names = cast("tuple[str, ...]", axis_names)  # torch types them as strings; any hashable works
+    device_mesh = init_device_mesh(st.local_device.platform, shape, mesh_dim_names=names)
     return ProcessMesh(device_mesh, axis_names)
 
 
@@ -428,9 +435,13 @@ def check_same(tree: Any, what: str = "tree", axis_name: Hashable = "processes")
     rows = []
     for _, t in leaves:
         kind = hashlib.blake2b(repr((tuple(t.shape), str(t.dtype))).encode(), digest_size=8).digest()
-        rows.append(torch.cat([_checksum(t).cpu(), torch.tensor([int.from_bytes(kind, "little", signed=True), t.numel()])]))
+        rows.append(
+            torch.cat([_checksum(t).cpu(), torch.tensor([int.from_bytes(kind, "little", signed=True), t.numel()])])
+        )
     mine = torch.stack(rows)  # (leaves, 4) int64
-    everyone = pmap(lambda d: all_gather(d, axis_name), axis_name=axis_name, in_axes=None, out_axes=None, axis_size=1)(mine)
+    everyone = pmap(lambda d: all_gather(d, axis_name), axis_name=axis_name, in_axes=None, out_axes=None, axis_size=1)(
+        mine
+    )
     everyone = everyone.cpu()
     ranks = _group_ranks(axis_name)
     for k, (path, t) in enumerate(leaves):

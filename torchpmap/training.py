@@ -54,19 +54,22 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad, grad_and_value
 
+from torchpmap._collectives.gradient_mean import GradientMean
+from torchpmap._collectives.public import pmean
+from torchpmap._frontend.api import pmap
 from torchpmap._placement import devices as _devices
+from torchpmap._placement.devices import DeviceLike
+from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.config import config
 from torchpmap._state.torch_private import pytree
-from torchpmap._placement.sharded import ShardedTensor
-from torchpmap._frontend.api import pmap
-from torchpmap._collectives.public import pmean
-from torchpmap._collectives.gradient_mean import GradientMean
+from torchpmap._state.type_aliases import AxisName, PyTree, Randomness
 
 __all__ = [
     "replicate",
@@ -77,14 +80,11 @@ __all__ = [
     "data_parallel_step",
 ]
 
-PyTree = Any
-"""A nested structure of tuples, lists, dicts, namedtuples... with tensors at the leaves."""
-
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _instances(n: Optional[int], what: str) -> int:
+def _instances(n: int | None, what: str) -> int:
     """``n``, or the number of local devices when ``n`` is None; checked."""
     if n is None:
         return _devices.local_device_count()
@@ -122,7 +122,7 @@ def _leading_axis(x: torch.Tensor, path: pytree.KeyPath, what: str, arg: str, ro
 # --------------------------------------------------------------------------- replicate
 
 
-def replicate(tree: PyTree, n: Optional[int] = None) -> PyTree:
+def replicate(tree: PyTree, n: int | None = None) -> PyTree:
     """One copy of every leaf per instance, stacked along a new leading axis of size ``n``.
 
     Use it for a value that a pmapped function takes with ``in_axes=0`` but that starts
@@ -181,7 +181,7 @@ def unreplicate(tree: PyTree) -> PyTree:
 # --------------------------------------------------------------------------- shard
 
 
-def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
+def shard(batch: PyTree, n: int | None = None) -> PyTree:
     """Splits the leading batch axis of every leaf: ``(B, ...)`` -> ``(n, B // n, ...)``.
 
     Instance ``i`` of a pmap with ``in_axes=0`` then sees rows ``i*B/n .. (i+1)*B/n - 1``
@@ -212,11 +212,15 @@ def shard(batch: PyTree, n: Optional[int] = None) -> PyTree:
         >>> shard({"x": torch.zeros(10, 3)}, n=4)
         Traceback (most recent call last):
         ...
-        ValueError: shard: batch['x'] has 10 rows along its leading (batch) axis (shape (10, 3)), which do not split evenly into n=4 instances (10 % 4 = 2). Use a batch size that is a multiple of 4 (8 or 12, say), or drop the last incomplete batch.
+        ValueError: shard: batch['x'] has 10 rows along its leading (batch) axis (shape (10, 3)), which do not
+        split evenly into n=4 instances (10 % 4 = 2). Use a batch size that is a multiple of 4 (8 or 12, say), or
+        drop the last incomplete batch.
         >>> shard({"x": torch.zeros(8, 3), "y": torch.zeros(12)}, n=4)
         Traceback (most recent call last):
         ...
-        ValueError: shard: the leaves of batch have different batch sizes (their leading axes), so each would be split its own way: batch['x'] has 8 rows (shape (8, 3)), batch['y'] has 12 rows (shape (12,)). Every leaf must hold the same examples along axis 0: slice them to one batch size.
+        ValueError: shard: the leaves of batch have different batch sizes (their leading axes), so each would be
+        split its own way: batch['x'] has 8 rows (shape (8, 3)), batch['y'] has 12 rows (shape (12,)). Every leaf
+        must hold the same examples along axis 0: slice them to one batch size.
     """
     n = _instances(n, "shard")
     seen: list[tuple[pytree.KeyPath, int, tuple[int, ...]]] = []
@@ -277,13 +281,13 @@ def unshard(tree: PyTree) -> PyTree:
 _BATCH, _END, _ERROR = "batch", "end", "error"
 
 
-def _prefetch_target(n: int) -> Optional[torch.device]:
+def _prefetch_target(n: int) -> torch.device | None:
     """The one torch device that the ``n`` instances of a default pmap run on, if there is one."""
     targets = {d.torch_device for d in _devices.local_devices()[:n]}
     return targets.pop() if len(targets) == 1 else None
 
 
-def _put(q: "queue.Queue[tuple[str, Any]]", item: tuple[str, Any], stop: threading.Event) -> bool:
+def _put(q: queue.Queue[tuple[str, Any]], item: tuple[str, Any], stop: threading.Event) -> bool:
     """Puts ``item`` unless the consumer has gone away; False if it has."""
     while not stop.is_set():
         try:
@@ -294,7 +298,9 @@ def _put(q: "queue.Queue[tuple[str, Any]]", item: tuple[str, Any], stop: threadi
     return False
 
 
-def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: Optional[int] = None) -> Iterator[PyTree]:
+def prefetch_to_device(
+    iterator: Iterable[PyTree], size: int = 2, n: int | None = None
+) -> Generator[PyTree, None, None]:
     """Shards upcoming batches and moves them to the device in a background thread.
 
     While the training step runs on the current batch, a producer thread takes the next
@@ -332,13 +338,17 @@ def prefetch_to_device(iterator: Iterable[PyTree], size: int = 2, n: Optional[in
         [[2.0, 2.0], [2.0, 2.0]] (2, 2)
     """
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"prefetch_to_device: size must be a positive int (how many batches to keep ready), got {size!r}")
+        raise ValueError(
+            f"prefetch_to_device: size must be a positive int (how many batches to keep ready), got {size!r}"
+        )
     n = _instances(n, "prefetch_to_device")
     return _prefetch(iter(iterator), size, n, _prefetch_target(n))
 
 
-def _prefetch(source: Iterator[PyTree], size: int, n: int, device: Optional[torch.device]) -> Iterator[PyTree]:
-    ready: "queue.Queue[tuple[str, Any]]" = queue.Queue(maxsize=size)
+def _prefetch(
+    source: Iterator[PyTree], size: int, n: int, device: torch.device | None
+) -> Generator[PyTree, None, None]:
+    ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=size)
     stop = threading.Event()
     copies = _CudaCopies(device) if device is not None and device.type == "cuda" else None
 
@@ -414,7 +424,8 @@ class _CudaCopies:
 
 def _split_buffers(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The model's buffers: (floating point ones, the others such as counters)."""
-    floating, other = {}, {}
+    floating: dict[str, torch.Tensor] = {}
+    other: dict[str, torch.Tensor] = {}
     for name, b in model.named_buffers():
         (floating if b.is_floating_point() or b.is_complex() else other)[name] = b.detach()
     return floating, other
@@ -442,14 +453,14 @@ def _pair(batch: Any) -> tuple[Any, Any]:
 def data_parallel_step(
     model: torch.nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: Optional[torch.optim.Optimizer] = None,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
-    model_inputs: Optional[Callable[[Any], Any]] = None,
-    grad_scaler: Optional[torch.amp.GradScaler] = None,
-    axis_name: Hashable = "batch",
-    devices: Optional[Sequence[Any]] = None,
+    model_inputs: Callable[[Any], Any] | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    axis_name: AxisName = "batch",
+    devices: Sequence[DeviceLike] | None = None,
     jit: bool | Mapping[str, Any] = False,
-    randomness: str = "different",
+    randomness: Randomness = "different",
     has_aux: bool = False,
 ) -> Callable[[PyTree], Any]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
@@ -581,18 +592,22 @@ def data_parallel_step(
             "data-parallel guide)."
         )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"data_parallel_step: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"data_parallel_step: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
     if not callable(loss_fn):
         raise TypeError(f"data_parallel_step: loss_fn must be callable, got {type(loss_fn).__name__}")
     Tensors = dict[str, torch.Tensor]
 
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
-        raise TypeError(f"data_parallel_step: grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+        raise TypeError(
+            f"data_parallel_step: grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}"
+        )
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
 
     def instance_step(
-        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: Optional[torch.Tensor]
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
 
@@ -662,7 +677,10 @@ def data_parallel_step(
         loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
         buffer_change = {k: state[k].detach() - floating[k] for k in floating}
         aux = pytree.tree_map(lambda a: a.detach(), aux)
-        buffer_change, aux = pmean((buffer_change, aux), axis_name) if has_aux else (pmean(buffer_change, axis_name), aux)
+        if has_aux:
+            buffer_change, aux = pmean((buffer_change, aux), axis_name)
+        else:
+            buffer_change = pmean(buffer_change, axis_name)
         return loss, (buffer_change, {k: state[k].detach() for k in other}, aux)
 
     p_loss = pmap(
@@ -675,7 +693,7 @@ def data_parallel_step(
     )
 
     def folded_step(
-        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: Optional[torch.Tensor]
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
         reached: list[str] = []
 
@@ -688,7 +706,8 @@ def data_parallel_step(
         grads, (loss, (buffer_change, counters, aux)) = grad(mean_loss, has_aux=True)(params)
         return {k: grads[k] for k in reached}, loss, buffer_change, counters, aux
 
-    folds = not jit and randomness != "per_instance" and len(devices if devices is not None else _devices.devices()) == 1
+    one_device = len(devices if devices is not None else _devices.devices()) == 1
+    folds = not jit and randomness != "per_instance" and one_device
 
     started = [False]  # across processes: process 0's parameters and buffers copied at the first call
 
@@ -700,7 +719,9 @@ def data_parallel_step(
             batch = _pair(batch)
         leaves = pytree.tree_leaves(batch)
         if not leaves or not isinstance(leaves[0], (torch.Tensor, ShardedTensor)):
-            raise TypeError("data_parallel_step: the batch holds no tensors; shard it first, e.g. torchpmap.training.shard(batch)")
+            raise TypeError(
+                "data_parallel_step: the batch holds no tensors; shard it first, e.g. torchpmap.training.shard(batch)"
+            )
         n = leaves[0].shape[0]
         named = dict(model.named_parameters())
         params = {k: p.detach() for k, p in named.items() if p.requires_grad}
@@ -713,14 +734,14 @@ def data_parallel_step(
         run = folded_step if folds and _devices.process_count() == 1 and not config.bitwise_placement else p_step
         grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
         with torch.no_grad():
-            for k, p in params.items():
+            for k in params:
                 if k not in grads:  # the loss does not reach it: no gradient, as after loss.backward()
                     if optimizer is not None:
                         named[k].grad = None
                     continue
-                g = grads[k].to(named[k].device)
-                if optimizer is None and named[k].grad is not None:
-                    named[k].grad.add_(g)  # accumulate, as loss.backward() does
+                g, grad = grads[k].to(named[k].device), named[k].grad
+                if optimizer is None and grad is not None:
+                    grad.add_(g)  # accumulate, as loss.backward() does
                 else:
                     named[k].grad = g
             for k, change in buffer_change.items():
@@ -797,7 +818,8 @@ def _reached(loss: torch.Tensor, params: Mapping[str, torch.Tensor]) -> list[str
         detached = not isinstance(loss, torch.Tensor) or loss.grad_fn is None
         raise ValueError(
             "data_parallel_step: the loss does not depend on any of the model's parameters that require grad "
-            f"({len(params)} of them){' (it carries no autograd graph: detached, or made from plain numbers)' if detached else ''}, "
+            f"({len(params)} of "
+            f"them){' (it carries no autograd graph: detached, or made from plain numbers)' if detached else ''}, "
             "so the step could not change the model. Compute the loss from the model's output (do not .detach() "
             "it or call .item()), and check that the parameters you train have requires_grad=True."
         )

@@ -22,7 +22,8 @@ those of binding each tensor alone).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -37,7 +38,7 @@ class InputKind:
     (one instance run without a vmap level). Under shard_map's ``check_vma`` the
     transpose depends on it, as JAX's does on the input's type."""
 
-    invariant: Optional[bool] = None
+    invariant: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,11 +73,11 @@ class Primitive:
         results can be added by an all-reduce."""
         return False
 
-    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """All instances' values ``X`` -> (result, member dim of the result or None)."""
         raise NotImplementedError
 
-    def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[int]]:
+    def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """Same as compute, when every instance holds the same ``x`` (no member dim)."""
         n = self.frame.local_size
         return self.compute(x.unsqueeze(0).expand(n, *x.shape))
@@ -86,7 +87,7 @@ class Primitive:
         ``(1, ...)``: what it sends to the other slices."""
         return self.compute(X)[0].unsqueeze(0)
 
-    def transpose(self) -> "Primitive":
+    def transpose(self) -> Primitive:
         raise NotImplementedError(f"{self.name} has no transpose")
 
     def params(self) -> str:
@@ -99,7 +100,7 @@ class Primitive:
         ]
         return f"({', '.join(shown)})" if shown else ""
 
-    def with_lead(self, lead: int) -> "Primitive":
+    def with_lead(self, lead: int) -> Primitive:
         return dataclasses.replace(self, lead=lead)
 
     def dim(self, d: int) -> int:
@@ -126,7 +127,9 @@ def bind_many(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> Sequenc
     return _apply(prims, frame.token, xs)
 
 
-def _run_at_innermost_owner(prims: Sequence[Primitive], xs: Sequence[torch.Tensor], level: int) -> tuple[torch.Tensor, ...]:
+def _run_at_innermost_owner(
+    prims: Sequence[Primitive], xs: Sequence[torch.Tensor], level: int
+) -> tuple[torch.Tensor, ...]:
     """The common case: the innermost transform is the vmap level that owns the axis (no
     grad/jvp/vmap between it and the collective). What ``_Bind``'s vmap rule would do,
     without the autograd.Function machinery (about 150 us a call): unwrap this level,
@@ -180,12 +183,12 @@ class _Bind(torch.autograd.Function):
         )
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.prims, ctx.token = inputs[0], inputs[1]
         ctx.set_materialize_grads(False)  # a result that gets no gradient needs no transposed exchange
 
     @staticmethod
-    def backward(ctx, *grads: Optional[torch.Tensor]):
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
         prim = ctx.prims[0]
         if not prim.frame.vectorized and private.current_vmap_level() is None:
             # plain autograd runs this node in one thread; the other devices' nodes would never meet it
@@ -197,11 +200,11 @@ class _Bind(torch.autograd.Function):
         return None, None, *_bind_given(ctx.prims, ctx.token, grads, _transposed)
 
     @staticmethod
-    def jvp(ctx, _prims_t, _token_t, *x_ts: Optional[torch.Tensor]) -> Any:
+    def jvp(ctx: Any, _prims_t: Any, _token_t: Any, *x_ts: torch.Tensor | None) -> Any:
         return _single_or_tuple(_bind_given(ctx.prims, ctx.token, x_ts, _linear))
 
     @staticmethod
-    def vmap(info, in_dims, prims: _Prims, token: torch.Tensor, *xs: torch.Tensor):
+    def vmap(info: Any, in_dims: tuple, prims: _Prims, token: torch.Tensor, *xs: torch.Tensor) -> tuple[Any, Any]:
         token_dim, x_dims = in_dims[1], in_dims[2:]
         if token_dim is None:  # another level: pass its batch dims through as lead dims
             moved = tuple(x if d is None else x.movedim(d, 0) for x, d in zip(xs, x_dims))
@@ -225,23 +228,23 @@ def _linear(prim: Primitive) -> Primitive:
 def _bind_given(
     prims: Sequence[Primitive],
     token: torch.Tensor,
-    values: Sequence[Optional[torch.Tensor]],
+    values: Sequence[torch.Tensor | None],
     derive: Callable[[Primitive], Primitive],
-) -> tuple[Optional[torch.Tensor], ...]:
+) -> tuple[torch.Tensor | None, ...]:
     """Binds ``derive(prims[k])`` to each ``values[k]`` that is not None, all in one node;
     None stays None (an output without gradient or tangent costs no exchange)."""
     given = [k for k, v in enumerate(values) if v is not None]
-    out: list[Optional[torch.Tensor]] = [None] * len(values)
+    out: list[torch.Tensor | None] = [None] * len(values)
     if given:
-        results = _apply([derive(prims[k]) for k in given], token, [values[k] for k in given])
+        results = _apply([derive(prims[k]) for k in given], token, [cast(torch.Tensor, values[k]) for k in given])
         for k, result in zip(given, results):
             out[k] = result
     return tuple(out)
 
 
 def _run_at_owner(
-    prims: Sequence[Primitive], xs: Sequence[torch.Tensor], x_dims: Sequence[Optional[int]]
-) -> list[tuple[torch.Tensor, Optional[int]]]:
+    prims: Sequence[Primitive], xs: Sequence[torch.Tensor], x_dims: Sequence[int | None]
+) -> list[tuple[torch.Tensor, int | None]]:
     """At the vmap level that owns the axis: ``xs[k]`` is batched along ``x_dims[k]``, or
     is the same on every instance (None)."""
     frame = prims[0].frame
@@ -260,7 +263,9 @@ def _run_at_owner(
         for k in kept:
             results[k] = prims[k].compute_unbatched(xs[k])
         if rest:
-            for k, out in zip(rest, _run_at_owner([prims[k] for k in rest], [xs[k] for k in rest], [x_dims[k] for k in rest])):
+            for k, out in zip(
+                rest, _run_at_owner([prims[k] for k in rest], [xs[k] for k in rest], [x_dims[k] for k in rest])
+            ):
                 results[k] = out
         return results
     n = frame.local_size  # the other slices hold other values: gather them as a batch
@@ -268,7 +273,7 @@ def _run_at_owner(
     return run_owning(prims, Xs)
 
 
-def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, Optional[int]]]:
+def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, int | None]]:
     """Runs ``prims[k]`` at the level that owns their axis, on this slice's instances ``Xs[k]``;
     returns (result, member dim or None) for each.
 
@@ -280,7 +285,7 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     slices' sums, in the same order in every process (the replicas stay bitwise equal;
     against one process the float sums differ in rounding unless a slice holds one
     instance). Large sums (:attr:`Primitive.sums`) go through the exchange's all-reduce
-    instead, when it has one (:meth:`Exchange.sum_many`): the same bits in every process
+    instead, when it has one (:meth:`Exchange.sum_with_grad`): the same bits in every process
     again, in the all-reduce's own order.
     """
     exchange = prims[0].frame.exchange
@@ -291,12 +296,12 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
         # sends int64) must not depend on the local size, and the bits are those of one process
         Xs = [p.partial(X) for p, X in zip(prims, Xs)]
         if all(p.sums for p in prims):  # large sums across processes: one all-reduce
-            summed = exchange.sum_many(Xs, _describe(prims))
+            summed = exchange.sum_with_grad(Xs, _describe(prims))
             if summed is not None:
                 return [(S[0], None) for S in summed]
-        everyone = exchange.all_gather_many(Xs, _describe(prims), partial=True)
+        everyone = exchange.all_gather_with_grad(Xs, _describe(prims), partial=True)
         return [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
-    everyone = exchange.all_gather_many(Xs, _describe(prims))
+    everyone = exchange.all_gather_with_grad(Xs, _describe(prims))
     return [_own_part(p, *p.compute(E.flatten(0, 1))) for p, E in zip(prims, everyone)]
 
 
@@ -311,7 +316,7 @@ def _describe(prims: Sequence[Primitive]) -> str:
     return what if len(prims) == 1 else f"{what} ({len(prims)} tensors at once)"
 
 
-def _own_part(prim: Primitive, out: torch.Tensor, member_dim: Optional[int]) -> tuple[torch.Tensor, Optional[int]]:
+def _own_part(prim: Primitive, out: torch.Tensor, member_dim: int | None) -> tuple[torch.Tensor, int | None]:
     """This slice's instances of a result computed for the whole axis."""
     if member_dim is None:
         return out, None

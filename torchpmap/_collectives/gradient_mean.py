@@ -55,13 +55,14 @@ exchange).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Hashable, Optional, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 import torch
 
 from torchpmap._collectives.math import Psum
 from torchpmap._collectives.public import pmean
-from torchpmap._engines.process_transpose import sums_by_all_reduce
+from torchpmap._engines.process_exchange_rules import sums_by_all_reduce
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import torch_private as private
 from torchpmap._state.axis_env import OrderedSums
@@ -85,7 +86,7 @@ class Piece:
     """
 
     name: str
-    rows: Optional[tuple[int, int]] = None
+    rows: tuple[int, int] | None = None
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         """This piece of ``t`` (the parameter, or its gradient): a view."""
@@ -139,12 +140,12 @@ class GradientMean:
         bucket_bytes: the size of a bucket after the first (default ``config.bucket_bytes``).
     """
 
-    def __init__(self, axis_name: Hashable, bucket_bytes: Optional[int] = None):
+    def __init__(self, axis_name: Hashable, bucket_bytes: int | None = None):
         self.axis_name = axis_name
         self.bucket_bytes = config.bucket_bytes if bucket_bytes is None else bucket_bytes
-        #: the buckets, once watched across processes: names, in the order they start
-        self.buckets: list[list[str]] = []
-        self._sums: Optional[OrderedSums] = None
+        #: the buckets, once watched across processes: pieces of parameters, in the order they start
+        self.buckets: list[list[Piece]] = []
+        self._sums: OrderedSums | None = None
         self._arrived: list[dict[Piece, torch.Tensor]] = []
         self._pieces: dict[str, int] = {}  # how many pieces of each parameter the buckets hold
         self._averaging = False
@@ -207,7 +208,8 @@ class GradientMean:
         if not self._averaging:
             raise RuntimeError("torchpmap: internal error: averages() without average_later()")
         prim = Psum(self._frame)
-        return [prim.compute(everyone.flatten(0, 1))[0] / self._frame.size for everyone in self._sums.gathered()]
+        sums = cast(OrderedSums, self._sums)  # average_later() started them
+        return [prim.compute(everyone.flatten(0, 1))[0] / self._frame.size for everyone in sums.gathered()]
 
     def _partial(self, grad: torch.Tensor) -> torch.Tensor:
         """This slice's sum of its instances' gradients (what pmean sends, too)."""
@@ -221,13 +223,15 @@ class GradientMean:
         """A parameter's gradient hook: each bucket holding a piece of it starts once all
         its pieces have arrived (each gradient arrives once, summed over its uses)."""
 
+        sums = cast(OrderedSums, self._sums)  # a hook is registered once the sums are agreed on
+
         def arrived(grad: torch.Tensor) -> None:
             partial = self._partial(grad)
             for i, piece in pieces:
                 got = self._arrived[i]
                 got[piece] = piece.of(partial)
                 if len(got) == len(self.buckets[i]):
-                    self._sums.start(i, [got.pop(p) for p in self.buckets[i]])
+                    sums.start(i, [got.pop(p) for p in self.buckets[i]])
 
         return arrived
 

@@ -7,16 +7,17 @@ user-facing argument checks live in :mod:`torchpmap._collectives.public`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any
 
 import torch
 
 from torchpmap._collectives.binding import InputKind, Primitive
 
-Groups = Optional[tuple[tuple[int, ...], ...]]
+#: ``axis_index_groups``: the members of each group, or None for one group of all.
+Groups = tuple[tuple[int, ...], ...] | None
 
 
-def _group_ids(groups: Groups, device: torch.device) -> torch.Tensor:
+def _group_ids(groups: tuple[tuple[int, ...], ...], device: torch.device) -> torch.Tensor:
     """The group number of each member."""
     gid = torch.empty(sum(len(g) for g in groups), dtype=torch.long)
     for k, g in enumerate(groups):
@@ -24,7 +25,7 @@ def _group_ids(groups: Groups, device: torch.device) -> torch.Tensor:
     return gid.to(device)
 
 
-def _group_reduce(X: torch.Tensor, groups: Groups, op: str) -> torch.Tensor:
+def _group_reduce(X: torch.Tensor, groups: tuple[tuple[int, ...], ...], op: str) -> torch.Tensor:
     """Each member's group reduction, member dim kept at 0."""
     n, gid = X.shape[0], _group_ids(groups, X.device)
     index = gid.view(n, *([1] * (X.dim() - 1))).expand_as(X)
@@ -54,23 +55,23 @@ class Psum(Primitive):
     def sums(self) -> bool:
         return self.groups is None
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         X = X.to(_sum_dtype(X))
         if self.groups is not None:
             return _group_reduce(X, self.groups, "sum"), 0
         return X.sum(0, dtype=X.dtype), None
 
-    def compute_unbatched(self, x):
+    def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         if self.groups is not None:
             return super().compute_unbatched(x)
         return x.to(_sum_dtype(x)) * self.frame.local_size, None
 
-    def partial(self, X):
+    def partial(self, X: torch.Tensor) -> torch.Tensor:
         if X.shape[0] == 1 and X.dtype == _sum_dtype(X):  # the sum of one instance is its value: no copy
             return X
         return super().partial(X)
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         if self.frame.vma and self.groups is None:  # shard_map's check_vma: JAX's rule
             # of an invariant input, JAX's psum is psum(pvary(x)): pvary's transpose adds a psum
             scale = self.frame.size if self.kind.invariant else 1
@@ -92,11 +93,11 @@ class PsumOfCotangent(Psum):
     scale: int = 1
     keeps_invariant = True
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         total, dim = super().compute(X)
         return (total * self.scale if self.scale != 1 else total), dim
 
-    def compute_unbatched(self, x):
+    def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         x = x.to(_sum_dtype(x))
         return (x * self.scale if self.scale != 1 else x), None
 
@@ -104,7 +105,7 @@ class PsumOfCotangent(Psum):
     def reduces(self) -> bool:  # a scaled sum: the slices' partial sums would be scaled twice
         return self.scale == 1
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         return Psum(self.frame, self.lead)
 
 
@@ -118,13 +119,13 @@ class Pvary(Primitive):
     name = "pvary"
     local = True
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         return X, 0
 
-    def compute_unbatched(self, x):
+    def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         return x.unsqueeze(0).expand(self.frame.local_size, *x.shape), 0
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         if self.kind.invariant:
             return Psum(self.frame, self.lead)
         return Pvary(self.frame, self.lead)
@@ -140,15 +141,15 @@ class _NotDifferentiable(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.name = inputs[0]
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         raise _not_differentiable(ctx.name)
 
     @staticmethod
-    def jvp(ctx, _name_t, x_t):
+    def jvp(ctx: Any, _name_t: Any, x_t: torch.Tensor) -> Any:
         raise _not_differentiable(ctx.name)
 
 
@@ -173,10 +174,10 @@ class Pextremum(Primitive):
         return self.groups is None
 
     @property
-    def name(self):  # type: ignore[override]
+    def name(self) -> str:  # type: ignore[override]  # a property over the base's attribute
         return "pmax" if self.op == "amax" else "pmin"
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         if self.groups is not None:
             out, dim = _group_reduce(X, self.groups, self.op), 0
         else:
@@ -185,12 +186,12 @@ class Pextremum(Primitive):
             out = _NotDifferentiable.apply(self.name, out)
         return out, dim
 
-    def compute_unbatched(self, x):
+    def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         if self.groups is not None:
             return super().compute_unbatched(x)
         return x, None
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         raise _not_differentiable(self.name)
 
 
@@ -201,7 +202,7 @@ class AllGather(Primitive):
     groups: Groups = None
     name = "all_gather"
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         at = self.lead + self.axis
         if self.groups is None:
             out = X.movedim(0, at)  # every instance gets the same stack
@@ -212,7 +213,7 @@ class AllGather(Primitive):
         out = stacked.index_select(0, gid).movedim(1, 1 + at)  # (n, ..., size at axis, ...)
         return (out.flatten(1 + at, 2 + at) if self.tiled else out), 0
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         if self.frame.vma and self.groups is None:  # shard_map's check_vma: JAX's rule
             return ScatterOfCotangent(self.frame, self.lead, dimension=self.axis, tiled=self.tiled)
         return PsumScatter(self.frame, self.lead, dimension=self.axis, tiled=self.tiled, groups=self.groups)
@@ -225,7 +226,7 @@ class PsumScatter(Primitive):
     groups: Groups = None
     name = "psum_scatter"
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         at = self.lead + self.dimension  # position in the summed value (member dim gone)
         X = X.to(_sum_dtype(X))
         if self.groups is None:
@@ -247,7 +248,7 @@ class PsumScatter(Primitive):
         index = position.view(-1, *([1] * (chosen.dim() - 1))).expand(-1, 1, *chosen.shape[2:])
         return chosen.gather(1, index).squeeze(1), 0
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         return AllGather(self.frame, self.lead, axis=self.dimension, tiled=self.tiled, groups=self.groups)
 
 
@@ -260,7 +261,7 @@ class ScatterOfCotangent(PsumScatter):
 
     keeps_invariant = True
 
-    def compute_unbatched(self, x):
+    def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         frame = self.frame
         at = self.lead + self.dimension
         if self.tiled:
@@ -268,7 +269,7 @@ class ScatterOfCotangent(PsumScatter):
         own = x.narrow(at, frame.offset, frame.local_size)
         return own.movedim(at, 0), 0
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         return AllGather(self.frame, self.lead, axis=self.dimension, tiled=self.tiled)
 
 
@@ -279,7 +280,7 @@ class Ppermute(Primitive):
     perm: tuple[tuple[int, int], ...] = ()
     name = "ppermute"
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         n = X.shape[0]
         source = [-1] * n
         for src, dst in self.perm:
@@ -287,12 +288,12 @@ class Ppermute(Primitive):
         received = [d for d in range(n) if source[d] >= 0]
         out = torch.zeros_like(X)
         if received:
-            dst = torch.tensor(received, device=X.device)
-            src = torch.tensor([source[d] for d in received], device=X.device)
-            out = out.index_copy(0, dst, X.index_select(0, src))
+            to = torch.tensor(received, device=X.device)
+            came_from = torch.tensor([source[d] for d in received], device=X.device)
+            out = out.index_copy(0, to, X.index_select(0, came_from))
         return out, 0
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         return dataclasses.replace(self, perm=tuple((dst, src) for src, dst in self.perm))
 
 
@@ -303,7 +304,7 @@ class AllToAll(Primitive):
     tiled: bool = False
     name = "all_to_all"
 
-    def compute(self, X):
+    def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         n, split = X.shape[0], self.dim(self.split_axis)
         if self.tiled:  # split the split dim into (destination, chunk)
             X = X.unflatten(split, (n, X.shape[split] // n))
@@ -314,5 +315,5 @@ class AllToAll(Primitive):
             out = out.flatten(at, at + 1)
         return out, 0
 
-    def transpose(self):
+    def transpose(self) -> Primitive:
         return dataclasses.replace(self, split_axis=self.concat_axis, concat_axis=self.split_axis)

@@ -13,19 +13,18 @@ math, but across devices or processes they travel in one exchange per axis.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
+from torchpmap._collectives.binding import bind_many
+from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter, Pvary
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state.axis_env import AxisFrame
 from torchpmap._state.compile_guard import refuse_under_compile
-from torchpmap._collectives.binding import bind_many
-from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter, Pvary
 from torchpmap._state.torch_private import pytree
-
-AxisNames = Any  # a name or a tuple of names
-
+from torchpmap._state.type_aliases import AxisNames, PyTree
 
 # --------------------------------------------------------------------------- plumbing
 
@@ -86,7 +85,9 @@ def _check_groups(groups: Any, frames: list[AxisFrame], what: str, equal_sizes: 
     if groups is None:
         return None
     if len(frames) != 1:
-        raise NotImplementedError(f"{what}: axis_index_groups works with a single axis name, got {_axis_phrase(frames)}")
+        raise NotImplementedError(
+            f"{what}: axis_index_groups works with a single axis name, got {_axis_phrase(frames)}"
+        )
     n = frames[0].size
     try:
         normalized = tuple(tuple(_index(i) for i in g) for g in groups)
@@ -109,7 +110,7 @@ def _check_groups(groups: Any, frames: list[AxisFrame], what: str, equal_sizes: 
 # --------------------------------------------------------------------------- reductions
 
 
-def psum(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+def psum(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> PyTree:
     """Sums ``x`` over the instances of the named axis; every instance gets the total.
 
     Integer dtypes are kept, booleans are counted (as int64). An ``x`` that is the same on
@@ -136,7 +137,7 @@ def psum(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[i
     return _tree_apply("psum", x, lambda ts: _reduce(ts, frames, lambda f: Psum(f, groups=groups)))
 
 
-def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+def pmean(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> PyTree:
     """The mean of ``x`` over the named axis: ``psum(x) / size`` (integers become floats).
 
     With ``axis_index_groups`` each instance receives the mean over its own group.
@@ -162,7 +163,7 @@ def pmean(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[
     return _tree_apply("pmean", x, mean)
 
 
-def pmax(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+def pmax(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> PyTree:
     """The elementwise maximum of ``x`` over the named axis. Not differentiable, as in JAX.
 
     Example:
@@ -173,7 +174,7 @@ def pmax(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[i
     return _extremum(x, axis_name, axis_index_groups, "amax", "pmax")
 
 
-def pmin(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> Any:
+def pmin(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> PyTree:
     """The elementwise minimum of ``x`` over the named axis. Not differentiable, as in JAX.
 
     Example:
@@ -184,7 +185,9 @@ def pmin(x: Any, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[i
     return _extremum(x, axis_name, axis_index_groups, "amin", "pmin")
 
 
-def _extremum(x, axis_name, axis_index_groups, op: str, what: str):
+def _extremum(
+    x: PyTree, axis_name: AxisNames, axis_index_groups: Sequence[Sequence[int]] | None, op: str, what: str
+) -> PyTree:
     frames = _frames(axis_name, what)
     groups = _check_groups(axis_index_groups, frames, what, equal_sizes=False)
 
@@ -192,7 +195,8 @@ def _extremum(x, axis_name, axis_index_groups, op: str, what: str):
         for t in ts:
             if t.is_complex():
                 raise TypeError(
-                    f"{what}: complex values have no order, so there is no {'maximum' if what == 'pmax' else 'minimum'} of {t.dtype} values; take the "
+                    f"{what}: complex values have no order, so there is no "
+                    f"{'maximum' if what == 'pmax' else 'minimum'} of {t.dtype} values; take the "
                     f"{what} of their .abs() or of .real and .imag separately"
                 )
         return _reduce(ts, frames, lambda f: Pextremum(f, op=op, groups=groups))
@@ -218,13 +222,13 @@ def _reduce(ts: Leaves, frames: list[AxisFrame], prim: Callable[[AxisFrame], Any
 
 
 def all_gather(
-    x: Any,
+    x: PyTree,
     axis_name: AxisNames,
     *,
     axis: int = 0,
     tiled: bool = False,
     axis_index_groups: Sequence[Sequence[int]] | None = None,
-) -> Any:
+) -> PyTree:
     """Every instance receives the values of all instances, stacked along a new ``axis``.
 
     With ``tiled=True`` they are concatenated along the existing ``axis`` instead. With
@@ -244,10 +248,12 @@ def all_gather(
 
     def position(t: torch.Tensor) -> int:
         if tiled and t.dim() == 0:
-            raise ValueError("all_gather: tiled=True needs a value of rank at least 1 to concatenate along; got a scalar")
+            raise ValueError(
+                "all_gather: tiled=True needs a value of rank at least 1 to concatenate along; got a scalar"
+            )
         return _normalize_dim(axis, t.dim() if tiled else t.dim() + 1, "all_gather", "axis")
 
-    def gather(ts: list[torch.Tensor]) -> Leaves:
+    def gather(ts: Sequence[torch.Tensor]) -> Leaves:
         ats = [position(t) for t in ts]
         for frame in reversed(frames):  # least significant axis innermost
             ts = bind_many([AllGather(frame, axis=at, groups=groups) for at in ats], ts)
@@ -256,7 +262,7 @@ def all_gather(
     return _tree_apply("all_gather", x, gather)
 
 
-def psum_scatter(x: Any, axis_name: AxisNames, *, scatter_dimension: int = 0, tiled: bool = False) -> Any:
+def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0, tiled: bool = False) -> PyTree:
     """``psum`` followed by each instance keeping only its own slice of the total.
 
     Without ``tiled`` the value's ``scatter_dimension`` must have the axis size and is
@@ -275,7 +281,9 @@ def psum_scatter(x: Any, axis_name: AxisNames, *, scatter_dimension: int = 0, ti
 
     def dimension(t: torch.Tensor) -> int:
         if t.dim() == 0:
-            raise ValueError(f"psum_scatter: needs a value of rank at least 1 to scatter over {_axis_phrase(frames)}; got a scalar")
+            raise ValueError(
+                f"psum_scatter: needs a value of rank at least 1 to scatter over {_axis_phrase(frames)}; got a scalar"
+            )
         dim = _normalize_dim(scatter_dimension, t.dim(), "psum_scatter", "scatter_dimension")
         size = t.shape[dim]
         if not tiled and size != n:
@@ -290,7 +298,7 @@ def psum_scatter(x: Any, axis_name: AxisNames, *, scatter_dimension: int = 0, ti
             )
         return dim
 
-    def scatter(ts: list[torch.Tensor]) -> Leaves:
+    def scatter(ts: Sequence[torch.Tensor]) -> Leaves:
         dims = [dimension(t) for t in ts]
         for k, frame in enumerate(frames):  # most significant axis first, each keeps its block
             blocks = tiled or k < len(frames) - 1
@@ -310,16 +318,22 @@ def _check_perm(perm: Any, n: int, frames: list[AxisFrame]) -> tuple[tuple[int, 
         raise TypeError(f"ppermute: perm must be a sequence of (source, destination) pairs, got {perm!r}") from None
     for s, d in pairs:
         if not (0 <= s < n and 0 <= d < n):
-            raise ValueError(f"ppermute: pair ({s}, {d}) in perm is out of range for {_axis_phrase(frames)}: indices must be in 0..{n - 1}")
+            raise ValueError(
+                f"ppermute: pair ({s}, {d}) in perm is out of range for {_axis_phrase(frames)}: indices must be in "
+                f"0..{n - 1}"
+            )
     for role, idx in (("source", 0), ("destination", 1)):
         seen = [p[idx] for p in pairs]
         dups = sorted({i for i in seen if seen.count(i) > 1})
         if dups:
-            raise ValueError(f"ppermute: perm sends {'from' if idx == 0 else 'to'} {role} index {dups[0]} more than once: {perm!r}. Each {role} may appear at most once.")
+            raise ValueError(
+                f"ppermute: perm sends {'from' if idx == 0 else 'to'} {role} index {dups[0]} more than once: "
+                f"{perm!r}. Each {role} may appear at most once."
+            )
     return pairs
 
 
-def ppermute(x: Any, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> Any:
+def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -> PyTree:
     """Sends values along the axis: for each ``(source, destination)`` pair in ``perm``,
     instance ``destination`` receives the value of instance ``source``. Instances that
     are no destination receive zeros. The transpose is ``ppermute`` with the pairs reversed.
@@ -350,7 +364,7 @@ def _receive_from(ts: list[torch.Tensor], axis_name: AxisNames, source: list[int
     return received
 
 
-def pshuffle(x: Any, axis_name: AxisNames, perm: Sequence[int]) -> Any:
+def pshuffle(x: PyTree, axis_name: AxisNames, perm: Sequence[int]) -> PyTree:
     """Instance ``i`` receives the value of instance ``perm[i]``; ``perm`` must be a
     permutation of the axis indices.
 
@@ -363,11 +377,13 @@ def pshuffle(x: Any, axis_name: AxisNames, perm: Sequence[int]) -> Any:
     frames = _frames(axis_name, "pshuffle")
     n = _total_size(frames)
     if sorted(int(p) for p in perm) != list(range(n)):
-        raise ValueError(f"pshuffle: perm={list(perm)!r} must be a permutation of 0..{n - 1}, the indices of {_axis_phrase(frames)}")
+        raise ValueError(
+            f"pshuffle: perm={list(perm)!r} must be a permutation of 0..{n - 1}, the indices of {_axis_phrase(frames)}"
+        )
     return ppermute(x, axis_name, [(int(src), dst) for dst, src in enumerate(perm)])
 
 
-def all_to_all(x: Any, axis_name: AxisNames, split_axis: int, concat_axis: int, *, tiled: bool = False) -> Any:
+def all_to_all(x: PyTree, axis_name: AxisNames, split_axis: int, concat_axis: int, *, tiled: bool = False) -> PyTree:
     """Each instance splits its value along ``split_axis`` into one piece per instance,
     sends piece ``k`` to instance ``k``, and receives the pieces addressed to it along
     ``concat_axis``.
@@ -418,7 +434,9 @@ def all_to_all(x: Any, axis_name: AxisNames, split_axis: int, concat_axis: int, 
     return _tree_apply("all_to_all", x, exchange)
 
 
-def _my_pieces(everyone: torch.Tensor, axis_name, n: int, split: int, concat: int, tiled: bool) -> torch.Tensor:
+def _my_pieces(
+    everyone: torch.Tensor, axis_name: AxisNames, n: int, split: int, concat: int, tiled: bool
+) -> torch.Tensor:
     """all_to_all over a product of axes, from every instance's value ``(source, *shape)``:
     keep the pieces for me."""
     if tiled:
@@ -429,7 +447,7 @@ def _my_pieces(everyone: torch.Tensor, axis_name, n: int, split: int, concat: in
     return out.flatten(concat, concat + 1) if tiled else out
 
 
-def pswapaxes(x: Any, axis_name: AxisNames, axis: int) -> Any:
+def pswapaxes(x: PyTree, axis_name: AxisNames, axis: int) -> PyTree:
     """Swaps the named axis with positional ``axis`` of the value:
     ``all_to_all(x, axis_name, axis, axis)``.
 
@@ -461,7 +479,7 @@ def axis_index(axis_name: AxisNames) -> torch.Tensor:
     for frame in _frames(axis_name, "axis_index"):
         own = frame.token + frame.offset if frame.offset else frame.token
         index = own if index is None else index * frame.size + own
-    return index
+    return cast(torch.Tensor, index)  # axis_name names at least one axis
 
 
 def axis_size(axis_name: AxisNames) -> int:
@@ -475,7 +493,7 @@ def axis_size(axis_name: AxisNames) -> int:
     return _total_size(_frames(axis_name, "axis_size"))
 
 
-def pvary(x: Any, axis_name: AxisNames) -> Any:
+def pvary(x: PyTree, axis_name: AxisNames) -> PyTree:
     """``x`` marked as varying along ``axis_name``: each instance holds its own copy.
 
     The values do not change. What changes is what the map knows of them: a value that

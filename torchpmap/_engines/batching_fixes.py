@@ -25,7 +25,7 @@ _BATCH_NORMS = (F.batch_norm, torch.batch_norm)
 
 
 class _MixedPrecisionBatchNorm(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _BATCH_NORMS and args:
             x = args[0]

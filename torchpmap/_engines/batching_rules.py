@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -81,7 +82,7 @@ def _flash_forward(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    op = private.cpu_flash_attention()[0]
+    op = cast("tuple[Any, Any]", private.cpu_flash_attention())[0]  # registered only where it exists
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple:
         return op(q, k, v, dropout_p, is_causal, attn_mask=mask, scale=scale)
@@ -102,7 +103,7 @@ def _flash_backward(
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    op = private.cpu_flash_attention()[1]
+    op = cast("tuple[Any, Any]", private.cpu_flash_attention())[1]  # registered only where it exists
 
     def call(*tensors: torch.Tensor | None) -> tuple:
         *inputs, mask = tensors
@@ -274,14 +275,18 @@ def _folded(
     size = next(v.shape[d] for v, d in (*unwrapped, masked) if d is not None and d >= 0)
     stacked = [_instances_first(v, d, size) for v, d in unwrapped]
     batch = stacked[0].shape[1]
-    mask_stacked = _mask_instances_first(masked[0], masked[1], size, batch) if mask is not None else None
+    mask_stacked = None
+    if masked[0] is not None:
+        mask_stacked = _mask_instances_first(masked[0], masked[1], size, batch)
     with private.batching_excluded():
         if per_instance:
-            results = [call(*(t[i] for t in stacked), None if mask is None else mask_stacked[i]) for i in range(size)]
+            results = [
+                call(*(t[i] for t in stacked), None if mask_stacked is None else mask_stacked[i]) for i in range(size)
+            ]
             outs = [torch.stack(parts) for parts in zip(*results)]
         else:
             flat = [t.flatten(0, 1) for t in stacked]
-            folded = call(*flat, None if mask is None else mask_stacked.flatten(0, 1))
+            folded = call(*flat, None if mask_stacked is None else mask_stacked.flatten(0, 1))
             outs = [o.unflatten(0, (size, -1)) for o in folded]
     return tuple(private.add_batch_dim(o, 0, level) for o in outs)
 

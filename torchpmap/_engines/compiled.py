@@ -38,26 +38,26 @@ import dataclasses
 import functools
 import threading
 import warnings
-from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from torchpmap._state import context as _context
+from torchpmap._engines import graph_rewrites, vectorized
+from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning
+from torchpmap._engines.mapped_call import CompiledPrograms, Engine, MappedCall, OutputLayout
 from torchpmap._placement import devices as _devices
-from torchpmap._state import torch_private as private
-from torchpmap._state.torch_private import TorchDispatchMode
-from torchpmap._state.config import config
-from torchpmap._engines import MappedCall, OutputLayout, graph_rewrites, vectorized
-from torchpmap._state.log import logger
 from torchpmap._placement.sharded import ShardedTensor, as_local
+from torchpmap._state import context as _context
+from torchpmap._state import torch_private as private
+from torchpmap._state.config import config
+from torchpmap._state.log import logger
+from torchpmap._state.torch_private import TorchDispatchMode
 
 # Fake-tensor traces in threads that exit crashed torch 2.11 later: register what the
 # first trace would, from the importing thread (see the entry's docstring).
 private.ensure_cuda_device_guard()
-
-#: Runs a mapped call: the vectorized engine, or one slice of a split axis.
-Engine = Callable[[MappedCall], list[torch.Tensor]]
 
 #: After this many calls, a function that traced on most of them gets a warning.
 _RECOMPILE_WINDOW = 8
@@ -103,7 +103,9 @@ def _leaf_signature(leaf: Any) -> Hashable:
 
 def _autocast_state() -> tuple:
     """The autocast regions in force, with their dtypes: a trace bakes in their casts."""
-    return tuple((d, torch.get_autocast_dtype(d)) for d in _context.DEVICE_AUTOCAST_TYPES if torch.is_autocast_enabled(d))
+    return tuple(
+        (d, torch.get_autocast_dtype(d)) for d in _context.DEVICE_AUTOCAST_TYPES if torch.is_autocast_enabled(d)
+    )
 
 
 class _ByIdentity:
@@ -141,10 +143,6 @@ def _innermost(signature: Hashable) -> Hashable:
     return signature
 
 
-class JitFallbackWarning(UserWarning):
-    """``pmap(jit=True)`` could not compile a call, which ran eagerly instead."""
-
-
 class ProgramCache:
     """The compiled programs of one mapped function, by input signature.
 
@@ -157,7 +155,7 @@ class ProgramCache:
     def __init__(self, options: Mapping[str, Any]):
         self.options = dict(options)  # for torch.compile
         # least recently used first; None: that signature runs eagerly
-        self._programs: collections.OrderedDict[Hashable, Optional[_Program]] = collections.OrderedDict()
+        self._programs: collections.OrderedDict[Hashable, _Program | None] = collections.OrderedDict()
         self._calls = self._traces = 0
         self._last: Hashable = None
         self._warned = False
@@ -173,7 +171,7 @@ class ProgramCache:
         call: MappedCall,
         signature: Hashable,
         engine: Engine = vectorized.run,
-        traced_engine: Optional[Engine] = None,
+        traced_engine: Engine | None = None,
         may_retry: Callable[[Exception], bool] = lambda failure: True,
     ) -> list[torch.Tensor]:
         """Runs ``call`` through the program for ``signature``, tracing it on first sight.
@@ -213,7 +211,7 @@ class ProgramCache:
         call: MappedCall,
         signature: Hashable,
         engine: Engine,
-        traced_engine: Optional[Engine],
+        traced_engine: Engine | None,
         may_retry: Callable[[Exception], bool],
     ) -> list[torch.Tensor]:
         """Traces ``call``'s program for ``signature`` and runs it (its first call compiles
@@ -228,7 +226,7 @@ class ProgramCache:
         try:
             program = _trace(call, self.options, traced_engine or engine)
             outputs = program(call)  # the first call compiles; body ran while tracing
-        except Exception as failure:  # noqa: BLE001 - retried eagerly below; the eager error wins
+        except Exception as failure:
             if not may_retry(failure):
                 raise
             outputs = engine(call)
@@ -242,7 +240,9 @@ class ProgramCache:
         """Counts a trace; warns once when most calls trace, saying what keeps changing."""
         self._traces += 1
         previous, self._last = self._last, signature
-        logger.info("pmap(jit=True) over axis %r: tracing program %d (call %d)", call.axis_name, self._traces, self._calls)
+        logger.info(
+            "pmap(jit=True) over axis %r: tracing program %d (call %d)", call.axis_name, self._traces, self._calls
+        )
         if self._warned or self._calls < _RECOMPILE_WINDOW or self._traces * 2 <= self._calls or previous is None:
             return
         self._warned = True
@@ -256,8 +256,10 @@ class ProgramCache:
         )
 
 
-class JitRecompileWarning(UserWarning):
-    """A ``pmap(jit=True)`` function traces and compiles on most of its calls."""
+def _is_compiled_programs(cache: ProgramCache) -> CompiledPrograms:
+    """For the type checker: a :class:`ProgramCache` is the :class:`CompiledPrograms` that
+    ``MappedCall.programs`` holds (its ``run`` takes the calls the engines make)."""
+    return cache
 
 
 def _fallback_message(call: MappedCall, failure: Exception) -> str:
@@ -400,7 +402,7 @@ class _GradientAudit(TorchDispatchMode):
         # tensors made in the trace by an op that eager autograd did not record
         self._unrecorded: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         recorded = torch.is_grad_enabled() or _has_own_autograd(func)
         written = _written_arguments(func)
@@ -459,7 +461,7 @@ def _differentiable_dtype(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_own_autograd(func: Any) -> bool:
     """A custom op (not aten's) with an autograd kernel: AOTAutograd differentiates its
     graph node with that kernel, as eager autograd did."""
@@ -471,7 +473,7 @@ def _has_own_autograd(func: Any) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _written_arguments(func: Any) -> frozenset[str]:
     """The names of the arguments an op writes to (in-place and out= ops)."""
     arguments = getattr(private.op_schema(func), "arguments", ())
@@ -485,7 +487,9 @@ def _lift_constants(graph: torch.fx.GraphModule) -> list[torch.Tensor]:
     through the compiled graph, and an in-place update of it is seen by the next call.
     """
     first_op = next(n for n in graph.graph.nodes if n.op != "placeholder")  # the output node at least
-    reads = [n for n in graph.graph.nodes if n.op == "get_attr" and isinstance(getattr(graph, n.target, None), torch.Tensor)]
+    reads = [
+        n for n in graph.graph.nodes if n.op == "get_attr" and isinstance(getattr(graph, n.target, None), torch.Tensor)
+    ]
     inputs: dict[str, torch.fx.Node] = {}  # attribute -> its placeholder (several nodes may read one)
     constants: list[torch.Tensor] = []
     for node in reads:  # all placeholders first: first_op may be one of the reads erased below

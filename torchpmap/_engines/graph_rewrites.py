@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import heapq
 import operator
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -60,7 +61,7 @@ def fold_instance_sums(graph: torch.fx.GraphModule) -> int:
         if chain is None:
             continue
         bmm, views = chain
-        a, b = bmm.args
+        a, b = _args(bmm)
         n, o, k = _shape(a)
         i = _shape(b)[2]
         g = graph.graph
@@ -78,11 +79,17 @@ def fold_instance_sums(graph: torch.fx.GraphModule) -> int:
     return rewritten
 
 
+def _args(node: torch.fx.Node) -> Any:
+    """``node.args``, laid out as its op takes them (fx types each as any argument at all:
+    the rewrites below read them as the ops they match define them)."""
+    return node.args
+
+
 def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
-def _call(g: torch.fx.Graph, target: Callable[..., object], args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
+def _call(g: torch.fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
     """A new ``call_function`` node, with the ``val`` of its result (from its arguments'
     fake values, as the trace records it) when they all have one: a later rewrite reads
     shapes from it."""
@@ -91,50 +98,50 @@ def _call(g: torch.fx.Graph, target: Callable[..., object], args: tuple, kwargs:
         values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
         try:
             node.meta["val"] = target(*values[0], **values[1])
-        except Exception:  # e.g. values of two fake modes: the node goes without, and rewrites skip it
+        except Exception:  # noqa: BLE001 - e.g. values of two fake modes: the node goes without, rewrites skip it
             pass
     return node
 
 
-def _summed_bmm(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+def _summed_bmm(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """(the bmm, the views from it to ``node``) when ``node`` is a plain sum over dim 0 of
     a bmm's result; None otherwise."""
     if node.op != "call_function" or node.target is not aten.sum.dim_IntList:
         return None
-    if list(node.args[1]) != [0] or len(node.args) > 2 or node.kwargs.get("keepdim") or "val" not in node.meta:
+    if list(_args(node)[1]) != [0] or len(_args(node)) > 2 or node.kwargs.get("keepdim") or "val" not in node.meta:
         return None
     if node.kwargs.get("dtype", node.meta["val"].dtype) != node.meta["val"].dtype:
         return None  # a sum into another dtype
     views: list[torch.fx.Node] = []
-    source = node.args[0]
+    source = _args(node)[0]
     while isinstance(source, torch.fx.Node) and source.target in _VIEWS:
         if len(source.users) != 1 or not _keeps_instance_dim(source):
             return None
         views.append(source)
-        source = source.args[0]
+        source = _args(source)[0]
     if not isinstance(source, torch.fx.Node) or source.target is not aten.bmm.default or len(source.users) != 1:
         return None
-    if any("val" not in n.meta for n in (source, *source.args)) or source.meta["val"].dtype != node.meta["val"].dtype:
+    if any("val" not in n.meta for n in (source, *_args(source))) or source.meta["val"].dtype != node.meta["val"].dtype:
         return None
     return source, views[::-1]
 
 
 def _keeps_instance_dim(view: torch.fx.Node) -> bool:
     if view.target is aten.transpose.int:
-        return all(d % len(_shape(view)) >= 1 for d in view.args[1:3])
+        return all(d % len(_shape(view)) >= 1 for d in _args(view)[1:3])
     if view.target is aten.permute.default:
-        return view.args[1][0] % len(_shape(view)) == 0
-    return _shape(view.args[0]) == _shape(view)  # a reshape to the same shape
+        return _args(view)[1][0] % len(_shape(view)) == 0
+    return _shape(_args(view)[0]) == _shape(view)  # a reshape to the same shape
 
 
 def _replay(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
     """``view``, applied to ``value``, which lacks the instance dim that ``view`` had first."""
     rank = len(_shape(view))
     if view.target is aten.transpose.int:
-        d1, d2 = (d % rank - 1 for d in view.args[1:3])
+        d1, d2 = (d % rank - 1 for d in _args(view)[1:3])
         return _call(g, aten.transpose.int, (value, d1, d2))
     if view.target is aten.permute.default:
-        return _call(g, aten.permute.default, (value, [d % rank - 1 for d in view.args[1][1:]]))
+        return _call(g, aten.permute.default, (value, [d % rank - 1 for d in _args(view)[1][1:]]))
     return value  # a reshape to the same shape
 
 
@@ -167,14 +174,14 @@ def split_sliced_products(graph: torch.fx.GraphModule) -> int:
     """
     starts = {n for n in graph.graph.nodes if _qualified(n) in _STARTS}
     sliced = dict.fromkeys(  # the values that starts take slices of, in graph order: every process rewrites alike
-        n.args[0] for n in graph.graph.nodes
-        if n.target is aten.slice.Tensor and isinstance(n.args[0], torch.fx.Node) and starts.intersection(n.users)
+        _args(n)[0] for n in graph.graph.nodes
+        if n.target is aten.slice.Tensor and isinstance(_args(n)[0], torch.fx.Node) and starts.intersection(n.users)
     )
     split = 0
     g = graph.graph
     for value in sliced:
         slices = list(value.users)
-        if not slices or not all(u.target is aten.slice.Tensor and u.args[0] is value for u in slices):
+        if not slices or not all(u.target is aten.slice.Tensor and _args(u)[0] is value for u in slices):
             continue  # the whole value is used too: splitting would compute it twice
         plans = [_sliced_product(value, s) for s in slices]
         if any(p is None for p in plans) or not _disjoint([(p[2], *p[3]) for p in plans if p is not None]):
@@ -182,7 +189,8 @@ def split_sliced_products(graph: torch.fx.GraphModule) -> int:
         for s, plan in zip(slices, plans):
             assert plan is not None
             product, chain, dim, (start, stop) = plan
-            a, b = product.args
+            a, b = _args(product)
+            operands: tuple[torch.fx.Node, ...]
             with g.inserting_before(s):
                 if dim == len(_shape(product)) - 2:  # rows of the result: rows of a
                     operands = (_call(g, aten.slice.Tensor, (a, dim, start, stop)), b)
@@ -203,9 +211,9 @@ def split_sliced_products(graph: torch.fx.GraphModule) -> int:
     return split
 
 
-def _slice_range(s: torch.fx.Node) -> Optional[tuple[int, int, int]]:
+def _slice_range(s: torch.fx.Node) -> tuple[int, int, int] | None:
     """(dim, start, stop) of a step-1 ``aten.slice.Tensor`` node, normalized; None otherwise."""
-    x, dim, start, end, step = (list(s.args) + [0, None, None, 1][len(s.args) - 1 :])[:5]
+    x, dim, start, end, step = (list(_args(s)) + [0, None, None, 1][len(_args(s)) - 1 :])[:5]
     if step != 1 or "val" not in x.meta:
         return None
     shape = _shape(x)
@@ -217,7 +225,7 @@ def _slice_range(s: torch.fx.Node) -> Optional[tuple[int, int, int]]:
 
 def _sliced_product(
     value: torch.fx.Node, s: torch.fx.Node
-) -> Optional[tuple[torch.fx.Node, list[tuple[torch.fx.Node, int]], int, tuple[int, int]]]:
+) -> tuple[torch.fx.Node, list[tuple[torch.fx.Node, int]], int, tuple[int, int]] | None:
     """For slice ``s`` of ``value``: the product that ``value`` comes from, the ops from
     the product to ``value`` (each with the dim of its result that the slice runs along),
     the product's dim that the slice runs along and the slice's range; None when
@@ -229,16 +237,16 @@ def _sliced_product(
     chain: list[tuple[torch.fx.Node, int]] = []
     node = value
     while node.target in _PASS_THROUGH:
-        if (node is not value and len(node.users) != 1) or "val" not in node.meta or "val" not in node.args[0].meta:
+        if (node is not value and len(node.users) != 1) or "val" not in node.meta or "val" not in _args(node)[0].meta:
             return None
         before = _dim_before(node, dim)
         if before is None:
             return None
         chain.append((node, dim))
-        node, dim = node.args[0], before
+        node, dim = _args(node)[0], before
     if node.target not in (aten.mm.default, aten.bmm.default) or (node is not value and len(node.users) != 1):
         return None
-    if any("val" not in n.meta for n in (node, *node.args)):
+    if any("val" not in n.meta for n in (node, *_args(node))):
         return None
     return node, chain[::-1], dim, (start, stop)
 
@@ -251,20 +259,20 @@ def _disjoint(ranges: list[tuple[int, int, int]]) -> bool:
     return all(stop <= start for (_, stop), (start, _) in zip(ordered, ordered[1:]))
 
 
-def _dim_before(view: torch.fx.Node, dim: int) -> Optional[int]:
+def _dim_before(view: torch.fx.Node, dim: int) -> int | None:
     """The dim of ``view``'s input that its result's ``dim`` is (None if none is)."""
     rank = len(_shape(view))
     if view.target is aten.transpose.int:
-        d1, d2 = (d % rank for d in view.args[1:3])
+        d1, d2 = (d % rank for d in _args(view)[1:3])
         return d2 if dim == d1 else d1 if dim == d2 else dim
     if view.target is aten.t.default:
         return 1 - dim if rank == 2 else dim
     if view.target is aten.permute.default:
-        return view.args[1][dim] % rank
+        return _args(view)[1][dim] % rank
     if view.target is aten.select.int:
-        return dim + 1 if dim >= view.args[1] % (rank + 1) else dim
+        return dim + 1 if dim >= _args(view)[1] % (rank + 1) else dim
     # a reshape that only adds or drops size-1 dims: the dims of other sizes pair up in order
-    before, after = _shape(view.args[0]), _shape(view)
+    before, after = _shape(_args(view)[0]), _shape(view)
     big_before = [d for d, n in enumerate(before) if n != 1]
     big_after = [d for d, n in enumerate(after) if n != 1]
     if [before[d] for d in big_before] != [after[d] for d in big_after] or dim not in big_after:
@@ -272,14 +280,16 @@ def _dim_before(view: torch.fx.Node, dim: int) -> Optional[int]:
     return big_before[big_after.index(dim)]
 
 
-def _replay_sliced(g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node, dim: int, length: int) -> torch.fx.Node:
+def _replay_sliced(
+    g: torch.fx.Graph, view: torch.fx.Node, value: torch.fx.Node, dim: int, length: int
+) -> torch.fx.Node:
     """``view`` applied to ``value``, whose dim (of ``view``'s input) that maps to the
     result's ``dim`` now has ``length`` entries."""
     if view.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         shape = list(_shape(view))
         shape[dim] = length
         return _call(g, view.target, (value, shape))
-    return _call(g, view.target, (value, *view.args[1:]), dict(view.kwargs))
+    return _call(g, view.target, (value, *_args(view)[1:]), dict(view.kwargs))
 
 
 # --------------------------------------------------------------------------- exchanges first
@@ -328,8 +338,8 @@ def start_exchanges_early(graph: torch.fx.GraphModule) -> bool:
                 rank[n] = k
                 stack.extend(n.all_input_nodes)
     after: dict[torch.fx.Node, list[torch.fx.Node]] = {n: list(n.all_input_nodes) for n in nodes}
-    last_ordered: Optional[torch.fx.Node] = None
-    barrier: Optional[torch.fx.Node] = None
+    last_ordered: torch.fx.Node | None = None
+    barrier: torch.fx.Node | None = None
     since_barrier: list[torch.fx.Node] = []
     for n in nodes:
         if _writes(n):  # everything before it stays before, everything after stays after
@@ -366,7 +376,9 @@ def _qualified(n: torch.fx.Node) -> str:
 def _ordered(n: torch.fx.Node) -> bool:
     """A collective (a torchpmap op) or a random draw: keeps its order among its kind."""
     name = _qualified(n)
-    return name.startswith("torchpmap::") or (bool(name) and torch.Tag.nondeterministic_seeded in n.target.tags)
+    return name.startswith("torchpmap::") or (
+        bool(name) and torch.Tag.nondeterministic_seeded in cast(Any, n.target).tags  # an OpOverload
+    )
 
 
 def _writes(n: torch.fx.Node) -> bool:
@@ -434,7 +446,7 @@ def writes_an_input(graph: torch.fx.GraphModule) -> bool:
             from_input.add(n)  # an element of an input-derived list
             continue
         for k, a in enumerate(schema.arguments):
-            value = n.args[k] if k < len(n.args) else n.kwargs.get(a.name)
+            value = _args(n)[k] if k < len(_args(n)) else n.kwargs.get(a.name)
             if a.alias_info is not None and a.alias_info.is_write and _nodes_in(value) & from_input:
                 return True
         if any(r.alias_info is not None for r in schema.returns):  # a view: it shares its input's memory
@@ -442,7 +454,7 @@ def writes_an_input(graph: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _nodes_in(value: object) -> set[torch.fx.Node]:
+def _nodes_in(value: Any) -> set[torch.fx.Node]:
     nodes: set[torch.fx.Node] = set()
-    torch.fx.node.map_arg(value, nodes.add)  # type: ignore[arg-type]
+    torch.fx.node.map_arg(value, nodes.add)
     return nodes

@@ -95,7 +95,12 @@ def install() -> None:
     with _lock:
         _calls += 1
         if _calls == 1:
-            _installed.extend([register_module_forward_pre_hook(_pre_hook), register_module_forward_hook(_post_hook, always_call=True)])
+            _installed.extend(
+                [
+                    register_module_forward_pre_hook(_pre_hook),
+                    register_module_forward_hook(_post_hook, always_call=True),
+                ]
+            )
 
 
 def uninstall() -> None:

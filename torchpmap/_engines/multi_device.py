@@ -2,7 +2,7 @@
 
 Instances ``d*k .. d*k + k - 1`` run on device ``d`` through the vectorized engine;
 collectives over the mapped axis meet across the device threads through a
-:class:`~torchpmap._engines.rendezvous.Rendezvous`. Outputs stay where they were
+:class:`~torchpmap._engines.thread_exchange.Rendezvous`. Outputs stay where they were
 computed, as :class:`~torchpmap._placement.sharded.ShardedTensor`.
 """
 from __future__ import annotations
@@ -10,22 +10,25 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 
-from torchpmap._state import context as _context
+from torchpmap._engines import module_guard, vectorized
+from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
+from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
+from torchpmap._engines.workers import pool
 from torchpmap._placement import devices as _devices
+from torchpmap._placement.devices import Device
+from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
-from torchpmap._placement.devices import Device
-from torchpmap._engines import MappedCall, module_guard, vectorized
-from torchpmap._engines.thread_mode import call_seed, device_thread_mode
-from torchpmap._engines.rendezvous import PeerFailed, Rendezvous, ThreadExchange
-from torchpmap._engines.workers import pool
-from torchpmap._placement.sharded import ShardedTensor
 
 
 def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.Tensor:
@@ -50,8 +53,8 @@ def slice_label(d: int, k: int, device: Device) -> str:
     return f"{which} (on device {device})"
 
 
-def run(call: MappedCall) -> list[ShardedTensor]:
-    devices = list(call.devices)
+def run(call: MappedCall) -> list[torch.Tensor]:
+    devices = list(cast("Sequence[Device]", call.devices))  # a pmap's
     k = call.size // len(devices)
     rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
     torch_devices = tuple(d.torch_device for d in devices)
@@ -65,7 +68,7 @@ def run(call: MappedCall) -> list[ShardedTensor]:
                 return vectorized.run_one(part, offset=d, axis_size=call.size, exchange=exchange, seed=seed)
             return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange, seed=seed)
 
-    per_device = run_threads([lambda d=d: one_device(d) for d in range(len(devices))], rendezvous, devices, k)
+    per_device = run_threads([functools.partial(one_device, d) for d in range(len(devices))], rendezvous, devices, k)
     check_outputs_agree(per_device, devices)
     if private.current_vmap_level() is not None:
         # a torch.func transform encloses the call: it carries tensors only (gathered on the first device)
@@ -88,8 +91,8 @@ def check_outputs_agree(per_device: Sequence[Sequence[torch.Tensor]], devices: S
             if out.dtype != first.dtype or out.shape[1:] != first.shape[1:]:
                 raise ValueError(
                     f"pmap: output {k} differs between devices: {devices[0]} returns {first.dtype} with per-instance "
-                    f"shape {tuple(first.shape[1:])}, {devices[d]} returns {out.dtype} with shape {tuple(out.shape[1:])}. "
-                    "Every instance must return outputs of the same shape and dtype."
+                    f"shape {tuple(first.shape[1:])}, {devices[d]} returns {out.dtype} with shape "
+                    f"{tuple(out.shape[1:])}. Every instance must return outputs of the same shape and dtype."
                 )
 
 
@@ -111,7 +114,7 @@ def run_threads(
     (forward-AD nesting, module attributes) never races. Device work is only enqueued in
     that piece on an asynchronous device (CUDA), so the devices still compute at once.
     A module reparametrized by several threads across a collective inside its forward
-    is refused (see :mod:`module_guard`).
+    is refused (see :mod:`torchpmap._engines.module_guard`).
     """
     state, context, watch = _context.CallerState.capture(devices), contextvars.copy_context(), module_guard.Watch()
 
@@ -122,7 +125,10 @@ def run_threads(
     module_guard.install()
     try:
         with _context.shared_forward_ad():
-            futures = [pool.submit(lambda body=body: _context.run_in_copy(context, lambda: in_turn(body))) for body in bodies]
+            futures = [
+                pool.submit(functools.partial(_context.run_in_copy, context, functools.partial(in_turn, body)))
+                for body in bodies
+            ]
             with rendezvous.passing_turn() if nested else contextlib.nullcontext():
                 return collect(futures, devices, k)
     finally:
@@ -131,7 +137,7 @@ def run_threads(
 
 @contextlib.contextmanager
 def device_thread(
-    call: MappedCall, rendezvous: Rendezvous, seed: int, j: int, k: int, device: Device
+    call: MappedCall, rendezvous: Rendezvous, seed: int | None, j: int, k: int, device: Device
 ) -> Iterator[MappedCall]:
     """A device thread's set-up and tear-down for slice ``j`` (``k`` instances) of ``call``.
 

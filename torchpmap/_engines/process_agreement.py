@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -71,7 +71,7 @@ class Header:
     next_kind: int = 0
     next_nbytes: int = 0
 
-    def agrees_with(self, other: "Header") -> bool:
+    def agrees_with(self, other: Header) -> bool:
         """The same transfer (the guesses about the next one may differ)."""
         return (self.digest, self.call, self.transfer, self.local_size, self.nbytes) == (
             other.digest, other.call, other.transfer, other.local_size, other.nbytes
@@ -82,13 +82,13 @@ class Header:
         return torch.tensor(fields, dtype=torch.int64, device=device)
 
     @classmethod
-    def from_bytes(cls, rows: torch.Tensor) -> list["Header"]:
+    def from_bytes(cls, rows: torch.Tensor) -> list[Header]:
         """``(m, HEADER_BYTES)`` uint8 rows -> the m headers (rows that may be a slice of
         wider rows: ``reshape`` copies them apart, except a single row, already in one piece)."""
         return [cls(*row) for row in rows.reshape(-1).view(torch.int64).reshape(-1, HEADER_FIELDS).tolist()]
 
 
-def digest_of(kind: str, what: str, shapes: Optional[tuple], dtypes: Optional[tuple], program: int = 0) -> int:
+def digest_of(kind: str, what: str, shapes: tuple | None, dtypes: tuple | None, program: int = 0) -> int:
     """A stable 63-bit digest (the same in every process, unlike ``hash``), cached: most
     steps repeat the same exchanges. ``program`` is the digest of the pmap the transfer
     belongs to (its function, in_axes, out_axes, axis name; ``MappedCall.program``), so
@@ -118,8 +118,8 @@ class Chain:
         follows: digest -> the form of the transfer that followed it last time.
     """
 
-    announced: Optional[Form] = None
-    last: Optional[int] = None
+    announced: Form | None = None
+    last: int | None = None
     follows: dict[int, Form] = dataclasses.field(default_factory=dict)
 
     def guess_after(self, digest: int) -> Form:

@@ -4,11 +4,11 @@
 :mod:`torchpmap._engines.compiled`), but its collectives must still reach the other
 processes when the program runs. During the trace each exchange is recorded as one
 opaque call of ``torchpmap::gather_processes``; when the compiled program runs, that
-op calls :meth:`ProcessExchange.gather_plain`, the very transfer of the eager engine:
+op calls :meth:`ProcessExchange.all_gather_no_grad`, the very transfer of the eager engine:
 its waits watch for failed peers, and a compiled process meets an eager one (after a
 fallback) in the same collective. The op's gradient, for a ``.backward()`` outside
 the map, is ``torchpmap::scatter_sum_processes``, the transpose the eager engine uses.
-A large ``psum`` is ``torchpmap::sum_processes`` (:meth:`ProcessExchange.sum_plain`, an
+A large ``psum`` is ``torchpmap::sum_processes`` (:meth:`ProcessExchange.sum_no_grad_flat`, an
 all-reduce), its own transpose. Gradient buckets are four ops (below): the agreement
 (``agree_sums``, or ``post_gather``, which also starts the step's loss mean without
 waiting), each bucket's start and wait, and the posted mean's result (``posted_gather``).
@@ -21,17 +21,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
+from torchpmap._engines.process_exchange import ProcessExchange
+from torchpmap._engines.process_exchange_rules import (
+    by_dtype,
+    differentiable,
+    split_flat,
+    sums_by_all_reduce,
+    transpose_gather,
+)
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
-
-from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
+from torchpmap._state.axis_env import Exchange
 
 _keys: dict[tuple, int] = {}  # (group, index, size, label) -> key; holds the group, so its id is never reused
-_live: dict[int, Any] = {}  # key -> the ProcessExchange of the latest call over it
+_live: dict[int, ProcessExchange] = {}  # key -> the ProcessExchange of the latest call over it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,22 +55,22 @@ class TracedExchange:
 
     key: int
     size: int
-    pending: list["TracedOrderedSums"] = dataclasses.field(default_factory=list)
+    pending: list[TracedOrderedSums] = dataclasses.field(default_factory=list)
 
     starts_sums = True  # as ops of the graph, where the trace met them (gradient buckets: in the backward)
     reduces_locally = True  # as the ProcessExchange it stands in for
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         self.agree_pending()  # the eager exchange settles before any other transfer, too
         return list(torch.ops.torchpmap.gather_processes(list(ts), self.key, self.size, what, partial))
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor] | None:
         if not sums_by_all_reduce(ts):  # decided as the eager exchange decides: they meet in the same collectives
             return None
         self.agree_pending()
         return split_flat(ts, torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional["TracedOrderedSums"]:
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> TracedOrderedSums | None:
         """The ops of :meth:`ProcessExchange.sums_in_order`: the agreement (with the
         gather of :meth:`TracedOrderedSums.also_gather`, or alone before the first sum
         starts), each group's sum where the trace starts it, its wait where the trace
@@ -106,7 +114,7 @@ class TracedOrderedSums:
     parts: list[int]
     what: str
     expected: list[list[tuple[torch.Size, torch.dtype]]]
-    token: Optional[torch.Tensor] = None
+    token: torch.Tensor | None = None
     posted: list[torch.Tensor] = dataclasses.field(default_factory=list)
     started: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
     waited: list[torch.Tensor] = dataclasses.field(default_factory=list)
@@ -143,14 +151,25 @@ class TracedOrderedSums:
             # bucket before it has started the others), and after ``after`` (inductor
             # would otherwise compute what only the outputs need at the very end)
             (flat,) = torch.ops.torchpmap.wait_sums(
-                self.started[k], [*self.started.values(), *after], self.exchange.key, k, sum(shape.numel() for shape, _ in shapes),
-                shapes[0][1], divisor,
+                self.started[k],
+                [*self.started.values(), *after],
+                self.exchange.key,
+                k,
+                sum(shape.numel() for shape, _ in shapes),
+                shapes[0][1],
+                divisor,
             )
         self.waited[:] = [flat]
         return [piece.view(shape) for piece, (shape, _) in zip(flat.split([s.numel() for s, _ in shapes]), shapes)]
 
 
-def traced(exchange: Any) -> TracedExchange:
+def _implements_exchange(exchange: TracedExchange) -> Exchange:
+    """For the type checker: a :class:`TracedExchange` is an
+    :class:`~torchpmap._state.axis_env.Exchange` (mypy checks this return)."""
+    return exchange
+
+
+def traced(exchange: ProcessExchange) -> TracedExchange:
     """The traceable stand-in for ``exchange``; the ops of a program compiled with it use
     ``exchange`` (this call's, with its pending size check) from now on."""
     ident = (exchange.group, exchange.index, exchange.size, exchange.label)
@@ -174,7 +193,7 @@ def is_tracing() -> bool:
 
 @torch.library.custom_op("torchpmap::gather_processes", mutates_args=())
 def _gather(ts: list[torch.Tensor], key: int, size: int, what: str, partial: bool) -> list[torch.Tensor]:
-    return _live[key].gather_plain(ts, what, partial)
+    return _live[key].all_gather_no_grad(ts, what, partial)
 
 
 @_gather.register_fake
@@ -192,7 +211,7 @@ def _(grads: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
     return [g.new_empty(g.shape[1:]) for g in grads]
 
 
-# The eager engine's own transpose (process_transpose.transpose_gather) with the traceable
+# The eager engine's own transpose (process_exchange_rules.transpose_gather) with the traceable
 # op as its transfer.
 
 
@@ -202,7 +221,7 @@ def _setup_gather(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.differentiable = [differentiable(t) for t in ts]
 
 
-def _zeros_where_none(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+def _zeros_where_none(ctx: Any, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """A float output that got no gradient sends zeros: every process packs the same layout."""
     return [
         torch.zeros(shape, dtype=dtype, device=device) if g is None and ok else g
@@ -210,7 +229,7 @@ def _zeros_where_none(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> list
     ]
 
 
-def _gather_backward(ctx: Any, grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+def _gather_backward(ctx: Any, grads: Sequence[torch.Tensor | None]) -> tuple:
     given = _zeros_where_none(ctx, grads)
     scatter = lambda gs: torch.ops.torchpmap.scatter_sum_processes(gs, ctx.key, ctx.what)  # noqa: E731
     return transpose_gather(given, ctx.differentiable, scatter), None, None, None, None
@@ -223,7 +242,7 @@ _gather.register_autograd(_gather_backward, setup_context=_setup_gather)
 def _sum(ts: list[torch.Tensor], key: int, what: str) -> list[torch.Tensor]:
     # the all-reduces' own flat buffers, one per dtype: the program views them as the
     # tensors (an op's outputs must not alias each other, and a copy would cost a pass)
-    return _live[key].sum_flat(ts, what)
+    return _live[key].sum_no_grad_flat(ts, what)
 
 
 @_sum.register_fake
@@ -237,15 +256,18 @@ def _setup_sum(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.differentiable = [differentiable(t) for t in ts]
 
 
-def _sum_backward(ctx: Any, flat_grads: Sequence[Optional[torch.Tensor]]) -> tuple:
+def _sum_backward(ctx: Any, flat_grads: Sequence[torch.Tensor | None]) -> tuple:
     # the inputs' shapes and dtypes, without their memory: all that by_dtype and split_flat read
     blanks = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype, _ in ctx.blanks]
-    flat_grads = [  # an output that got no gradient sends zeros: every process sums the same layout
-        g if g is not None else torch.zeros(sum(blanks[k].numel() for k in which), dtype=blanks[which[0]].dtype,
-                                            device=ctx.blanks[which[0]][2])
+    filled = [  # an output that got no gradient sends zeros: every process sums the same layout
+        g
+        if g is not None
+        else torch.zeros(
+            sum(blanks[k].numel() for k in which), dtype=blanks[which[0]].dtype, device=ctx.blanks[which[0]][2]
+        )
         for g, which in zip(flat_grads, by_dtype(blanks))
     ]
-    given = split_flat(blanks, flat_grads)
+    given = split_flat(blanks, filled)
 
     def summed(gs: list[torch.Tensor]) -> list[torch.Tensor]:
         return split_flat(gs, torch.ops.torchpmap.sum_processes(gs, ctx.key, f"the gradient of {ctx.what}"))
@@ -297,7 +319,9 @@ def _post_gather(
 
 
 @_post_gather.register_fake
-def _(ts: list[torch.Tensor], sums: list[torch.Tensor], key: int, what: str, sums_what: str, parts: list[int]) -> torch.Tensor:
+def _(
+    ts: list[torch.Tensor], sums: list[torch.Tensor], key: int, what: str, sums_what: str, parts: list[int]
+) -> torch.Tensor:
     return sums[0].new_empty(0)
 
 
@@ -310,7 +334,9 @@ def _posted_gather(
 
 
 @_posted_gather.register_fake
-def _(token: torch.Tensor, like: list[torch.Tensor], after: list[torch.Tensor], key: int, size: int) -> list[torch.Tensor]:
+def _(
+    token: torch.Tensor, like: list[torch.Tensor], after: list[torch.Tensor], key: int, size: int
+) -> list[torch.Tensor]:
     return [token.new_empty((size, *t.shape), dtype=t.dtype) for t in like]
 
 

@@ -7,13 +7,15 @@ that collectives can find this axis' vmap level (see :mod:`torchpmap._collective
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
-from torchpmap._engines import MappedCall, batching_rules
-from torchpmap._engines.instance_streams import InstanceStreams
-from torchpmap._engines.thread_mode import call_seed
+from torchpmap._engines import batching_rules
+from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.random_per_instance import InstanceStreams
+from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.sharded import ShardedTensor, as_local
 from torchpmap._state import axis_env as _axis_env
@@ -35,7 +37,7 @@ def run(
     *,
     offset: int = 0,
     axis_size: int | None = None,
-    exchange: Optional[_axis_env.Exchange] = None,
+    exchange: _axis_env.Exchange | None = None,
     seed: int | None = None,
 ) -> list[torch.Tensor]:
     """Runs all ``call.size`` instances vectorized on one device.
@@ -64,7 +66,7 @@ def run(
             return outputs
         token_slice, slices = slices[0], slices[1:]
         if per_instance:
-            with InstanceStreams(seed, offset, call.size, token_slice, here):
+            with InstanceStreams(cast(int, seed), offset, call.size, token_slice, here):  # drawn above
                 return _on_axis(token_slice, slices)
         return _on_axis(token_slice, slices)
 
@@ -87,13 +89,15 @@ def run(
     # thread's vmap level and cannot travel to other device threads.
     previous = _devices.current_default()
     if previous is None:
-        _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu")))
+        _devices.set_current_default(
+            tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu"))
+        )
     inputs, in_dims = (mapped, call.in_dims) if token is None else ((token, *mapped), (0, *call.in_dims))
     def marked(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
         try:
             return one_instance(*slices)
         except Exception as failure:
-            if call.size > 1:  # which instance raised cannot be told here (see _engines.run)
+            if call.size > 1:  # which instance raised cannot be told here (see dispatch.run)
                 mark_vectorized(failure)
             raise
 
@@ -134,7 +138,7 @@ def run_one(
     (no batching rule needed). Collectives apply directly through ``exchange``; the same
     math runs on the gathered values as in :func:`run`.
 
-    ``on_frame`` sees the instance's axis frame before the function runs (the threaded
+    ``on_frame`` sees the instance's axis frame before the function runs (the instance
     engine records it for maps nested in this instance). With ``keep_sharded``, an output
     that is a ShardedTensor (a nested mesh map's result) stays where it was computed
     instead of being gathered onto this device, and so does such an input.
@@ -158,11 +162,14 @@ def run_one(
         _devices.set_current_default(tuple(call.devices[:1]) if call.devices else _devices.at(here))
     try:
         with _axis_env.bound(frame) if call.axis_name is not None else contextlib.nullcontext():
-            with InstanceStreams(seed, offset, 1, None, here) if per_instance else contextlib.nullcontext():
+            with InstanceStreams(cast(int, seed), offset, 1, None, here) if per_instance else contextlib.nullcontext():
                 outputs = call.body(slices, broadcast)
     finally:
         _devices.set_current_default(previous)
-    return [o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0) for o in outputs]
+    return [
+        o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0)
+        for o in outputs
+    ]
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}
@@ -187,7 +194,9 @@ _NO_SAVED_TENSOR_HOOKS = (
 )
 
 
-def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[int], randomness: str) -> list:
+def _vmap_flat(
+    fn: Callable[..., Any], size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[int], randomness: str
+) -> list:
     """``torch.func.vmap(fn, in_dims, out_dims=0, randomness)(*inputs)`` on flat lists.
 
     The same functorch calls torch.func.vmap makes, without its pytree handling: the front
@@ -204,7 +213,7 @@ def _vmap_flat(fn, size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[
     previous_message = private.saved_tensors_hooks_disabled_message()
     try:
         private.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS)  # raises (after disabling) if hooks are set
-        # per_instance draws outside vmap (see instance_streams): any other random op is refused
+        # per_instance draws outside vmap (see random_per_instance): any other random op is refused
         level = private.vmap_increment_nesting(size, "error" if randomness == "per_instance" else randomness)
         try:
             batched = [private.add_batch_dim(t, d, level) for t, d in zip(inputs, in_dims)]

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from torchpmap._state.config import config
 
 
 class _Worker(threading.Thread):
-    def __init__(self, pool: "WorkerPool"):
+    def __init__(self, pool: WorkerPool):
         super().__init__(daemon=True, name="torchpmap-device")
-        self.pool, self.inbox = pool, queue.SimpleQueue()
+        self.pool = pool
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def run(self) -> None:
         while True:
@@ -31,7 +33,7 @@ class _Worker(threading.Thread):
                 continue  # handed a task just as the wait ran out: it is in the inbox
             try:
                 future.set_result(fn())
-            except BaseException as exc:  # reaches the caller through the future
+            except BaseException as exc:  # noqa: BLE001 - reaches the caller through the future
                 future.set_exception(exc)
             del fn, future
             with self.pool._lock:

@@ -2,8 +2,10 @@
 an engine runs it.
 
 Here live the public transforms' signatures and documentation, the call record (arguments,
-``in_axes``/``out_axes`` and outputs turned into an engine-neutral ``MappedCall``), pytree
-prefix matching, and the local launcher that starts processes the way ``torchrun`` would.
+``in_axes``/``out_axes`` and outputs turned into an engine-neutral ``MappedCall``),
+shard_map's blocks, the check of in-place writes to shared memory, and pytree prefix
+matching. (The local launcher that starts processes the way ``torchrun`` would, for the
+tests and the benchmarks, is ``torchpmap.bench.launch``.)
 The public modules beside this folder (``torchpmap/__init__.py``, ``training``, ``data``,
 ``checkpoint``, ``distributed``) are layer 0 too.
 

@@ -31,7 +31,8 @@ error.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -66,7 +67,12 @@ class Watch:
     """The arguments of one call whose instances share memory, and their version counters."""
 
     def __init__(
-        self, shared: list[_Shared], size: int, label: Callable[[int], tuple[str, Any]], kind: str, leaves: Sequence[Any]
+        self,
+        shared: list[_Shared],
+        size: int,
+        label: Callable[[int], tuple[str, Any]],
+        kind: str,
+        leaves: Sequence[Any],
     ):
         self.shared, self.size, self.label, self.kind, self.leaves = shared, size, label, kind, leaves
 
@@ -88,7 +94,7 @@ class Watch:
         ]
         return f", through it or through {', '.join(others)} (views of one tensor)" if others else ""
 
-    def explain(self, error: BaseException) -> Optional[RuntimeError]:
+    def explain(self, error: BaseException) -> RuntimeError | None:
         """The error to raise for torch's refusal of a write to an expanded argument, or None."""
         if not isinstance(error, RuntimeError) or _TORCH_MARK not in str(error):
             return None
@@ -122,7 +128,7 @@ def watch(
     processes: Callable[[], int],
     label: Callable[[int], tuple[str, Any]],
     kind: str,
-) -> Optional[Watch]:
+) -> Watch | None:
     """A :class:`Watch` over the arguments of one call whose instances share memory, or None
     when there are none (the common case, decided from metadata)."""
     if private.current_vmap_level() is not None or _context.axis_frames.get():
@@ -143,7 +149,10 @@ def watch(
             if t.is_contiguous():  # the common case: no two elements share memory (and no stride is 0)
                 continue
             if t.stride(d) == 0:
-                how = f"it is an expanded view (stride 0 along its mapped axis {d}), so every instance sees the same elements"
+                how = (
+                    f"it is an expanded view (stride 0 along its mapped axis {d}), so every instance sees the same "
+                    "elements"
+                )
                 shared.append(_Shared(slot, t, how, expanded=True))
             elif not _disjoint([(t, d)], size):
                 how = "its slices overlap in memory (a view such as as_strided or unfold whose rows share elements)"
@@ -153,7 +162,9 @@ def watch(
     return Watch(shared, size, label, kind, leaves) if shared else None
 
 
-def _shared_between(plain: list[tuple[int, torch.Tensor, int]], size: int, label: Callable[[int], tuple[str, Any]]) -> list[_Shared]:
+def _shared_between(
+    plain: list[tuple[int, torch.Tensor, int]], size: int, label: Callable[[int], tuple[str, Any]]
+) -> list[_Shared]:
     """Mapped arguments that are views of one memory whose slices overlap across instances."""
     storages = [t.untyped_storage().data_ptr() for _, t, _ in plain]
     if len(set(storages)) == len(storages):
@@ -217,7 +228,7 @@ def _injective(t: torch.Tensor, d: int) -> bool:
 
 def _offsets(t: torch.Tensor, d: int) -> torch.Tensor:
     """The storage offsets (in elements) each instance of ``t`` mapped along ``d`` sees: (instances, elements)."""
-    index = torch.full((1,) * t.dim(), t.storage_offset(), dtype=torch.int64)
+    index = torch.full((1,) * t.dim(), cast(int, t.storage_offset()), dtype=torch.int64)
     for i, (length, stride) in enumerate(zip(t.shape, t.stride())):
         shape = [1] * t.dim()
         shape[i] = length

@@ -7,27 +7,31 @@ The machinery is in :mod:`torchpmap._frontend.call` (arguments and axes),
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 from torchpmap._frontend.call import MapOptions, MappedFunction, _as_int_tuple
 from torchpmap._frontend.function_cache import mapped_function
-from torchpmap._frontend.shard_map import AnyMesh, ShardMapOptions, ShardMapped
+from torchpmap._frontend.shard_map import AnyMesh, MeshLike, ShardMapOptions, ShardMapped, Specs
+from torchpmap._placement.devices import DeviceLike
+from torchpmap._placement.mesh import Mesh
+from torchpmap._state.type_aliases import AxisName, AxisSpec, Randomness
 
 
 def pmap(
-    fun: Optional[Callable] = None,
-    axis_name: Optional[Hashable] = None,
+    fun: Callable[..., Any] | None = None,
+    axis_name: AxisName | None = None,
     *,
-    in_axes: Any = 0,
-    out_axes: Any = 0,
+    in_axes: AxisSpec = 0,
+    out_axes: AxisSpec = 0,
     static_broadcasted_argnums: int | Sequence[int] = (),
-    devices: Optional[Sequence[Any]] = None,
-    axis_size: Optional[int] = None,
+    devices: Sequence[DeviceLike] | None = None,
+    axis_size: int | None = None,
     donate_argnums: int | Sequence[int] = (),
-    randomness: str = "different",
-    mesh: Optional[Any] = None,
+    randomness: Randomness = "different",
+    mesh: Mesh | None = None,
     jit: bool | Mapping[str, Any] = False,
-) -> Callable:
+) -> Callable[..., Any]:
     """Parallel map: runs ``fun`` once per slice of the mapped axis, as a single program
     on multiple data, with collectives across the instances addressed by ``axis_name``.
 
@@ -120,6 +124,7 @@ def pmap(
             f"pmap: arguments {sorted(set(statics) & set(donated))} are both static and donated; "
             "static arguments are not tensors and cannot be donated"
         )
+    given: Any = devices
     opts = MapOptions(
         kind="pmap",
         axis_name=axis_name,
@@ -130,7 +135,7 @@ def pmap(
         static_argnums=statics,
         donate_argnums=donated,
         # a single device (a string, a Device) is kept as it is, for the error that says so
-        devices=devices if devices is None or isinstance(devices, str) or not hasattr(devices, "__iter__") else tuple(devices),
+        devices=given if given is None or isinstance(given, str) or not hasattr(given, "__iter__") else tuple(given),
         mesh=mesh,
         jit=jit,
     )
@@ -138,15 +143,15 @@ def pmap(
 
 
 def vmap(
-    fun: Optional[Callable] = None,
-    in_axes: Any = 0,
-    out_axes: Any = 0,
-    axis_name: Optional[Hashable] = None,
-    randomness: str = "error",
+    fun: Callable[..., Any] | None = None,
+    in_axes: AxisSpec = 0,
+    out_axes: AxisSpec = 0,
+    axis_name: AxisName | None = None,
+    randomness: Randomness = "error",
     *,
-    axis_size: Optional[int] = None,
+    axis_size: int | None = None,
     jit: bool | Mapping[str, Any] = False,
-) -> Callable:
+) -> Callable[..., Any]:
     """Vectorizing map with named-axis collectives, like ``jax.vmap(..., axis_name=...)``.
 
     The same program model as :func:`pmap`, run as one vectorized computation where the
@@ -183,14 +188,14 @@ def vmap(
 
 
 def shard_map(
-    fun: Optional[Callable] = None,
+    fun: Callable[..., Any] | None = None,
     *,
-    mesh: AnyMesh,
-    in_specs: Any,
-    out_specs: Any,
+    mesh: MeshLike,
+    in_specs: Specs,
+    out_specs: Specs,
     check_vma: bool = True,
     jit: bool | Mapping[str, Any] = False,
-) -> Any:
+) -> Callable[..., Any]:
     """Runs ``fun`` on every position of ``mesh``, each on its blocks of the arguments.
 
     Like ``jax.shard_map`` (with ``Auto`` mesh axes): global tensors go in, and each
@@ -243,4 +248,5 @@ def shard_map(
         return functools.partial(
             shard_map, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, jit=jit
         )
-    return ShardMapped(fun, ShardMapOptions(mesh, in_specs, out_specs, check_vma, jit))
+    # a DeviceMesh becomes a mesh of processes in ShardMapped
+    return ShardMapped(fun, ShardMapOptions(cast(AnyMesh, mesh), in_specs, out_specs, check_vma, jit))

@@ -1,6 +1,6 @@
 """The front end shared by ``pmap`` and ``vmap``: arguments, axes and outputs.
 
-A call is checked and flattened into a :class:`~torchpmap._engines.MappedCall`; an
+A call is checked and flattened into a :class:`~torchpmap._engines.mapped_call.MappedCall`; an
 engine runs it; the flat results are stacked along ``out_axes`` and put back into the
 output's pytree. Nothing here knows which engine runs.
 """
@@ -10,22 +10,27 @@ import dataclasses
 import functools
 import hashlib
 import inspect
-from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 
-from torchpmap import _engines
+from torchpmap._engines import dispatch
 from torchpmap._engines.compiled import ProgramCache, signature_of
+from torchpmap._engines.mapped_call import MappedCall, OutputLayout, VmapFallback
 from torchpmap._frontend import aliasing
 from torchpmap._frontend.tree_prefix import as_index, broadcast_prefix, check_axis_spec, normalize_axis_spec
 from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
+from torchpmap._placement.devices import DeviceLike
+from torchpmap._placement.mesh import Mesh
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.compile_guard import refuse_under_compile
 from torchpmap._state.torch_private import pytree
+from torchpmap._state.type_aliases import AxisName, AxisSpec, Randomness
 
-_RANDOMNESS = ("error", "different", "same", "per_instance")
+_RANDOMNESS = get_args(Randomness)  # ("error", "different", "same", "per_instance")
 _MAX_CACHED_LAYOUTS = 64  # argument structures remembered per mapped function
 _LEAF_SPEC = pytree.tree_flatten(0)[1]
 _NO_NONES: dict[int, None] = {}  # a lone tensor output has no None leaves (read, never written)
@@ -35,17 +40,17 @@ _NO_NONES: dict[int, None] = {}  # a lone tensor output has no None leaves (read
 class MapOptions:
     """Everything about a mapped function except the function itself."""
 
-    kind: str  # "pmap" or "vmap"
-    axis_name: Optional[Hashable]
-    in_axes: Any
-    out_axes: Any
-    randomness: str
-    axis_size: Optional[int] = None
+    kind: Literal["pmap", "vmap"]
+    axis_name: AxisName | None
+    in_axes: AxisSpec
+    out_axes: AxisSpec
+    randomness: Randomness
+    axis_size: int | None = None
     static_argnums: tuple[int, ...] = ()
     donate_argnums: tuple[int, ...] = ()
-    devices: Optional[tuple[Any, ...]] = None
-    mesh: Any = None
-    jit: Any = False  # False, True, or keyword arguments for torch.compile
+    devices: tuple[DeviceLike, ...] | DeviceLike | None = None  # a single device: refused by check_options
+    mesh: Mesh | None = None
+    jit: bool | Mapping[str, Any] = False  # False, True, or keyword arguments for torch.compile
     # shard_map's check_vma: out_axes=None checked as vmap checks it (OutputVaries if the output
     # varies), and collectives transpose by JAX's varying-manual-axes rules (see AxisFrame.vma)
     vma: bool = False
@@ -74,7 +79,11 @@ def check_options(opts: MapOptions) -> None:
     except TypeError:
         raise TypeError(
             f"{what}: axis_name must be hashable (a string, usually), got {opts.axis_name!r}"
-            + (f"; for one axis write axis_name={opts.axis_name[0]!r}" if isinstance(opts.axis_name, list) and len(opts.axis_name) == 1 else "")
+            + (
+                f"; for one axis write axis_name={opts.axis_name[0]!r}"
+                if isinstance(opts.axis_name, list) and len(opts.axis_name) == 1
+                else ""
+            )
         ) from None
     if opts.randomness not in _RANDOMNESS:
         raise ValueError(f"{what}: randomness must be one of {_RANDOMNESS}, got {opts.randomness!r}")
@@ -137,25 +146,25 @@ class _OutPlan:
     """How the outputs of one output structure are stacked: each leaf's out axis (with
     its key path, for messages), and the keys when the output is a plain dict of leaves."""
 
-    axes: list[tuple[Optional[int], str]]
-    dict_keys: Optional[tuple[Any, ...]]
+    axes: list[tuple[int | None, str]]
+    dict_keys: tuple[Any, ...] | None
 
 
-def _keys_of_flat_dict(tree: Any) -> Optional[tuple[Any, ...]]:
+def _keys_of_flat_dict(tree: Any) -> tuple[Any, ...] | None:
     """The keys of ``tree`` when it is a plain dict whose values are leaves, else None."""
     if type(tree) is not dict or any(not pytree.tree_is_leaf(v) for v in tree.values()):
         return None
     return tuple(tree)
 
 
-def _shallow_flatten(args: tuple) -> Optional[tuple[list[torch.Tensor], tuple[Optional[tuple[str, ...]], ...]]]:
+def _shallow_flatten(args: tuple) -> tuple[list[torch.Tensor], tuple[tuple[str, ...] | None, ...]] | None:
     """Positional arguments that are tensors, or dicts of tensors keyed by strings (a
     model's parameters), flattened without a pytree pass, in pytree's order: the leaves
     and the structure (``None`` for a tensor, a dict's keys in order). None for anything
     else. A call's own cost, paid on every call: pytree's pass takes several times longer.
     """
     leaves: list[torch.Tensor] = []
-    shape: list[Optional[tuple[str, ...]]] = []
+    shape: list[tuple[str, ...] | None] = []
     for arg in args:
         kind = type(arg)
         if kind is torch.Tensor:
@@ -179,7 +188,7 @@ class _Flat:
 
     leaves: list[Any]
     layout: list[tuple[Any, str]]  # each leaf's (axis, label for messages)
-    spec: Optional[pytree.TreeSpec]  # None: the arguments are just positional tensors
+    spec: pytree.TreeSpec | None  # None: the arguments are just positional tensors
     structure: Hashable  # the arguments' structure: what the leaf axes depend on
     mapped_slots: list[int]
     in_dims: list[int]
@@ -190,7 +199,10 @@ def _at_path(spec: Any, k: int) -> str:
     """`` at <key path>`` of leaf ``k`` of an output with pytree ``spec`` ('' for a lone leaf)."""
     if spec.num_leaves == 1:
         return ""
-    paths = [pytree.keystr(path) for path, _ in pytree.tree_leaves_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))]
+    paths = [
+        pytree.keystr(path)
+        for path, _ in pytree.tree_leaves_with_path(pytree.tree_unflatten([0] * spec.num_leaves, spec))
+    ]
     return f" at {paths[k]}"
 
 
@@ -204,18 +216,20 @@ class MappedFunction:
         check_options(opts)
         self.fun, self.opts = fun, opts
         # argument structure -> (leaf axes, the structure's number, its pytree spec)
-        self._layouts: dict[Any, tuple[list[tuple[Any, str]], int, Optional[pytree.TreeSpec]]] = {}
+        self._layouts: dict[Any, tuple[list[tuple[Any, str]], int, pytree.TreeSpec | None]] = {}
         self._out_layouts: dict[Any, _OutPlan] = {}  # output structure -> how to stack it
-        self._last_out_plan: Optional[tuple[Any, _OutPlan]] = None  # the last one, by identity
-        self._memory = _engines.FunctionMemory()
+        self._last_out_plan: tuple[Any, _OutPlan] | None = None  # the last one, by identity
+        self._vmap_fallback = VmapFallback()
         self._programs = ProgramCache({} if opts.jit is True else opts.jit) if opts.jit else None
         self._program = program_of(fun, opts) if opts.kind == "pmap" else None
         functools.update_wrapper(self, fun, updated=())
 
     def __repr__(self) -> str:
-        return f"<{self.opts.kind} of {getattr(self.fun, '__qualname__', self.fun)!r}, axis_name={self.opts.axis_name!r}>"
+        return (
+            f"<{self.opts.kind} of {getattr(self.fun, '__qualname__', self.fun)!r}, axis_name={self.opts.axis_name!r}>"
+        )
 
-    def __get__(self, obj, objtype=None):  # so that a decorated method binds self
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # so that a decorated method binds self
         return self if obj is None else functools.partial(self, obj)
 
     # ------------------------------------------------------------------ call
@@ -231,7 +245,7 @@ class MappedFunction:
         flat = self._flatten(args, statics, dyn_args, kwargs)
         mapped = set(flat.mapped_slots)
         broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
-        layout = _engines.OutputLayout()  # filled by body; restored by a compiled program that skips it
+        layout = OutputLayout()  # filled by body; restored by a compiled program that skips it
         # the common case: positional tensors, all mapped; an instance's arguments are its slices
         direct = flat.spec is None and not statics and not broadcast_slots
 
@@ -253,7 +267,7 @@ class MappedFunction:
             return self._flatten_output(self.fun(*call_args, **call_kwargs), layout)
 
         mesh = self._mesh()
-        call = _engines.MappedCall(
+        call = MappedCall(
             body=body,
             mapped=[flat.leaves[k] for k in flat.mapped_slots],
             in_dims=flat.in_dims,
@@ -269,7 +283,7 @@ class MappedFunction:
             programs=self._programs,
             signature=signature_of(flat.structure, statics, flat.leaves) if self._programs is not None else None,
             output_layout=layout,
-            memory=self._memory,
+            vmap_fallback=self._vmap_fallback,
             vma=self.opts.vma,
             program=self._program,
         )
@@ -279,10 +293,10 @@ class MappedFunction:
             lambda slot: self._in_label(flat, slot), what,
         ) if what == "pmap" else None
         if watched is None:
-            outputs = _engines.run(call)
+            outputs = dispatch.run(call)
         else:  # called from here too, so that the engines' warnings point at the same frame
             try:
-                outputs = _engines.run(call)
+                outputs = dispatch.run(call)
             except RuntimeError as error:
                 explained = watched.explain(error)
                 if explained is None:
@@ -318,8 +332,8 @@ class MappedFunction:
             except TypeError:
                 raise ValueError(
                     f"pmap: static broadcasted argument {pos} ({self._arg_label(pos)}) must be hashable, but got "
-                    f"{type(args[pos]).__name__}: {args[pos]!r}. Pass a hashable value (a tuple instead of a list, say), "
-                    f"or pass it as a regular argument with in_axes None."
+                    f"{type(args[pos]).__name__}: {args[pos]!r}. Pass a hashable value (a tuple instead of a list, "
+                    "say), or pass it as a regular argument with in_axes None."
                 ) from None
             statics[pos] = args[pos]
         return statics
@@ -350,7 +364,7 @@ class MappedFunction:
 
     def _flatten(self, args: tuple, statics: dict[int, Any], dyn_args: tuple, kwargs: dict) -> _Flat:
         shallow = None if kwargs else _shallow_flatten(dyn_args)
-        spec: Optional[pytree.TreeSpec]
+        spec: pytree.TreeSpec | None
         if shallow is not None:  # the common cases need no pytree pass
             leaves, shape = shallow
             key: Any = ("shallow", shape, tuple(statics), len(args))
@@ -461,7 +475,7 @@ class MappedFunction:
             raise ValueError(f"{what}: axis_size={axis_size} was given, but the mapped arguments have size {size}")
         return size
 
-    def _mesh(self) -> Optional[_mesh.Mesh]:
+    def _mesh(self) -> _mesh.Mesh | None:
         """The mesh this call maps over, if its axis name is a mesh axis."""
         if self.opts.kind != "pmap":
             return None
@@ -469,10 +483,13 @@ class MappedFunction:
         if mesh is None or self.opts.axis_name not in mesh.axis_names:
             return None
         if self.opts.devices is not None:
-            raise ValueError(f"pmap over mesh axis {self.opts.axis_name!r}: the mesh places the instances, so devices= cannot be given too")
+            raise ValueError(
+                f"pmap over mesh axis {self.opts.axis_name!r}: the mesh places the instances, so devices= cannot be "
+                "given too"
+            )
         return mesh
 
-    def _devices_for(self, size: int, mesh: Optional[_mesh.Mesh]) -> tuple[_devices.Device, ...]:
+    def _devices_for(self, size: int, mesh: Mesh | None) -> tuple[_devices.Device, ...]:
         if mesh is not None:
             return tuple(mesh.devices.flat)
         devs = _devices.resolve(self.opts.devices)
@@ -488,16 +505,20 @@ class MappedFunction:
 
     # ------------------------------------------------------------------ outputs
 
-    def _flatten_output(self, out: Any, layout: _engines.OutputLayout) -> list[torch.Tensor]:
-        if type(out) is torch.Tensor and out.layout is torch.strided and not out.is_nested:  # the common case: no pytree pass
+    def _flatten_output(self, out: Any, layout: OutputLayout) -> list[torch.Tensor]:
+        # the common case: no pytree pass
+        if type(out) is torch.Tensor and out.layout is torch.strided and not out.is_nested:
             layout.record(_LEAF_SPEC, 1, _NO_NONES)
             return [out]
         leaves, spec = pytree.tree_flatten(out)
-        tensors, constants = [], {}
+        tensors: list[torch.Tensor] = []
+        constants: dict[int, Any] = {}
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, (torch.Tensor, ShardedTensor)):
                 if (leaf.layout is not torch.strided or leaf.is_nested) and self.opts.kind == "pmap":
-                    self._refuse_kind(leaf, f"the mapped function returned output leaf {k}{_at_path(spec, k)}", output=True)
+                    self._refuse_kind(
+                        leaf, f"the mapped function returned output leaf {k}{_at_path(spec, k)}", output=True
+                    )
                 tensors.append(leaf)
             elif isinstance(leaf, (bool, int, float, complex, np.ndarray, np.generic)):
                 tensors.append(torch.as_tensor(leaf))
@@ -511,7 +532,7 @@ class MappedFunction:
         layout.record(spec, len(leaves), constants)
         return tensors
 
-    def _out_plan(self, layout: _engines.OutputLayout) -> _OutPlan:
+    def _out_plan(self, layout: OutputLayout) -> _OutPlan:
         spec = layout.spec
         last = self._last_out_plan
         if last is not None and last[0] is spec:  # a compiled program hands back the same spec object
@@ -526,17 +547,19 @@ class MappedFunction:
         self._last_out_plan = (spec, plan)
         return plan
 
-    def _replicated_outputs(self, layout: _engines.OutputLayout) -> dict[int, str]:
+    def _replicated_outputs(self, layout: OutputLayout) -> dict[int, str]:
         """Tensor-output positions whose out axis is None, with their key paths."""
         tensor_axes = [a for k, a in enumerate(self._out_plan(layout).axes) if k not in layout.none_leaves]
         return {k: path for k, (axis, path) in enumerate(tensor_axes) if axis is None}
 
-    def _stack_outputs(self, outputs: list[torch.Tensor], layout: _engines.OutputLayout) -> Any:
+    def _stack_outputs(self, outputs: list[torch.Tensor], layout: OutputLayout) -> Any:
         spec, constants = layout.spec, layout.none_leaves
-        if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:  # one tensor, stacked where the engine put it
+        # one tensor, stacked where the engine put it
+        if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:
             return outputs[0]
         plan = self._out_plan(layout)
-        result, it = [], iter(outputs)
+        result: list[Any] = []
+        it = iter(outputs)
         for k, (axis, path) in enumerate(plan.axes):
             if k in constants:
                 result.append(constants[k])
@@ -547,7 +570,7 @@ class MappedFunction:
             return dict(zip(plan.dict_keys, result))
         return pytree.tree_unflatten(result, spec)
 
-    def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: Optional[int], path: str) -> Any:
+    def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: int | None, path: str) -> Any:
         if axis is None:
             return t[0]
         rank = t.dim()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from torchpmap._frontend.call import MapOptions, MappedFunction
 
 #: what a mapped function learns on its calls; none of it refers to the function
-_LEARNED = ("_layouts", "_out_layouts", "_memory", "_programs")
+_LEARNED = ("_layouts", "_out_layouts", "_vmap_fallback", "_programs")
 #: at most this many option sets per function
 _PER_FUNCTION = 8
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -38,8 +39,18 @@ from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.faults import OutputVaries
 from torchpmap._state.torch_private import pytree
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 #: What shard_map runs over: a mesh with one device per position, or positions on fewer devices.
 AnyMesh = Mesh | AbstractMesh
+
+#: What ``shard_map(mesh=)`` takes: such a mesh, or a torch ``DeviceMesh`` (a mesh of processes).
+MeshLike: TypeAlias = "AnyMesh | DeviceMesh"
+
+#: ``in_specs``/``out_specs``: a :class:`PartitionSpec` (None: replicated), or a pytree prefix of
+#: the arguments (the outputs) holding those (a tuple with one entry per positional argument).
+Specs: TypeAlias = PartitionSpec | None | Sequence[Any] | Mapping[Any, Any]
 
 
 def is_spec(x: Any) -> bool:
@@ -51,9 +62,9 @@ def is_spec(x: Any) -> bool:
 class ShardMapOptions:
     """Everything about a shard_map except the function."""
 
-    mesh: AnyMesh
-    in_specs: Any
-    out_specs: Any
+    mesh: AnyMesh  # as given (a DeviceMesh too) until ShardMapped resolves it
+    in_specs: Specs
+    out_specs: Specs
     check_vma: bool
     jit: bool | Mapping[str, Any]
 
@@ -92,7 +103,9 @@ def check_options(opts: ShardMapOptions) -> None:
                 )
             _check_spec_axes(spec, mesh, where)
     if not isinstance(opts.jit, (bool, Mapping)):
-        raise TypeError(f"shard_map: jit must be True, False or a dict of torch.compile keyword arguments, got {opts.jit!r}")
+        raise TypeError(
+            f"shard_map: jit must be True, False or a dict of torch.compile keyword arguments, got {opts.jit!r}"
+        )
 
 
 def _check_spec_axes(spec: PartitionSpec | None, mesh: AnyMesh, where: str) -> None:
@@ -241,7 +254,9 @@ class ShardMapped:
             axis = names[level]
             in_axes = tuple(0 if axis in axes else None for axes in leaf_axes)
             out_axes = pytree.tree_map(
-                lambda spec, axis=axis: 0 if spec is not None and axis in spec.axes() else None, out_specs, is_leaf=is_spec
+                lambda spec, axis=axis: 0 if spec is not None and axis in spec.axes() else None,
+                out_specs,
+                is_leaf=is_spec,
             )
             if isinstance(mesh, ProcessMesh):  # one position per process: a local portion of one
                 placement: dict[str, Any] = {"mesh": mesh}

@@ -8,7 +8,8 @@ two trees itself and names the key path where they part.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torchpmap._state.torch_private import pytree
 

@@ -13,7 +13,8 @@ devices agree to rounding, not bitwise).
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,13 +24,19 @@ from torchpmap._state import process_group as _process_group
 from torchpmap._state.config import at_least_one, env_value
 from torchpmap._state.device_record import Device
 
+#: A device as ``pmap(devices=)`` takes it: a :class:`Device`, a ``torch.device``, or its name
+#: (``"cpu:1"``, ``"cuda:0"``).
+DeviceLike = Device | torch.device | str
+
 
 @functools.lru_cache(maxsize=1)
 def _local_devices() -> tuple[Device, ...]:
     if torch.cuda.is_available():
         extra = env_value("TORCHPMAP_EXTRA_CPU_DEVICES", int, "an integer >= 0", 0)
         if not 0 <= extra <= _MAX_CPU_DEVICES:
-            raise ValueError(f"environment variable TORCHPMAP_EXTRA_CPU_DEVICES={extra} must be between 0 and {_MAX_CPU_DEVICES}")
+            raise ValueError(
+                f"environment variable TORCHPMAP_EXTRA_CPU_DEVICES={extra} must be between 0 and {_MAX_CPU_DEVICES}"
+            )
         cuda = tuple(Device("cuda", i) for i in range(torch.cuda.device_count()))
         return cuda + tuple(Device("cpu", i) for i in range(extra))
     count = at_least_one("TORCHPMAP_NUM_CPU_DEVICES", 1)
@@ -49,7 +56,7 @@ _MAX_CPU_DEVICES = 4096
 _DIST_AVAILABLE = dist.is_available()
 
 
-def _multi_process():
+def _multi_process() -> Any:
     """The multi-process state when torch.distributed runs several processes, else None
     (see :mod:`torchpmap.distributed`: then each process has one device)."""
     if not (_DIST_AVAILABLE and dist.is_initialized()):  # the common case
@@ -118,7 +125,7 @@ def process_count() -> int:
     return mp.world_size if mp is not None else 1
 
 
-def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
+def resolve(requested: Sequence[DeviceLike] | DeviceLike | None) -> tuple[Device, ...]:
     """The devices a pmap was asked to use, validated; all local devices for None."""
     if requested is None:
         return current_default() or _this_process()
@@ -129,7 +136,8 @@ def resolve(requested: Sequence[Any] | None) -> tuple[Device, ...]:
         )
     if isinstance(requested, (str, Device, torch.device)):
         raise TypeError(
-            f"pmap: devices must be a list of devices, got the single device {requested!r}; write devices=[{requested!r}]"
+            f"pmap: devices must be a list of devices, got the single device {requested!r}; write "
+            f"devices=[{requested!r}]"
         )
     # A pmap resolves the same devices= at every call: remember the answer for this set
     # of known devices (compared by identity: a re-initialization makes new ones).
@@ -161,9 +169,10 @@ def _resolve_requested(requested: Sequence[Any]) -> tuple[Device, ...]:
         raise ValueError("pmap: 'devices' must be a non-empty list of devices, or None for all of them")
     known: dict[Any, Device] = {}
     for d in devices():  # by Device, by "cpu:1", by torch.device; the first device wins ties
-        for key in (d, str(d), d.torch_device, str(d.torch_device)):
-            known.setdefault(key, d)
+        for name in (d, str(d), d.torch_device, str(d.torch_device)):
+            known.setdefault(name, d)
     chosen = []
+    key: Any
     for i, d in enumerate(requested):
         try:
             key = d if isinstance(d, str) and d in known else torch.device(d) if isinstance(d, str) else d

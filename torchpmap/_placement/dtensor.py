@@ -10,7 +10,8 @@ spec: a DTensor holding one is reduced first.
 from __future__ import annotations
 
 import math
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -77,11 +78,11 @@ class _NoGradientOutside(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.what = inputs[1]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         raise NotImplementedError(
             f"{ctx.what}: .backward() through a shard_map result across processes is not supported yet: every "
             "process holds its own copy of a replicated result, and summing their gradients would count it once "

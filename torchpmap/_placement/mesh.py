@@ -7,7 +7,8 @@ mesh row, over ``"data"`` among one column.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -76,7 +77,10 @@ class Mesh:
         if unknown or missing:
             problems = []
             if unknown:
-                problems.append(f"{', '.join(map(repr, unknown))} {'is not an axis' if len(unknown) == 1 else 'are not axes'} of this mesh")
+                problems.append(
+                    f"{', '.join(map(repr, unknown))} {'is not an axis' if len(unknown) == 1 else 'are not axes'} of "
+                    "this mesh"
+                )
             if missing:
                 problems.append(f"no index was given for {', '.join(map(repr, missing))}")
             raise KeyError(
@@ -89,17 +93,18 @@ class Mesh:
         """The device at ``coords``; axes not named there are taken at index 0 (the engine's
         lookups: a pmap over one mesh axis, outside the maps of the others)."""
         index = []
+        size: int
         for a, size in zip(self.axis_names, self.devices.shape):
             i = coords.get(a, 0)
             if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not -size <= i < size:
                 raise IndexError(
-                    f"Mesh.device_at: the index for axis {a!r} must be an int in 0..{size - 1} (or -{size}..-1 from the "
-                    f"end): the mesh has {size} device(s) along it (shape {self.shape}); got {i!r}"
+                    f"Mesh.device_at: the index for axis {a!r} must be an int in 0..{size - 1} (or -{size}..-1 from "
+                    f"the end): the mesh has {size} device(s) along it (shape {self.shape}); got {i!r}"
                 )
             index.append(int(i))
         return self.devices[tuple(index)]
 
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> Mesh:
         # per context (and so per thread): another thread's pmaps never see this mesh
         self._tokens.append(_context.active_meshes.set(_context.active_meshes.get() + (self,)))
         return self
@@ -228,7 +233,7 @@ class ProcessMesh(Mesh):
         device_mesh: the underlying ``torch.distributed.device_mesh.DeviceMesh``.
     """
 
-    def __init__(self, device_mesh, axis_names: Sequence[Hashable]):
+    def __init__(self, device_mesh: Any, axis_names: Sequence[Hashable]):
         self.device_mesh = device_mesh
         st = _process_group.state()
         ranks = device_mesh.mesh
@@ -239,7 +244,7 @@ class ProcessMesh(Mesh):
         self._groups = {name: device_mesh.get_group(name) for name in self.axis_names}
         self._coords = {name: int(device_mesh.get_local_rank(name)) for name in self.axis_names}
 
-    def group(self, axis_name: Hashable):
+    def group(self, axis_name: Hashable) -> Any:
         """The process group of the processes along ``axis_name`` (this process' row)."""
         return self._groups[self._axis(axis_name)]
 

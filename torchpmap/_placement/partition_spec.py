@@ -6,10 +6,10 @@ whole; a mesh axis that a spec does not name replicates the tensor over that axi
 """
 from __future__ import annotations
 
-from typing import Hashable, Union
+from collections.abc import Hashable
 
 #: One entry of a spec: a mesh axis, several (major first), or None (the dim is whole).
-SpecEntry = Union[Hashable, tuple[Hashable, ...], None]
+SpecEntry = Hashable | tuple[Hashable, ...] | None
 
 
 class PartitionSpec(tuple):
@@ -24,7 +24,7 @@ class PartitionSpec(tuple):
         PartitionSpec()
     """
 
-    def __new__(cls, *entries: SpecEntry) -> "PartitionSpec":
+    def __new__(cls, *entries: SpecEntry) -> PartitionSpec:
         for entry in entries:
             if isinstance(entry, list):
                 raise TypeError(
@@ -49,7 +49,7 @@ class PartitionSpec(tuple):
     def __repr__(self) -> str:
         return f"PartitionSpec({', '.join(map(repr, self))})"
 
-    def __reduce__(self):  # a tuple subclass whose __new__ takes the entries, not one tuple
+    def __reduce__(self) -> tuple[type, tuple]:  # a tuple subclass whose __new__ takes the entries, not one tuple
         return (PartitionSpec, tuple(self))
 
 

@@ -91,9 +91,11 @@ class ShardedTensor(torch.Tensor):
 
     def devices(self) -> list[Device]:
         """The devices that hold the data, in shard order (a nested shard's, row-major)."""
-        return [d for s in self.shards for d in (s.tensor.devices() if isinstance(s.tensor, ShardedTensor) else [s.device])]
+        return [
+            d for s in self.shards for d in (s.tensor.devices() if isinstance(s.tensor, ShardedTensor) else [s.device])
+        ]
 
-    def gather(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+    def gather(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``gather(device=None)``: all shards concatenated into one plain tensor on
         ``device`` (default: the first shard's), differentiably.
 
@@ -112,7 +114,7 @@ class ShardedTensor(torch.Tensor):
         """Like ``Tensor.to``, on the gathered value: a plain tensor."""
         return self.gather().to(*args, **kwargs)
 
-    def cpu(self) -> torch.Tensor:
+    def cpu(self) -> torch.Tensor:  # type: ignore[override]  # no memory_format: a gather
         return self.gather("cpu")
 
     def numpy(self, *, force: bool = False) -> Any:
@@ -145,7 +147,7 @@ class ShardedTensor(torch.Tensor):
         order.insert(destination % self.dim(), order.pop(source % self.dim()))
         return self._per_shard(lambda t: t.movedim(source, destination), order.index(self.shard_dim))
 
-    def unsqueeze(self, dim: int) -> ShardedTensor:  # type: ignore[override]
+    def unsqueeze(self, dim: int) -> ShardedTensor:
         """Like ``torch.unsqueeze``, keeping the sharding (no data moves)."""
         dim = dim % (self.dim() + 1)
         return self._per_shard(lambda t: t.unsqueeze(dim), self.shard_dim + (dim <= self.shard_dim))
@@ -167,7 +169,7 @@ class ShardedTensor(torch.Tensor):
             for piece in _pieces(self):
                 if row < piece.shape[0]:
                     rest = index[1:] if isinstance(index, tuple) else ()
-                    return piece[(row, *rest)]
+                    return piece[(row,) + rest]
                 row -= piece.shape[0]
         # as torch indexes: slices and integers are views (a ShardedView, writes reach the
         # shards), advanced indexing a copy; bounds checked as torch checks them
@@ -187,7 +189,7 @@ class ShardedTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ Python protocols
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         body = repr(_concatenated(self, self.device))[:-1]
         if self.grad_fn is not None:
             body += f", grad_fn=<{type(self.grad_fn).__name__}>"
@@ -207,7 +209,9 @@ class ShardedTensor(torch.Tensor):
     # ------------------------------------------------------------------ ops
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
 
@@ -216,7 +220,9 @@ def _wrap(shards: list[Shard], dim: int) -> ShardedTensor:
     first = shards[0].tensor
     sizes = list(first.shape)
     sizes[dim] = sum(s.tensor.shape[dim] for s in shards)
-    out = private.make_wrapper_subclass(ShardedTensor, sizes, dtype=first.dtype, device=first.device, requires_grad=False)
+    out = private.make_wrapper_subclass(
+        ShardedTensor, sizes, dtype=first.dtype, device=first.device, requires_grad=False
+    )
     out.shards, out.shard_dim = shards, dim
     return out
 
@@ -248,7 +254,9 @@ def _checked_shards(shards: Any, dim: Any) -> tuple[list[Shard], int]:
             "shard at least one dim (t.unsqueeze(0) for one value per shard)"
         )
     if isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
-        raise ValueError(f"ShardedTensor: dim={dim!r} is not a dim of shards of rank {rank} (shape {tuple(first.shape)})")
+        raise ValueError(
+            f"ShardedTensor: dim={dim!r} is not a dim of shards of rank {rank} (shape {tuple(first.shape)})"
+        )
     dim %= rank
     trailing = lambda t: (*t.shape[:dim], "*", *t.shape[dim + 1 :])  # noqa: E731
     for k, (_, t) in enumerate(pairs[1:], start=1):
@@ -258,7 +266,10 @@ def _checked_shards(shards: Any, dim: Any) -> tuple[list[Shard], int]:
             ("rank", t.dim(), rank),
         ):
             if mine != theirs:
-                raise ValueError(f"ShardedTensor: shard {k} has {what} {mine}, shard 0 has {theirs}; every shard must have the same {what}")
+                raise ValueError(
+                    f"ShardedTensor: shard {k} has {what} {mine}, shard 0 has {theirs}; every shard must have the same "
+                    f"{what}"
+                )
         if trailing(t) != trailing(first):
             raise ValueError(
                 f"ShardedTensor: shard {k} has shape {tuple(t.shape)}, shard 0 has {tuple(first.shape)}; the shards "
@@ -271,7 +282,9 @@ def _rebuild_sharded(shards: list, dim: int, requires_grad: bool = False) -> Sha
     """The inverse of :meth:`ShardedTensor.__reduce_ex__` (devices as plain tuples, so that
     ``torch.load(weights_only=True)`` needs only this function on its safe list)."""
     st = ShardedTensor([(Device(*device), t) for device, t in shards], dim)
-    return st.requires_grad_() if requires_grad else st
+    if requires_grad:
+        st.requires_grad_()
+    return st
 
 
 def _materialized(t: torch.Tensor) -> torch.Tensor:
@@ -315,6 +328,11 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _item(replay: Callable[[torch.Tensor], Any], i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Result ``i`` of ``replay`` (a view op that returns several views)."""
+    return lambda b: replay(b)[i]
+
+
 def _view_of(func: Any, args: tuple, kwargs: dict) -> Any:
     """A view op on a ShardedTensor (or a view of one): ShardedViews of its base, their
     metadata (shape, strides, offset) those of the same view of a tensor laid out as the base."""
@@ -326,7 +344,7 @@ def _view_of(func: Any, args: tuple, kwargs: dict) -> Any:
 
     meta = replay(torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta"))
     if isinstance(meta, (list, tuple)):
-        return type(meta)(ShardedView(base, lambda b, i=i: replay(b)[i], m) for i, m in enumerate(meta))
+        return type(meta)(ShardedView(base, _item(replay, i), m) for i, m in enumerate(meta))
     return ShardedView(base, replay, meta)
 
 
@@ -405,7 +423,9 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 def _concatenated(st: ShardedTensor, device: torch.device) -> torch.Tensor:
     """The shards' data in one plain tensor on ``device``, outside autograd."""
     with torch.no_grad():
-        parts = [_concatenated(s.tensor, device) if isinstance(s.tensor, ShardedTensor) else s.tensor for s in st.shards]
+        parts = [
+            _concatenated(s.tensor, device) if isinstance(s.tensor, ShardedTensor) else s.tensor for s in st.shards
+        ]
         return torch.cat([p.detach().to(device) for p in parts], st.shard_dim)
 
 
@@ -424,8 +444,11 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
         return []
     values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
     return [
-        v for a in schema.arguments
-        if a.alias_info is not None and a.alias_info.is_write and isinstance(v := values.get(a.name), (ShardedTensor, ShardedView))
+        v
+        for a in schema.arguments
+        if a.alias_info is not None
+        and a.alias_info.is_write
+        and isinstance(v := values.get(a.name), (ShardedTensor, ShardedView))
     ]
 
 
@@ -506,7 +529,9 @@ class ShardedView(torch.Tensor):
     __torch_function__ = private.disabled_torch_function
 
     @staticmethod
-    def __new__(cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor) -> "ShardedView":
+    def __new__(
+        cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor
+    ) -> ShardedView:
         out = private.make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
             device=base.device, requires_grad=False,
@@ -515,7 +540,9 @@ class ShardedView(torch.Tensor):
         return out
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
+        cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
     def devices(self) -> list[Device]:
@@ -525,7 +552,9 @@ class ShardedView(torch.Tensor):
     def materialized(self, device: torch.device | None = None) -> torch.Tensor:
         """Its value now, a plain tensor on ``device`` (default: its own), differentiable."""
         target = torch.device(device) if device is not None else self.device
-        return torch.as_tensor(self * 1 if self.requires_grad and torch.is_grad_enabled() else _materialized(self)).to(target)
+        return torch.as_tensor(self * 1 if self.requires_grad and torch.is_grad_enabled() else _materialized(self)).to(
+            target
+        )
 
     def numpy(self, *, force: bool = False) -> Any:
         return _materialized(self).cpu().numpy()
@@ -537,7 +566,7 @@ class ShardedView(torch.Tensor):
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         body = repr(_materialized(self))[:-1]
         if self.grad_fn is not None:
             body += f", grad_fn=<{type(self.grad_fn).__name__}>"

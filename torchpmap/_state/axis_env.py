@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Hashable, Iterator, Optional, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 
 from torchpmap._state import context as _context
-
-AxisName = Hashable
+from torchpmap._state.type_aliases import AxisName, AxisNames
 
 
 class OrderedSums(Protocol):
@@ -48,7 +48,9 @@ class Exchange(Protocol):
     """How the slices of a split axis talk: one per slice (device thread or process).
 
     Implemented by the device threads' ``ThreadExchange``, the processes'
-    ``ProcessExchange`` and the ``TracedExchange`` a compiled program records.
+    ``ProcessExchange`` and the ``TracedExchange`` a compiled program records (the type
+    checker checks each against this protocol, in its own module). The ``*_with_grad``
+    methods are differentiable: autograd (and ``torch.func``) goes through them.
     """
 
     #: True when each slice sends its partial result of a reduction instead of every
@@ -58,17 +60,19 @@ class Exchange(Protocol):
     #: True when sums can start and run while computation goes on (:meth:`sums_in_order`).
     starts_sums: bool
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
-        """For each ``ts[k]``: every slice's value stacked along a new dim 0, in axis order."""
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+        """For each ``ts[k]``: every slice's value stacked along a new dim 0, in axis order.
+        The gradient of ``ts[k]`` is the sum of every slice's cotangent for this slice's entry."""
         ...
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor] | None:
         """For each ``ts[k]`` (this slice's partial sum): the sum over the slices, the same
         bits in every slice; or None, and the caller gathers the partials instead (this
-        exchange does not sum on its own, or not tensors this small)."""
+        exchange does not sum on its own, or not tensors this small). The gradient of a
+        partial sum is the same sum of the cotangents."""
         ...
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> Optional[OrderedSums]:
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> OrderedSums | None:
         """Sums that start later, one per group of tensors (only shapes and dtypes are
         read), so that computation can go on while the values travel; the slices agree
         on them before the first starts. None when it cannot sum these. Only where
@@ -104,7 +108,7 @@ class AxisFrame:
     token: torch.Tensor
     local_size: int
     offset: int = 0
-    exchange: Optional[Exchange] = None
+    exchange: Exchange | None = None
     vectorized: bool = True
     vma: bool = False
 
@@ -136,7 +140,7 @@ def lookup(name: AxisName) -> AxisFrame:
     )
 
 
-def normalize_names(axis_name: AxisName | tuple[AxisName, ...], what: str) -> tuple[AxisName, ...]:
+def normalize_names(axis_name: AxisNames, what: str) -> tuple[AxisName, ...]:
     """``axis_name`` as a non-empty tuple of distinct names."""
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if not names:

@@ -32,14 +32,16 @@ Example:
     >>> torchpmap.config.collective_timeout = -1
     Traceback (most recent call last):
     ...
-    ValueError: torchpmap.config.collective_timeout must be a number > 0 (seconds) below 9223372036 (threading.TIMEOUT_MAX: the longest wait this platform accepts), got -1
-"""
+    ValueError: torchpmap.config.collective_timeout must be a number > 0 (seconds) below 9223372036
+    (threading.TIMEOUT_MAX: the longest wait this platform accepts), got -1
+"""  # noqa: E501 - the table's rows above are one line each (Markdown)
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torchpmap._state import context as _context
 
@@ -61,7 +63,9 @@ def _seconds(value: Any) -> float:
     return number
 
 
-_SECONDS = f"a number > 0 (seconds) below {int(TIMEOUT_MAX)} (threading.TIMEOUT_MAX: the longest wait this platform accepts)"
+_SECONDS = (
+    f"a number > 0 (seconds) below {int(TIMEOUT_MAX)} (threading.TIMEOUT_MAX: the longest wait this platform accepts)"
+)
 
 
 def _at_least_one(value: Any) -> int:
@@ -84,7 +88,12 @@ def _boolean(value: Any) -> bool:
 #: setting -> (environment variable, parse, what it accepts, default)
 _SETTINGS: dict[str, tuple[str, Callable[[Any], Any], str, Any]] = {
     "collective_timeout": ("TORCHPMAP_COLLECTIVE_TIMEOUT", _seconds, _SECONDS, 300.0),
-    "disable_vectorization": ("TORCHPMAP_DISABLE_VECTORIZATION", _boolean, "one of 1/0, true/false, yes/no, on/off", False),
+    "disable_vectorization": (
+        "TORCHPMAP_DISABLE_VECTORIZATION",
+        _boolean,
+        "one of 1/0, true/false, yes/no, on/off",
+        False,
+    ),
     "bitwise_placement": ("TORCHPMAP_BITWISE_PLACEMENT", _boolean, "one of 1/0, true/false, yes/no, on/off", False),
     "jit_cache_size": ("TORCHPMAP_JIT_CACHE_SIZE", _at_least_one, "an integer >= 1", 32),
     "worker_idle_timeout": ("TORCHPMAP_WORKER_IDLE_TIMEOUT", _seconds, _SECONDS, 60.0),

@@ -14,7 +14,7 @@ changes a program's results per thread. Two kinds of state follow the caller:
   on one device. The default dtype, deterministic-algorithms mode and anomaly mode are
   process-wide in PyTorch, so device threads see them without help.
 * **torchpmap's own state**: the active meshes, debug mode, bound axes, device placement,
-  the threaded engine's position and the process exchange's state live in
+  an instance thread's position (mesh axes, one at a time) and the process exchange's state live in
   :mod:`contextvars`, so that a ``with mesh:`` or ``disable_vectorization()`` in one
   thread never leaks into another, nested contexts restore what they found (on error
   too), and device threads run in a copy of their caller's context
@@ -30,7 +30,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,19 +44,22 @@ T = TypeVar("T")
 #: The meshes (:class:`torchpmap.Mesh`) entered with ``with mesh:`` here, innermost last.
 active_meshes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_meshes", default=())
 #: Inside an instance running on a device: that device, as a 1-tuple (nested pmaps stay on it).
-default_devices: contextvars.ContextVar[Optional[tuple[Any, ...]]] = contextvars.ContextVar("torchpmap_devices", default=None)
+default_devices: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar(
+    "torchpmap_devices", default=None
+)
 #: The named axes bound here, innermost last (:mod:`torchpmap._state.axis_env` reads them).
 axis_frames: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_axis_frames", default=())
-#: The state of a threaded-engine instance thread (a mesh pmap or debug mode), else None.
-instance_thread: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_instance", default=None)
+#: The state of an instance thread (:mod:`torchpmap._engines.instance_threads`: a mesh pmap or
+#: one instance at a time), else None.
+instance_thread: contextvars.ContextVar[Any | None] = contextvars.ContextVar("torchpmap_instance", default=None)
 #: In a device thread, the watch over module forwards of its call (see ``module_guard``).
-module_watch: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("torchpmap_module_watch", default=None)
+module_watch: contextvars.ContextVar[Any | None] = contextvars.ContextVar("torchpmap_module_watch", default=None)
 #: The axes (mesh axis names, or the world) of the distributed pmaps running here, outermost first.
 process_axes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_process_axes", default=())
 #: True while a program spanning processes is traced here (``pmap(jit=True)``).
 tracing_processes: contextvars.ContextVar[bool] = contextvars.ContextVar("torchpmap_tracing_processes", default=False)
 #: ``disable_vectorization()`` in this context: True inside, None where no such block is open.
-debug_mode: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("torchpmap_debug", default=None)
+debug_mode: contextvars.ContextVar[bool | None] = contextvars.ContextVar("torchpmap_debug", default=None)
 
 
 @contextlib.contextmanager
@@ -128,12 +132,14 @@ class CallerState:
     cuda_streams: tuple[Any, ...] = ()
 
     @classmethod
-    def capture(cls, devices: Sequence[Any] = ()) -> "CallerState":
+    def capture(cls, devices: Sequence[Any] = ()) -> CallerState:
         """The calling thread's state; ``devices`` (torchpmap Devices): those of the call,
         whose current CUDA streams are captured."""
         cache = torch.is_autocast_cache_enabled()
         autocast = tuple(
-            Autocast(t, torch.get_autocast_dtype(t), cache) for t in AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
+            Autocast(t, torch.get_autocast_dtype(t), cache)
+            for t in AUTOCAST_DEVICE_TYPES
+            if torch.is_autocast_enabled(t)
         )
         return cls(
             grad_enabled=torch.is_grad_enabled(),

@@ -1,7 +1,7 @@
 """The state of a multi-process run, and how its collectives fail instead of hanging.
 
 :mod:`torchpmap.distributed` is the public face; this module holds what the distributed
-engine (:mod:`torchpmap._engines.distributed`) and :mod:`torchpmap._placement.devices` need:
+engine (:mod:`torchpmap._engines.multi_process`) and :mod:`torchpmap._placement.devices` need:
 
 * :func:`active` / :func:`state`: whether torch.distributed runs with more than one
   process, and this process' :class:`ProcessState` (rank, devices, the rendezvous store).
@@ -38,7 +38,8 @@ import secrets
 import threading
 import time
 import warnings
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,12 +104,12 @@ class ProcessState:
     exact_devices: bool  # every rank published its device in the store before initialize returned
     calls: int = 0  # distributed pmap calls entered: the heartbeat publishes it
     waiting_in: str = ""  # the collective waited on now, for diagnoses
-    poisoned: Optional[str] = None
-    heartbeat: Optional["_Heartbeat"] = None
+    poisoned: str | None = None
+    heartbeat: _Heartbeat | None = None
     world_group: Any = None  # the default process group this state belongs to
     token: str = ""  # this group's job token (see the module docstring); empty without a store
     heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL  # seconds between two heartbeats
-    _devices: Optional[tuple[Device, ...]] = None
+    _devices: tuple[Device, ...] | None = None
 
     @property
     def local_devices(self) -> tuple[Device, ...]:
@@ -127,7 +128,7 @@ class ProcessState:
             try:
                 platform, index = self.store.get(f"device/{r}").decode().split(":")
                 return Device(platform, int(index), r)
-            except Exception:  # fall back to the guess below
+            except Exception:  # noqa: BLE001 - fall back to the guess below
                 pass
         # Homogeneous processes: the same platform everywhere, local ranks in node order.
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
@@ -144,7 +145,7 @@ class ProcessState:
             )
 
 
-_state: Optional[ProcessState] = None
+_state: ProcessState | None = None
 _lock = threading.RLock()
 _generation = 0  # states made so far in this process: the same count in every process
 
@@ -164,7 +165,7 @@ def active() -> bool:
 SINGLE_PROCESS_GROUP = os.environ.get("TORCHPMAP_SINGLE_PROCESS_GROUP", "") == "1"
 
 
-def view() -> Optional[ProcessState]:
+def view() -> ProcessState | None:
     """This process' state when :func:`active`, else None (what :mod:`torchpmap._placement.devices` consults)."""
     return state() if active() else None
 
@@ -263,7 +264,7 @@ def _store_token(base_store: Any, generation: int) -> str:
 def _make_state(
     base_store: Any,
     *,
-    token: Optional[str],
+    token: str | None,
     backend: str,
     timeout: float,
     local_rank: int,
@@ -301,7 +302,7 @@ def _make_state(
     if store is not None:
         try:
             store.set(f"device/{rank}", f"{st.local_device.platform}:{st.local_device.id}")
-        except Exception:
+        except Exception:  # noqa: BLE001 - a store that cannot take it: run without heartbeats
             st.store = None
     if st.store is not None:
         st.heartbeat = _Heartbeat(st)
@@ -333,7 +334,7 @@ def install(
         return _state
 
 
-def uninstall() -> Optional[ProcessState]:
+def uninstall() -> ProcessState | None:
     """Forgets this process' state (``shutdown``); returns it."""
     global _state
     with _lock:
@@ -362,7 +363,7 @@ class _Heartbeat(threading.Thread):
             self.beat += 1
             try:
                 self.st.store.set(f"alive/{self.st.rank}", f"{self.beat}|{self.st.calls}|{self.st.waiting_in}")
-            except Exception:  # the store is gone (shutdown, or its host died): nothing left to tell
+            except Exception:  # noqa: BLE001 - the store is gone (shutdown, or its host died): nothing left to tell
                 return
             if self._stop_event.wait(self.st.heartbeat_interval):
                 return
@@ -377,7 +378,7 @@ class _Heartbeat(threading.Thread):
         if exited and self.st.store is not None:
             try:  # so that the others do not take a finished process for a dead one
                 self.st.store.set(f"alive/{self.st.rank}", f"exited|{self.st.calls}|")
-            except Exception:
+            except Exception:  # noqa: BLE001 - the store is gone: the others learn it from the heartbeats
                 pass
 
 
@@ -470,7 +471,7 @@ def record_failure(ranks: Sequence[int], reason: str, kind: str = "failure") -> 
             record = {"ranks": list(ranks), "reason": reason, "reporter": st.rank, "kind": kind}
             st.store.set(key, json.dumps(record))
             st.store.add("failures", 1)
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort: a store that is gone takes no report
         pass
 
 
@@ -524,7 +525,7 @@ def wait(work: Any, what: str, host: bool = False) -> None:
     slice_s = _FIRST_SLICE
     # The heartbeats a dead-or-alive verdict compares, read one verdict window before the
     # deadline, so that a timeout is reported at the deadline rather than a window later.
-    snapshot: Optional[_Heartbeats] = None
+    snapshot: _Heartbeats | None = None
     try:
         while True:
             try:
@@ -560,7 +561,7 @@ def wait(work: Any, what: str, host: bool = False) -> None:
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
-_all_gather_flat = getattr(dist, "all_gather_single", None) if _DIST_AVAILABLE else None
+_all_gather_flat: Any = getattr(dist, "all_gather_single", None) if _DIST_AVAILABLE else None
 if _DIST_AVAILABLE and _all_gather_flat is None:
     _all_gather_flat = dist.all_gather_into_tensor
 
@@ -618,7 +619,7 @@ class _Heartbeats:
     alive: dict[int, tuple[str, str, str]]
 
     @classmethod
-    def read(cls, st: ProcessState) -> "_Heartbeats":
+    def read(cls, st: ProcessState) -> _Heartbeats:
         return cls(time.monotonic(), {r: _read_alive(st, r) for r in range(st.world_size) if r != st.rank})
 
 
@@ -626,10 +627,10 @@ def _diagnose(
     st: ProcessState,
     what: str,
     *,
-    cause: Optional[BaseException],
-    waited: Optional[float],
+    cause: BaseException | None,
+    waited: float | None,
     timed_out: bool = False,
-    snapshot: Optional[_Heartbeats] = None,
+    snapshot: _Heartbeats | None = None,
 ) -> BaseException:
     """Why ``what`` did not complete: names the failed ranks from the records and heartbeats."""
     where = f"{what} on rank {st.rank} (pmap call #{st.calls})"
@@ -664,7 +665,8 @@ def _diagnose(
                     records = _read_failures(st)
                 else:
                     progress = "; ".join(
-                        f"rank {r} is in pmap call #{a[1]}" + (f", waiting in {a[2]}" if a[2] else ", not in a collective")
+                        f"rank {r} is in pmap call #{a[1]}"
+                        + (f", waiting in {a[2]}" if a[2] else ", not in a collective")
                         for r, a in sorted(after.items())
                     )
                     if timed_out:

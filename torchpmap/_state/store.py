@@ -196,7 +196,7 @@ def listen_socket(host: str, port: int, *, single_node: bool) -> socket.socket |
     except (socket.gaierror, UnicodeError, IndexError):
         logger.warning("rendezvous store: %s does not resolve here; listening on every interface", host)
         return None
-    ip = ipaddress.ip_address(address[0].split("%")[0])
+    ip = ipaddress.ip_address(str(address[0]).split("%")[0])
     if ip.is_unspecified:
         return None
     if ip.is_loopback and not single_node and not _names_loopback(host):
@@ -207,7 +207,8 @@ def listen_socket(host: str, port: int, *, single_node: bool) -> socket.socket |
         return None
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's server: a restart may reuse the port at once
+        # as torch's server: a restart may reuse the port at once
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen()  # the store's server listens again, with its own backlog
         return sock

@@ -31,7 +31,8 @@ import importlib
 import inspect
 import threading
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -118,7 +119,7 @@ _is_wrapped = _bind("functorch_value", lambda: torch._C._functorch.is_functorch_
 _is_batched = _bind("functorch_value", lambda: torch._C._functorch.is_batchedtensor)
 
 
-def functorch_value(t: torch.Tensor, vmap_level: Optional[int] = None) -> tuple[torch.Tensor, Optional[int]]:
+def functorch_value(t: torch.Tensor, vmap_level: int | None = None) -> tuple[torch.Tensor, int | None]:
     """``(value, dim)``: the plain tensor behind ``t``, under its grad wrappers and, when
     ``vmap_level`` is given, the batching of that vmap level (``dim`` its batch dim, None
     when ``t`` is not batched there). Not differentiable: the value is outside the
@@ -189,7 +190,7 @@ _decompositions_loaded = False
 
 
 @functools.cache
-def cpu_flash_attention() -> Optional[tuple[Any, Any]]:
+def cpu_flash_attention() -> tuple[Any, Any] | None:
     """The (forward, backward) ops of the CPU flash attention that
     ``F.scaled_dot_product_attention`` runs on CPU, None when this torch has none.
 
@@ -262,7 +263,7 @@ def cuda_attention_forwards() -> tuple[Any, ...]:
     return tuple(found)
 
 
-def vmap_randomness() -> Optional[str]:
+def vmap_randomness() -> str | None:
     """The ``randomness`` ("error", "same" or "different") of the innermost transform in
     force when it is a vmap, else None.
 
@@ -276,7 +277,8 @@ def vmap_randomness() -> Optional[str]:
     if top is None or top.key() != f.TransformType.Vmap:
         return None
     kind = f.CVmapInterpreterPtr(top).randomness()
-    return {f.RandomnessType.Error: "error", f.RandomnessType.Same: "same", f.RandomnessType.Different: "different"}[kind]
+    names = {f.RandomnessType.Error: "error", f.RandomnessType.Same: "same", f.RandomnessType.Different: "different"}
+    return names[kind]
 
 
 def batching_excluded() -> contextlib.AbstractContextManager:
@@ -438,7 +440,9 @@ def make_fx_real_inputs(fn: Callable[..., Any], **options: Any) -> Callable[...,
     return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True, **options)
 
 
-def compile_graph(graph: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: dict[str, Any]) -> Callable[..., Any]:
+def compile_graph(
+    graph: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], config: dict[str, Any]
+) -> Callable[..., Any]:
     """Inductor's compilation of an aten-level graph, without TorchDynamo: a callable that
     takes the graph's inputs and returns its outputs (differentiable: AOTAutograd is
     inside). ``config`` patches ``torch._inductor.config`` for this compilation.
@@ -461,7 +465,7 @@ def compile_graph(graph: torch.fx.GraphModule, example_inputs: Sequence[torch.Te
     return compile_fx_graph(graph, list(example_inputs), options=dict(config))
 
 
-_value_dependent: Optional[tuple[type[BaseException], ...]] = None
+_value_dependent: tuple[type[BaseException], ...] | None = None
 
 
 def value_dependent_errors() -> tuple[type[BaseException], ...]:
@@ -581,7 +585,7 @@ def function_mode_pushed(mode: Any) -> Iterator[None]:
         _pop_mode()
 
 
-def _layer_stack() -> tuple[Callable[[], Any], Callable[[], Any], Callable[[Any], None]]:
+def _layer_stack() -> tuple[Callable[[], Any], Callable[[], Any], Callable[[Any], Any]]:
     f = torch._C._functorch
     return f.peek_interpreter_stack, f.pop_dynamic_layer_stack, f.push_dynamic_layer_stack
 
@@ -642,7 +646,7 @@ def functorch_layers_cleared() -> Iterator[None]:
             push(layer)
 
 
-def innermost_vmap_level() -> Optional[int]:
+def innermost_vmap_level() -> int | None:
     """The level of the innermost vmap among the torch.func transforms in force (grad and
     jvp levels above it are skipped), or None.
 
@@ -735,7 +739,7 @@ def _dispatch_mode_class() -> type:
         return Missing
 
 
-TorchDispatchMode = _dispatch_mode_class()
+TorchDispatchMode: Any = _dispatch_mode_class()  # a class (Any: subclasses of it type-check)
 """The base class of a torch dispatch mode (``__torch_dispatch__``), which sees every aten
 op below autograd. If torch moves it, subclasses still define, and creating one raises
 :class:`TorchPrivateError`.
@@ -774,7 +778,7 @@ def op_schema(op: Any) -> Any:
     return getattr(op, "_schema", None)
 
 
-def version_counter(t: torch.Tensor) -> Optional[int]:
+def version_counter(t: torch.Tensor) -> int | None:
     """``t._version``: how many in-place writes the memory of ``t`` has had (a count that
     every view of one tensor shares); None for a tensor that keeps no count (an inference
     tensor).
@@ -842,7 +846,12 @@ def _probe_current_vmap_level() -> None:
 
     _with_vmap_level(2, body)
     seen = []
-    torch.func.grad(lambda x: (seen.append(current_vmap_level()), x.sum())[1])(torch.ones(2))
+
+    def noting_the_level(x: torch.Tensor) -> torch.Tensor:
+        seen.append(current_vmap_level())
+        return x.sum()
+
+    torch.func.grad(noting_the_level)(torch.ones(2))
     _expect(isinstance(seen[0], int), "grad opens a level too")
 
 
@@ -855,11 +864,17 @@ def _probe_functorch_value() -> None:
 
     torch.func.grad(f)(torch.ones(3))
     value, dim = seen[0]
-    _expect(type(value) is torch.Tensor and not _is_wrapped(value) and dim is None, "under a grad wrapper: a plain tensor")
+    _expect(
+        type(value) is torch.Tensor and not _is_wrapped(value) and dim is None, "under a grad wrapper: a plain tensor"
+    )
     _expect(value.data_ptr() != 0, "the plain value has storage")
 
     def g(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return torch.func.grad(lambda w: (hook(w), (w * x).sum())[1])(w)
+        def loss(w: torch.Tensor) -> torch.Tensor:
+            hook(w)
+            return (w * x).sum()
+
+        return torch.func.grad(loss)(w)
 
     def hook(w: torch.Tensor) -> None:
         level = innermost_vmap_level()
@@ -869,7 +884,7 @@ def _probe_functorch_value() -> None:
     torch.func.vmap(g, in_dims=(None, 0))(torch.ones(2), torch.arange(6.0).view(3, 2))
     value, dim = seen[0]
     _expect(type(value) is torch.Tensor and dim is not None, "under grad and vmap: the physical value and its dim")
-    _expect(torch.equal(value.movedim(dim, 0), torch.arange(6.0).view(3, 2)), "every instance's gradient")
+    _expect(torch.equal(value.movedim(cast(int, dim), 0), torch.arange(6.0).view(3, 2)), "every instance's gradient")
 
 
 def _probe_vmap_level_of() -> None:
@@ -994,7 +1009,7 @@ def _probe_value_dependent_errors() -> None:
             make_fx_real_inputs(fn)(torch.ones(2))
         except errors:
             continue
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             raise AssertionError(f"a value-dependent trace raised {type(error).__name__}, not one of them") from error
         raise AssertionError("a value-dependent trace did not raise")
 
@@ -1053,7 +1068,7 @@ def _probe_function_modes() -> None:
     seen = []
 
     class Record(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             seen.append(getattr(func, "__name__", None))
             return func(*args, **(kwargs or {}))
 
@@ -1099,10 +1114,13 @@ def _probe_functorch_layers() -> None:
 
 def _probe_innermost_vmap_level() -> None:
     _expect(innermost_vmap_level() is None, "no vmap outside every transform")
-    seen = []
-    torch.func.vmap(lambda x: torch.func.grad(lambda y: (seen.append(innermost_vmap_level()), y.sum())[1])(x))(
-        torch.ones(2, 3)
-    )
+    seen: list[Any] = []
+
+    def noting_the_level(y: torch.Tensor) -> torch.Tensor:
+        seen.append(innermost_vmap_level())
+        return y.sum()
+
+    torch.func.vmap(lambda x: torch.func.grad(noting_the_level)(x))(torch.ones(2, 3))
     _with_vmap_level(2, lambda level: seen.append(innermost_vmap_level() == level))
     _expect(seen[0] == 1 and seen[1] is True, f"the vmap under a grad is found ({seen})")
 
@@ -1110,7 +1128,12 @@ def _probe_innermost_vmap_level() -> None:
 def _probe_jvp_nesting() -> None:
     seen = []
     _expect(jvp_nesting() == 0, "no jvp open")
-    torch.func.jvp(lambda x: (seen.append(jvp_nesting()), x * 2)[1], (torch.ones(2),), (torch.ones(2),))
+
+    def noting_the_nesting(x: torch.Tensor) -> torch.Tensor:
+        seen.append(jvp_nesting())
+        return x * 2
+
+    torch.func.jvp(noting_the_nesting, (torch.ones(2),), (torch.ones(2),))
     _expect(seen == [1], f"one inside torch.func.jvp (got {seen})")
     with jvp_nesting_raised():
         _expect(jvp_nesting() == 1, "raised by one")
@@ -1121,7 +1144,7 @@ def _probe_release_compiled() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x + 1
 
-    compiled = torch.compile(f, backend="eager")
+    compiled: Any = torch.compile(f, backend="eager")
     _expect(torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)), "compiled")
     release_compiled(f)
     release_compiled(compiled.__call__)  # a callable without its own code object is fine too
@@ -1142,7 +1165,7 @@ def _probe_dispatch_mode() -> None:
     seen = []
 
     class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
@@ -1176,6 +1199,7 @@ def _probe_op_schema() -> None:
 def _probe_cpu_flash_attention() -> None:
     ops = cpu_flash_attention()
     _expect(ops is not None, "the ops exist")
+    assert ops is not None
     q = torch.randn(1, 2, 4, 8)
     out, _ = ops[0](q, q, q, 0.0, False, attn_mask=None, scale=None)
     want = torch.nn.functional.scaled_dot_product_attention(q, q, q)
@@ -1197,7 +1221,8 @@ def _probe_cuda_attention_forwards() -> None:
     _expect(len(ops) == len(_CUDA_ATTENTION_FORWARDS), "every op exists")
     for op in ops:
         names = [a.name for a in op_schema(op).arguments]
-        _expect(names[:5] == ["query", "key", "value", "attn_bias", "compute_log_sumexp"], f"{op.name()} takes its arguments")
+        expected = ["query", "key", "value", "attn_bias", "compute_log_sumexp"]
+        _expect(names[:5] == expected, f"{op.name()} takes its arguments")
         _expect({"dropout_p", "is_causal", "scale"} <= set(names), f"{op.name()} takes dropout_p, is_causal, scale")
     if ops:  # the memory-efficient kernel's meta function: the log-sum-exp is there when asked for
         q = torch.empty(2, 3, 5, 8, device="meta")
@@ -1235,7 +1260,9 @@ def _probe_wrapper_subclass() -> None:
         __torch_function__ = disabled_torch_function
 
         @classmethod
-        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
+            cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        ) -> Any:
             seen.append(func)
             return func(*[torch.ones(2) if isinstance(a, Wrapper) else a for a in args], **(kwargs or {}))
 
@@ -1250,8 +1277,12 @@ def _probe_version_counter() -> None:
     base = torch.zeros(2, 3)
     view = base[0]
     before = version_counter(base)
+    _expect(before is not None, "a tensor keeps a count")
     view.add_(1)  # a write through a view moves the count of every view of the base
-    _expect(version_counter(base) == before + 1 == version_counter(view), "a write through a view moves the shared count")
+    _expect(
+        version_counter(base) == cast(int, before) + 1 == version_counter(view),
+        "a write through a view moves the shared count",
+    )
     with torch.inference_mode():
         _expect(version_counter(torch.zeros(1)) is None, "an inference tensor has no count")
 
@@ -1411,7 +1442,7 @@ def check(*names: str) -> None:
         raise TorchPrivateError(failures[0][0], f"and {others} other entries failed their checks ({listing})")
 
 
-def changed(name: str) -> Optional[TorchPrivateError]:
+def changed(name: str) -> TorchPrivateError | None:
     """Whether torch changed the private API behind entry ``name``, for a feature that
     can go on without it (and then warns and turns itself off).
 
@@ -1428,5 +1459,10 @@ def changed(name: str) -> Optional[TorchPrivateError]:
     except Exception as error:  # noqa: BLE001 - inconclusive: the feature stays on
         from torchpmap._state.log import logger
 
-        logger.info("torch_private.%s: its probe could not run (%s: %s); the feature stays on", name, type(error).__name__, error)
+        logger.info(
+            "torch_private.%s: its probe could not run (%s: %s); the feature stays on",
+            name,
+            type(error).__name__,
+            error,
+        )
     return None

@@ -8,7 +8,8 @@ import datetime
 import os
 import platform
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ QUICK = timing.Plan(reps=7, warmup=2, min_sample_s=0.002, max_total_s=1.5, min_r
 FULL = timing.Plan(reps=41, warmup=5, min_sample_s=0.02, max_total_s=12.0, min_reps=11)
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     names = [w.name for w in WORKLOADS]
     parser = argparse.ArgumentParser(
         prog="python -m torchpmap.bench",
@@ -61,7 +62,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Runs the suite, prints the table, writes the files. Exit status 1 if a column
     failed or disagreed with its reference; timings never fail."""
     frameworks.configure_environment()  # before JAX is imported (the workloads import it lazily)
@@ -86,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if _failures(rows) else 0
 
 
-def _load() -> Optional[float]:
+def _load() -> float | None:
     """The 1-minute load average, to tell a busy machine's numbers apart (None if unknown)."""
     try:
         return round(os.getloadavg()[0], 2)
@@ -106,7 +107,7 @@ def _failures(rows: list[dict[str, Any]]) -> list[str]:
     return failed
 
 
-def _meta(cfg: Config, argv: Optional[Sequence[str]], plan: timing.Plan) -> dict[str, Any]:
+def _meta(cfg: Config, argv: Sequence[str] | None, plan: timing.Plan) -> dict[str, Any]:
     versions = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
     jax = sys.modules.get("jax")
     if jax is not None:

@@ -35,19 +35,20 @@ import os
 import platform
 import shutil
 import subprocess
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from torchpmap._frontend.launch import Host
 from torchpmap.bench.ddp import COLUMNS, run_ddp_comparison
+from torchpmap.bench.launch import Host
 
 #: The model of the issue that asked for this: compute and exchange of the same order at 1 Gbit/s.
 SIZES = (1024, 1024, 10)
 BATCH_PER_HOST = 256
 
 
-def why_unavailable() -> Optional[str]:
+def why_unavailable() -> str | None:
     """None when this machine can build a simulated cluster, else the reason."""
     if os.name != "posix" or platform.system() != "Linux":
         return "needs Linux network namespaces"
@@ -94,7 +95,7 @@ class SimulatedCluster:
             },
         )
 
-    def __enter__(self) -> "SimulatedCluster":
+    def __enter__(self) -> SimulatedCluster:
         try:
             self._build()
         except BaseException:
@@ -172,9 +173,10 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     ]
     for r in results:
         c = r["columns"]
-        ms = lambda name: f"{c[name]['ms']:.1f} ms"  # noqa: E731
+        ms = lambda name: f"{c[name]['ms']:.1f} ms"  # noqa: E731, B023 - used in this iteration only
         lines.append(
-            f"| {r['hosts']} | {r['rate']} | {ms('compute')} | {ms('allreduce')} | {ms('pmean')} | {r['exchange_share']:.0%} | "
+            f"| {r['hosts']} | {r['rate']} | {ms('compute')} | {ms('allreduce')} | {ms('pmean')} | "
+            f"{r['exchange_share']:.0%} | "
             f"{ms('ddp')} | {ms('torchpmap')} | {ms('torchpmap.jit')} | {ms('torchpmap.by_hand')} | "
             f"{c['torchpmap']['ratio_to_ddp']:.2f} | {c['torchpmap.jit']['ratio_to_ddp']:.2f} | "
             f"{c['torchpmap.by_hand']['ratio_to_ddp']:.2f} |"
@@ -182,7 +184,7 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the data-parallel step on a simulated cluster (network namespaces)")
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--rates", nargs="+", default=["1gbit", "300mbit"])

@@ -8,7 +8,8 @@ time) or an :class:`NA` (why that column has no number).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ class Impl:
     result: Callable[[Any], Any] = lambda out: to_numpy(out)
 
 
-Cell = Union[Impl, NA]
+Cell = Impl | NA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ class Case:
     reference: str = "torch"
     rtol: float = 1e-5
     atol: float = 1e-6
-    external: Optional[Callable[[], "ExternalResult"]] = None
+    external: Callable[[], ExternalResult] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Workload:
     name: str
     description: str
     build: Callable[[Config], list[Case]]
-    needs: Callable[[], Optional[str]] = lambda: None
+    needs: Callable[[], str | None] = lambda: None
 
 
 # --------------------------------------------------------------------------- results as numpy

@@ -44,11 +44,12 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
-from torchpmap._frontend.launch import Host, launch
+from torchpmap.bench.launch import Host, launch
 
 #: The default model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
 FEATURES, HIDDEN, CLASSES = 64, 256, 10
@@ -67,9 +68,9 @@ def run_ddp_comparison(
     lr: float = 0.1,
     timeout: float = 600.0,
     jit: bool = False,
-    columns: Optional[Sequence[str]] = None,
+    columns: Sequence[str] | None = None,
     sizes: tuple[int, int, int] = (FEATURES, HIDDEN, CLASSES),
-    hosts: Optional[Callable[[int], Host]] = None,
+    hosts: Callable[[int], Host] | None = None,
     master_addr: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """Times a data-parallel training step under torchpmap and under DDP, in ``nproc`` processes.
@@ -88,7 +89,7 @@ def run_ddp_comparison(
         columns: which of :data:`COLUMNS` to time (default: ``torchpmap`` or
             ``torchpmap.jit``, and ``ddp``).
         sizes: the MLP's (features, hidden, classes).
-        hosts: where each rank runs (:class:`torchpmap._frontend.launch.Host`); default: here.
+        hosts: where each rank runs (:class:`torchpmap.bench.launch.Host`); default: here.
         master_addr: rank 0's address, where the others meet it.
 
     Returns:
@@ -183,16 +184,16 @@ def _worker(
         model = models["torchpmap.by_hand"]
         opt = torch.optim.SGD(model.parameters(), lr=lr)
 
-        def loss_fn(params, x, y):
+        def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(functional_call(model, params, (x,)), y)
 
-        def instance_step(params, x, y):
+        def instance_step(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
             grads, loss = grad_and_value(loss_fn)(params, x, y)
             return tp.pmean((grads, loss), "batch")  # one exchange, after the backward
 
         p_step = tp.pmap(instance_step, axis_name="batch", in_axes=(None, 0, 0), out_axes=None)
 
-        def step(x, y):
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
             params = {k: p.detach() for k, p in model.named_parameters()}
             grads, loss = p_step(params, *shard((x, y), instances))
             for k, p in model.named_parameters():
@@ -206,10 +207,12 @@ def _worker(
         module = models[name]
         net = module
         if name == "ddp":
-            net = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+            net = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None
+            )
         opt = torch.optim.SGD(net.parameters(), lr=lr)
 
-        def step(x, y):
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(net(x), y)
             loss.backward()
@@ -220,13 +223,13 @@ def _worker(
 
     flat = torch.zeros(sum(p.numel() for p in initial.parameters()), device=device)
 
-    def allreduce(x, y):
+    def allreduce(x: torch.Tensor, y: torch.Tensor) -> None:
         dist.all_reduce(flat)
         return None
 
     mean_over_processes = tp.pmap(lambda v: tp.pmean(v, "batch"), axis_name="batch")
 
-    def pmean(x, y):
+    def pmean(x: torch.Tensor, y: torch.Tensor) -> Any:
         return mean_over_processes(flat[None])
 
     builders = {
@@ -237,7 +240,7 @@ def _worker(
     }
     columns = {name: builders[name]() for name in names}
 
-    def sync():
+    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -268,14 +271,22 @@ def _worker(
     seconds = dict(zip(columns, stacked.tolist()))
     trained = [m for name, m in models.items() if name != "compute"]
     diff = max(
-        ((a.detach() - b.detach()).abs().max().item() for other in trained[1:] for a, b in zip(trained[0].parameters(), other.parameters())),
+        (
+            (a.detach() - b.detach()).abs().max().item()
+            for other in trained[1:]
+            for a, b in zip(trained[0].parameters(), other.parameters())
+        ),
         default=0.0,
     )
     if rank == 0:
         ms = lambda v: [round(t * 1e3, 4) for t in v]  # noqa: E731
         per_column = {}
         for name, samples in seconds.items():
-            per_column[name] = {"ms": statistics.median(samples) * 1e3, "iqr_ms": _iqr(samples) * 1e3, "all_ms": ms(samples)}
+            per_column[name] = {
+                "ms": statistics.median(samples) * 1e3,
+                "iqr_ms": _iqr(samples) * 1e3,
+                "all_ms": ms(samples),
+            }
             if "ddp" in seconds:
                 per_column[name]["ratio_to_ddp"] = statistics.median(a / b for a, b in zip(samples, seconds["ddp"]))
         result = {
@@ -284,7 +295,7 @@ def _worker(
             "warmup": warmup,
             "backend": str(dist.get_backend()),
             "device": str(device),
-            "model": "MLP {}-{}-{}-{}, cross-entropy, SGD(lr={})".format(sizes[0], sizes[1], sizes[1], sizes[2], lr),
+            "model": f"MLP {sizes[0]}-{sizes[1]}-{sizes[1]}-{sizes[2]}, cross-entropy, SGD(lr={lr})",
             "parameters": flat.numel(),
             "global_batch": nproc * batch_per_process,
             "instances_per_process": instances,
@@ -297,13 +308,13 @@ def _worker(
         os.replace(report + ".tmp", report)
     # DistributedDataParallel sits in reference cycles: collect it while its process group
     # lives, or the interpreter's exit may destroy its reducer after the group and abort
-    # the process (see torchpmap/bench/workloads/distributed.py).
+    # the process (see torchpmap/bench/workloads/multiprocess.py).
     del columns, builders
     gc.collect()
     tpd.shutdown()
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="torchpmap vs DistributedDataParallel, data-parallel MLP step")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
@@ -317,7 +328,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--sizes", default=f"{FEATURES},{HIDDEN},{CLASSES}", help="the MLP's features,hidden,classes")
     parser.add_argument("--worker", metavar="REPORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = tuple(int(v) for v in args.sizes.split(","))
+    sizes = cast("tuple[int, int, int]", tuple(int(v) for v in args.sizes.split(",")))
     columns = args.columns.split(",") if args.columns else None
     if args.worker:
         _worker(

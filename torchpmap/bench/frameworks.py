@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def torch_impl(cfg: Config, fn: Callable[..., Any], *args: Any, result: Optional[Callable[[Any], Any]] = None) -> Impl:
+def torch_impl(cfg: Config, fn: Callable[..., Any], *args: Any, result: Callable[[Any], Any] | None = None) -> Impl:
     """``fn(*args)`` followed by a device synchronization."""
     sync = cfg.sync
 
@@ -55,7 +56,7 @@ def torch_impl(cfg: Config, fn: Callable[..., Any], *args: Any, result: Optional
     return Impl(call) if result is None else Impl(call, result)
 
 
-def torchpmap_devices() -> Optional[list[torchpmap.Device]]:
+def torchpmap_devices() -> list[torchpmap.Device] | None:
     """The one-device path: None (the default) when torchpmap has one device, else its first."""
     devs = torchpmap.devices()
     return None if len(devs) == 1 else devs[:1]
@@ -78,7 +79,7 @@ def disable_jax(reason: str) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _import_jax() -> Union[ModuleType, NA]:
+def _import_jax() -> ModuleType | NA:
     if _jax_disabled:
         return NA(f"jax {_jax_disabled[-1]}")
     configure_jax_environment()
@@ -89,12 +90,12 @@ def _import_jax() -> Union[ModuleType, NA]:
     return jax
 
 
-def jax_or_na() -> Union[ModuleType, NA]:
+def jax_or_na() -> ModuleType | NA:
     """The ``jax`` module, or why it cannot be used."""
     return _import_jax()
 
 
-def jax_pmap_or_na(size: int) -> Union[ModuleType, NA]:
+def jax_pmap_or_na(size: int) -> ModuleType | NA:
     """``jax``, if ``jax.pmap`` can map an axis of ``size`` on its devices."""
     jax = jax_or_na()
     if isinstance(jax, NA):
@@ -106,7 +107,7 @@ def jax_pmap_or_na(size: int) -> Union[ModuleType, NA]:
     return jax
 
 
-def jax_impl(fn: Callable[..., Any], *args: Any, result: Optional[Callable[[Any], Any]] = None) -> Impl:
+def jax_impl(fn: Callable[..., Any], *args: Any, result: Callable[[Any], Any] | None = None) -> Impl:
     """``fn(*args)`` followed by ``jax.block_until_ready``."""
     jax = jax_or_na()
     assert not isinstance(jax, NA)

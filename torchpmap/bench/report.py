@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from torchpmap.bench.core import COLUMNS, SUBJECT
 
 Doc = dict[str, Any]
 Row = dict[str, Any]
 Bar = tuple[float, float, float]  # median, q1, q3
-ValueOf = Callable[[Row, str], Optional[Bar]]
+ValueOf = Callable[[Row, str], Bar | None]
 
 #: Always shown; the other columns only when some row measured them.
 CORE_COLUMNS = list(COLUMNS)[:4]
@@ -181,12 +182,12 @@ def write_png(doc: Doc, path: str) -> str:
     return f"chart written to {path}"
 
 
-def _times_of(row: Row, name: str) -> Optional[Bar]:
+def _times_of(row: Row, name: str) -> Bar | None:
     cell = row["columns"][name]
     return (cell["median_s"], cell["q1_s"], cell["q3_s"]) if "median_s" in cell else None
 
 
-def _ratios_of(row: Row, name: str) -> Optional[Bar]:
+def _ratios_of(row: Row, name: str) -> Bar | None:
     r = row["ratios"].get(name)
     return (r["median"], r["q1"], r["q3"]) if r else None
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from torchpmap.bench import timing
 from torchpmap.bench.core import COLUMNS, JIT, NA, SUBJECT, Case, Config, Impl, Workload, all_close, max_abs_diff
@@ -35,7 +36,7 @@ def run_workload(workload: Workload, cfg: Config, plan: timing.Plan, log: Log) -
         return [_unavailable_row(workload, reason)]
     try:
         cases = workload.build(cfg)
-    except Exception as exc:  # a broken workload is reported, the others still run
+    except Exception as exc:  # noqa: BLE001 - a broken workload is reported, the others still run
         return [_unavailable_row(workload, _describe(exc), error=True)]
     rows = []
     for case in cases:
@@ -75,7 +76,7 @@ def _first_results(impls: dict[str, Impl]) -> tuple[dict[str, Any], dict[str, st
     for name, impl in impls.items():
         try:
             results[name] = impl.result(impl.call())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a failing column is reported in its cell
             errors[name] = _describe(exc)
     return results, errors
 
@@ -118,7 +119,7 @@ def _ratios_json(measured: timing.Measurement, subject: str = SUBJECT, baselines
     return ratios
 
 
-def _check_json(case: Case, results: dict[str, Any], expected: Optional[Any]) -> dict[str, Any]:
+def _check_json(case: Case, results: dict[str, Any], expected: Any | None) -> dict[str, Any]:
     check: dict[str, Any] = {"reference": case.reference, "rtol": case.rtol, "atol": case.atol}
     if expected is None:
         return {**check, "ok": None, "note": "the reference did not run; nothing to compare"}

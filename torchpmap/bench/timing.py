@@ -37,7 +37,7 @@ import gc
 import math
 import statistics
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 Thunk = Callable[[], object]
 
@@ -57,7 +57,7 @@ class Stats:
     n: int
 
     @classmethod
-    def of(cls, samples: Sequence[float]) -> "Stats":
+    def of(cls, samples: Sequence[float]) -> Stats:
         if len(samples) == 1:
             return cls(samples[0], samples[0], samples[0], 1)
         q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
@@ -112,7 +112,7 @@ def _calls_for(estimate_s: float, plan: Plan) -> int:
     return max(1, min(plan.max_calls_per_sample, math.ceil(plan.min_sample_s / max(estimate_s, 1e-9))))
 
 
-def measure(fns: Mapping[str, Thunk], plan: Plan, calls_per_sample: Optional[int] = None) -> Measurement:
+def measure(fns: Mapping[str, Thunk], plan: Plan, calls_per_sample: int | None = None) -> Measurement:
     """Times every callable of ``fns`` interleaved, as described in the module docstring.
 
     With ``calls_per_sample`` given, calibration is skipped and exactly ``plan.reps``

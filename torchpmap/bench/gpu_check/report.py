@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import xml.etree.ElementTree as ET
-from typing import Any
+from typing import Any, cast
 
 from torchpmap.bench.gpu_check.outcome import PASSED, Check, Findings, PartResult
 
@@ -38,9 +38,13 @@ def _passed(findings: Findings) -> str:
     """The table's "checks passed": the checks, or for a pytest part its tests (skipped
     ones left out)."""
     m = findings.measurements
+
+    def count(key: str) -> int:  # junit_findings stores them as ints
+        return int(cast(int, m.get(key, 0)))
+
     if "pytest tests" in m:
-        ran = int(m["pytest tests"]) - int(m.get("pytest skipped", 0))
-        bad = int(m.get("pytest failures", 0)) + int(m.get("pytest errors", 0))
+        ran = count("pytest tests") - count("pytest skipped")
+        bad = count("pytest failures") + count("pytest errors")
         return f"{ran - bad}/{ran} tests"
     return f"{sum(c.ok for c in findings.checks)}/{len(findings.checks)}"
 

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from torchpmap.bench.core import Workload
 from torchpmap.bench.workloads import (
-    dispatch, distributed, mixed_precision, multidevice, psum, real_models, scaling, training, transformer,
+    dispatch,
+    mixed_precision,
+    multidevice,
+    multiprocess,
+    psum,
+    real_models,
+    scaling,
+    training,
+    transformer,
 )
 
 WORKLOADS: list[Workload] = [
@@ -12,7 +20,7 @@ WORKLOADS: list[Workload] = [
     training.WORKLOAD,
     psum.WORKLOAD,
     scaling.WORKLOAD,
-    distributed.WORKLOAD,
+    multiprocess.WORKLOAD,
     multidevice.WORKLOAD,
     mixed_precision.WORKLOAD,
     transformer.WORKLOAD,

@@ -7,7 +7,8 @@ mean loss, because the mean of equal-sized means is the overall mean.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

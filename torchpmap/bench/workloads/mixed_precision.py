@@ -10,7 +10,7 @@ so repeated calls do the same work.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -7,7 +7,6 @@ suite sets to 2 unless it is set); until then the row reports why it is empty.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 
@@ -19,7 +18,7 @@ from torchpmap.bench.workloads import _mlp
 DEVICES = 2
 
 
-def needs() -> Optional[str]:
+def needs() -> str | None:
     count = len(fw.torchpmap_cpu_devices())
     if count >= DEVICES:
         return None

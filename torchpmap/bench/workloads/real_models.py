@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,9 @@ def _text(vocab: int, length: int, labels: str) -> Batch:
     lengths = torch.randint(length // 2, length + 1, (N * B,), generator=g)
     mask = (torch.arange(length) < lengths[:, None]).long()  # padding at the end
     batch = {"input_ids": ids * mask, "attention_mask": mask}
-    batch["labels"] = torch.randint(0, 2, (N * B,), generator=g) if labels == "class" else torch.where(mask.bool(), ids, -100)
+    batch["labels"] = (
+        torch.randint(0, 2, (N * B,), generator=g) if labels == "class" else torch.where(mask.bool(), ids, -100)
+    )
     return batch
 
 
@@ -92,7 +95,13 @@ def _own_loss(out: Any, batch: Batch) -> torch.Tensor:
 class _Model:
     """A row: the model, its batch, its loss, and what of the batch the model takes."""
 
-    def __init__(self, make: Callable[[], nn.Module], batch: Batch, loss: Callable[[Any, Batch], torch.Tensor], inputs: Callable[[Batch], Any]):
+    def __init__(
+        self,
+        make: Callable[[], nn.Module],
+        batch: Batch,
+        loss: Callable[[Any, Batch], torch.Tensor],
+        inputs: Callable[[Batch], Any],
+    ):
         self.make, self.batch, self.loss, self.inputs = make, batch, loss, inputs
 
 
@@ -108,11 +117,25 @@ def _hugging_face(cfg: Config) -> dict[str, _Model]:
         max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
     gpt2 = transformers.GPT2Config(
-        vocab_size=100, n_positions=64, n_embd=width, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=100,
+        n_positions=64,
+        n_embd=width,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return {
-        "bert_padded": _Model(lambda: transformers.BertForSequenceClassification(bert), _text(100, length, "class"), _own_loss, lambda b: b),
-        "gpt2_padded": _Model(lambda: transformers.GPT2LMHeadModel(gpt2), _text(100, length, "lm"), _own_loss, lambda b: b),
+        "bert_padded": _Model(
+            lambda: transformers.BertForSequenceClassification(bert),
+            _text(100, length, "class"),
+            _own_loss,
+            lambda b: b,
+        ),
+        "gpt2_padded": _Model(
+            lambda: transformers.GPT2LMHeadModel(gpt2), _text(100, length, "lm"), _own_loss, lambda b: b
+        ),
     }
 
 

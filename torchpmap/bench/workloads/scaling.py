@@ -6,7 +6,8 @@ per-instance work is ``y = tanh(x @ w)`` on a 16 x 32 block, centred with ``pmea
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

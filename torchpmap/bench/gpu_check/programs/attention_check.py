@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,51 @@ def _outside(fn: Callable[..., torch.Tensor], weights: torch.Tensor, *inputs: to
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*leaves)
     (out.float() * weights).sum().backward()
-    return out.detach().float(), [t.grad.float() for t in leaves]
+    return out.detach().float(), [cast(torch.Tensor, t.grad).float() for t in leaves]
+
+
+def _check_kernel(
+    rec: Recorder, dev: torch.device, g: torch.Generator, name: str, kernel: SDPBackend | None, dtype: torch.dtype,
+    masked: bool,
+) -> None:
+    """One case of :func:`_kernels`: the pmap's values and gradients against plain PyTorch."""
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    q, k, v = (torch.randn(N, B, H, L, E, generator=g).to(dev, dtype) for _ in range(3))
+    weights = torch.randn(N, B, H, L, E, generator=g).to(dev)
+    mask = (torch.randn(N, B, 1, L, L, generator=g) * 0.5).to(dev, dtype) if masked else None
+    flat = lambda t: t.flatten(0, 1)  # noqa: E731 -- the instances folded into the batch
+    unflat = lambda t: t.unflatten(0, (N, B))  # noqa: E731
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None)
+
+    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return unflat(attend(flat(q), flat(k), flat(v), None if mask is None else flat(mask)))
+
+    with _using(kernel):
+        oracle = None
+        with rec.case(f"{name}: plain PyTorch runs (the oracle)"):
+            oracle = _outside(plain, weights, q, k, v)
+        if oracle is None:  # this kernel refuses these inputs on this device: recorded above
+            return
+        want, want_grads = oracle
+        for jit in (False, True):
+            label = f"{name}{', jit=True' if jit else ''}"
+            with rec.case(f"{label}: the gradient outside the map"):
+                mapped = tp.pmap(attend, jit=jit)
+                fn = (lambda q, k, v: mapped(q, k, v, mask)) if mask is not None else mapped  # noqa: B023 -- called here
+                got, got_grads = _outside(fn, weights, q, k, v)
+                close(rec, f"{label}: values vs plain PyTorch", got, want, tolerance)
+                close(rec, f"{label}: gradients outside the map vs plain PyTorch", got_grads, want_grads, tolerance)
+        with rec.case(f"{name}: the gradient inside the map"):
+            def inner(
+                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *m: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
+                return grad(lambda q, k, v: (attend(q, k, v, *m).float() * w).sum(), argnums=(0, 1, 2))(q, k, v)
+
+            args = (q, k, v, weights, *(() if mask is None else (mask,)))
+            inside = [t.float() for t in tp.pmap(inner)(*args)]
+            close(rec, f"{name}: gradients inside the map vs plain PyTorch", inside, want_grads, tolerance)
 
 
 def main() -> int:
@@ -61,41 +106,7 @@ def main() -> int:
     rec.measure("device", str(dev))
     g = torch.Generator().manual_seed(0)
     for name, kernel, dtype, masked in _kernels():
-        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-        q, k, v = (torch.randn(N, B, H, L, E, generator=g).to(dev, dtype) for _ in range(3))
-        weights = torch.randn(N, B, H, L, E, generator=g).to(dev)
-        mask = (torch.randn(N, B, 1, L, L, generator=g) * 0.5).to(dev, dtype) if masked else None
-        flat = lambda t: t.flatten(0, 1)  # noqa: E731 -- the instances folded into the batch
-        unflat = lambda t: t.unflatten(0, (N, B))  # noqa: E731
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor | None = None) -> torch.Tensor:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None)
-
-        def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return unflat(attend(flat(q), flat(k), flat(v), None if mask is None else flat(mask)))
-
-        with _using(kernel):
-            oracle = None
-            with rec.case(f"{name}: plain PyTorch runs (the oracle)"):
-                oracle = _outside(plain, weights, q, k, v)
-            if oracle is None:  # this kernel refuses these inputs on this device: recorded above
-                continue
-            want, want_grads = oracle
-            for jit in (False, True):
-                label = f"{name}{', jit=True' if jit else ''}"
-                with rec.case(f"{label}: the gradient outside the map"):
-                    mapped = tp.pmap(attend, jit=jit)
-                    fn = (lambda q, k, v: mapped(q, k, v, mask)) if mask is not None else mapped
-                    got, got_grads = _outside(fn, weights, q, k, v)
-                    close(rec, f"{label}: values vs plain PyTorch", got, want, tolerance)
-                    close(rec, f"{label}: gradients outside the map vs plain PyTorch", got_grads, want_grads, tolerance)
-            with rec.case(f"{name}: the gradient inside the map"):
-                def inner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, *m: torch.Tensor):
-                    return grad(lambda q, k, v: (attend(q, k, v, *m).float() * w).sum(), argnums=(0, 1, 2))(q, k, v)
-
-                args = (q, k, v, weights, *(() if mask is None else (mask,)))
-                inside = [t.float() for t in tp.pmap(inner)(*args)]
-                close(rec, f"{name}: gradients inside the map vs plain PyTorch", inside, want_grads, tolerance)
+        _check_kernel(rec, dev, g, name, kernel, dtype, masked)
     return rec.finish()
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -129,7 +129,9 @@ def sync_sites(sites: list[str]) -> Iterator[None]:
     previous = torch.cuda.get_sync_debug_mode()
     shown = warnings.showwarning
 
-    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+    def record(
+        message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: str | None = None
+    ) -> None:
         if not str(message).startswith(SYNC_WARNING):  # e.g. the mode's own "prototype feature" note
             return shown(message, category, filename, lineno, file, line)
         stack = traceback.extract_stack()[:-1]
@@ -168,6 +170,6 @@ def unique(lines: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(lines))
 
 
-def main_guard(fn) -> None:  # noqa: ANN001
+def main_guard(fn: Callable[[], int]) -> None:
     """Runs a program's ``main`` and exits with its status."""
     sys.exit(fn())

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             with rec.case(f"one device, {'jit=True' if jit else 'eager'}"):
                 check_step(rec, "one device", width, n_local, jit)
 
-    from torchpmap._frontend.launch import launch
+    from torchpmap.bench.launch import launch
 
     base = os.environ.get(RESULT_ENV) or os.path.abspath("host-sync.json")
     program = ["-m", "torchpmap.bench.gpu_check.programs.host_sync", "--worker"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -115,8 +116,9 @@ def run_variant(rec: Recorder, v: Variant, dev: torch.device) -> None:
     close(rec, f"{v.name}: parameters after {STEPS} steps", dict(ours.named_parameters()),
           dict(ref.named_parameters()), v.tolerance)
     if v.scaled:
-        rec.check(f"{v.name}: the scalers agree", scalers[0].get_scale() == scalers[1].get_scale(),
-                  f"scale {scalers[0].get_scale()} vs {scalers[1].get_scale()}")
+        ours_scaler, ref_scaler = (cast(torch.amp.GradScaler, s) for s in scalers)
+        rec.check(f"{v.name}: the scalers agree", ours_scaler.get_scale() == ref_scaler.get_scale(),
+                  f"scale {ours_scaler.get_scale()} vs {ref_scaler.get_scale()}")
 
 
 def check_prefetch(rec: Recorder, dev: torch.device) -> None:

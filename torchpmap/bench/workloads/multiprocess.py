@@ -19,7 +19,8 @@ import importlib.util
 import os
 import pickle
 import tempfile
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ COLUMNS = ("torchpmap", "torchpmap.jit", "torch.ddp")
 _CPU = Config(quick=True, device=torch.device("cpu"))
 
 
-def needs() -> Optional[str]:
+def needs() -> str | None:
     if not torch.distributed.is_available():
         return "needs torch.distributed"
     if importlib.util.find_spec("torchpmap.distributed") is None:

@@ -1,14 +1,16 @@
-"""The threaded engine: one thread per slice of an axis, with nesting across threads.
+"""Instance threads: one thread per slice of an axis, with nesting across threads.
 
-Two uses share it:
+Two engines run on them:
 
-* **Mesh axes.** A pmap over mesh axis ``A`` runs one thread per device along ``A`` (at
-  the mesh coordinates of the enclosing mesh pmaps, other axes at index 0). With one
-  instance per device the instance runs without a vmap level, so that a nested pmap over
-  another mesh axis can start threads of its own: instance ``(d, m)`` then runs on
-  ``mesh.devices[d, m]``.
-* **Debug mode** (``config.disable_vectorization``): every instance is its own thread,
-  run in plain Python, one at a time, so ``print`` and ``pdb`` work inside the function.
+* **Mesh axes** (:mod:`torchpmap._engines.mesh_axes`). A pmap over mesh axis ``A`` runs
+  one thread per device along ``A`` (at the mesh coordinates of the enclosing mesh pmaps,
+  other axes at index 0). With one instance per device the instance runs without a vmap
+  level, so that a nested pmap over another mesh axis can start threads of its own:
+  instance ``(d, m)`` then runs on ``mesh.devices[d, m]``.
+* **One instance at a time** (:mod:`torchpmap._engines.one_at_a_time`): debug mode
+  (``config.disable_vectorization``) and the fallback when vmap cannot run a function.
+  Every instance is its own thread, run in plain Python, one at a time, so ``print`` and
+  ``pdb`` work inside the function.
 
 A collective over ``A`` meets the threads that differ only in their ``A`` coordinate,
 within the same nested call: the meeting key is (axis, call path, other coordinates).
@@ -17,23 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
+from torchpmap._engines import vectorized
+from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.multi_device import device_thread, run_threads
+from torchpmap._engines.random_per_thread import call_seed
+from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
+from torchpmap._placement import mesh as _mesh
+from torchpmap._placement.devices import Device
+from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import context as _context
-from torchpmap._placement import devices as _devices
-from torchpmap._placement import mesh as _mesh
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.faults import OutputVaries
-from torchpmap._placement.devices import Device
-from torchpmap._engines import MappedCall, vectorized
-from torchpmap._engines.multi_device import device_thread, run_threads
-from torchpmap._engines.thread_mode import call_seed
-from torchpmap._engines.rendezvous import Rendezvous, ThreadExchange
-from torchpmap._placement.sharded import ShardedTensor
 
 # For an axis, the device of each participant given the caller's coordinates.
 Along = Callable[[dict], Sequence[Device]]
@@ -64,7 +66,9 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
     if parent is None:
         return None
     if axis is not None and axis in parent.coords:
-        raise ValueError(f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name")
+        raise ValueError(
+            f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name"
+        )
     if private.current_vmap_level() != parent.outer_level:
         raise NotImplementedError(
             f"{what} over axis {axis!r}: it is nested in a map whose instances run vectorized, or in a torch.func "
@@ -74,11 +78,14 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
     return parent
 
 
-def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.Lock | None = None) -> list:
+def run(
+    call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.RLock | None = None
+) -> list:
     """Runs ``call`` in ``count`` threads, ``call.size / count`` instances each."""
     axis = call.axis_name if call.axis_name is not None else object()  # an unnamed axis still has coordinates
     k = call.size // count
     parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")
+    frames: tuple[_axis_env.AxisFrame, ...]
     if parent is None:
         rendezvous = Rendezvous(config.collective_timeout, baton or threading.RLock())
         path, coords, frames, outer_along = (object(),), {}, (), {}
@@ -108,7 +115,13 @@ def run(call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, bat
 
 
 def _run_single(
-    call: MappedCall, state: _ThreadState, enclosing: tuple, axis: Hashable, offset: int, axis_size: int, seed: int | None
+    call: MappedCall,
+    state: _ThreadState,
+    enclosing: tuple,
+    axis: Hashable,
+    offset: int,
+    axis_size: int,
+    seed: int | None,
 ) -> list:
     """One instance on this device, without a vmap level (see module docstring): the frame
     of its axis is recorded for maps nested in it, and a nested mesh pmap's result stays
@@ -141,32 +154,3 @@ def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> li
     if len(set(devices)) == 1:  # debug mode on one device: plain tensors, as the vectorized engine returns
         return [torch.cat(outs) for outs in zip(*per_thread)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_thread)]
-
-
-# --------------------------------------------------------------------------- the two uses
-
-
-def run_mesh(call: MappedCall, mesh: _mesh.Mesh) -> list:
-    axis, count = call.axis_name, mesh.shape[call.axis_name]
-    if call.size % count:
-        raise ValueError(
-            f"pmap over mesh axis {axis!r}: the mapped axis has size {call.size}, which is not a multiple of the "
-            f"{count} devices along that mesh axis (mesh shape {mesh.shape})"
-        )
-    return run(call, lambda coords: [mesh._device_at({**coords, axis: j}) for j in range(count)], count, mesh)
-
-
-def run_one_at_a_time(call: MappedCall) -> list:
-    """Debug mode: each instance a thread on the device it would use, one running at a time."""
-    if call.devices is None:  # vmap: where the inputs are
-        first = next((t for t in call.mapped), None)
-        here = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-        placed = [next((d for d in _devices.local_devices() if d.torch_device == here), Device(here.type, here.index or 0))]
-    else:
-        placed = list(call.devices)
-    per_device = call.size // len(placed)
-    instance_devices = [placed[j // per_device] for j in range(call.size)]
-    return run(call, lambda coords: instance_devices, call.size, None, baton=_baton)
-
-
-_baton = threading.RLock()  # held by the instance thread that is running Python code

@@ -1,10 +1,15 @@
-"""What the eager exchange (:mod:`torchpmap._engines.distributed`) and its ops for compiled
-programs (:mod:`torchpmap._engines.process_ops`) must decide alike: the transpose of
-gathering every process' slice, and which sums go through an all-reduce (an eager process
-and a compiled one meet in the same collectives)."""
+"""The rules of the process exchange that its eager form and its compiled form share.
+
+What the eager exchange (:mod:`torchpmap._engines.process_exchange`) and its ops for
+compiled programs (:mod:`torchpmap._engines.process_ops`) must decide alike, since an eager
+process and a compiled one meet in the same collectives: which sums go through an
+all-reduce (:func:`sums_by_all_reduce`), the flat buffer per dtype that an all-reduce
+sums (:func:`by_dtype`, :func:`split_flat`), and the transpose of gathering every
+process' slice (:func:`transpose_gather`)."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -48,17 +53,17 @@ def differentiable(t: torch.Tensor) -> bool:
 
 
 def transpose_gather(
-    grads: Sequence[Optional[torch.Tensor]],
+    grads: Sequence[torch.Tensor | None],
     floats: Sequence[bool],
     scatter_sum: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
-) -> list[Optional[torch.Tensor]]:
+) -> list[torch.Tensor | None]:
     """The gradients of a gather's inputs, given its outputs' cotangents ``grads`` (zeros
     where an output got none): the cotangents of the inputs marked in ``floats`` only, whose
     dtypes (the same in every process) decide the layout, summed across processes by
     ``scatter_sum`` in one transfer; None for the others."""
     sent = [k for k, ok in enumerate(floats) if ok]
-    out: list[Optional[torch.Tensor]] = [None] * len(grads)
+    out: list[torch.Tensor | None] = [None] * len(grads)
     if sent:
-        for k, g in zip(sent, scatter_sum([grads[k] for k in sent])):
+        for k, g in zip(sent, scatter_sum([cast(torch.Tensor, grads[k]) for k in sent])):  # zeros, not None
             out[k] = g
     return out

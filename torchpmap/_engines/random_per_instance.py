@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,16 +54,16 @@ class InstanceStreams(TorchFunctionMode):
         device: where the instances' tensors live.
     """
 
-    def __init__(self, seed: int, first: int, count: int, index: Optional[torch.Tensor], device: Optional[torch.device]):
+    def __init__(self, seed: int, first: int, count: int, index: torch.Tensor | None, device: torch.device | None):
         super().__init__()
         self.seed, self.first, self.count, self.index = seed, first, count, index
         self.device = device if device is not None else torch.device("cpu")
-        self._generators: Optional[list[torch.Generator]] = None
+        self._generators: list[torch.Generator] | None = None
         # the vmap the instances run in (theirs, or one around them): a random op inside
         # another vmap, nested in an instance, is refused
         self.vmap_level = private.innermost_vmap_level()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         rule = _RULES.get(getattr(func, "__name__", ""))
         if rule is None:
@@ -234,7 +234,7 @@ def _apply(x: torch.Tensor, out: torch.Tensor, inplace: bool) -> torch.Tensor:
     return x.copy_(out) if inplace else out
 
 
-def _dropout_rule(channel_dims: Optional[int], alpha: bool = False) -> Rule:
+def _dropout_rule(channel_dims: int | None, alpha: bool = False) -> Rule:
     """dropout, dropoutNd (a mask per channel), alpha_dropout and feature_alpha_dropout."""
 
     def rule(m: InstanceStreams, args: tuple, kwargs: dict) -> torch.Tensor:

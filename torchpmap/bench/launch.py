@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 @dataclasses.dataclass
@@ -25,7 +25,7 @@ class Finished:
     """One process' end: its exit code (None if it was killed at the deadline) and output."""
 
     rank: int
-    returncode: Optional[int]
+    returncode: int | None
     output: str
     seconds: float
 
@@ -51,11 +51,11 @@ def launch(
     nproc: int,
     *,
     timeout: float,
-    env: Optional[Mapping[str, str]] = None,
-    cwd: Optional[str] = None,
-    master_port: Optional[int] = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    master_port: int | None = None,
     master_addr: str = "127.0.0.1",
-    hosts: Optional[Callable[[int], Host]] = None,
+    hosts: Callable[[int], Host] | None = None,
 ) -> list[Finished]:
     """Runs ``python *argv`` in ``nproc`` processes and waits for all of them.
 

@@ -1,12 +1,13 @@
-"""Meeting points for the device threads of one multi-device call.
+"""The thread exchange: how the device threads of one call meet at a collective.
 
-A collective across devices is a rendezvous: every participating thread deposits its
-values (all the leaves of a pytree: one meeting per collective); the last to arrive
-combines them with one autograd Function per leaf, so that a later ``.backward()``
+:class:`ThreadExchange` is a device thread's door to the other slices of a split axis (as
+:class:`~torchpmap._engines.process_exchange.ProcessExchange` is a process'). It meets the
+others at a :class:`Rendezvous`, the call's meeting points: every participating thread
+deposits its values (all the leaves of a pytree: one meeting per collective); the last to
+arrive combines them with one autograd Function per leaf, so that a later ``.backward()``
 meets a single node and never waits for another thread; each thread then takes its own
-results. A failure in any thread, a wait past
-``config.collective_timeout`` or two threads disagreeing on the collective all end the
-call with an error instead of a hang.
+results. A failure in any thread, a wait past ``config.collective_timeout`` or two
+threads disagreeing on the collective all end the call with an error instead of a hang.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from torchpmap._state.axis_env import Exchange
 from torchpmap._state.faults import PeerFailed
 
 
@@ -100,7 +103,7 @@ class Rendezvous:
             self._cond.acquire()
 
     @contextlib.contextmanager
-    def turn(self):
+    def turn(self) -> Iterator[None]:
         """Debug mode: hold the baton while running this thread's Python code."""
         if self.baton is None:
             yield
@@ -109,7 +112,7 @@ class Rendezvous:
             yield
 
     @contextlib.contextmanager
-    def passing_turn(self):
+    def passing_turn(self) -> Iterator[None]:
         """Debug mode: an instance that waits for nested instances lets them run."""
         if self.baton is None:
             yield
@@ -136,15 +139,15 @@ class GatherAll(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(devices: tuple[torch.device, ...], *ts: torch.Tensor):
+    def forward(devices: tuple[torch.device, ...], *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(torch.stack([t.to(dev) for t in ts]) for dev in devices)
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.devices, ctx.sources = inputs[0], [t.device for t in inputs[1:]]
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         grads_in = []
         for i, src in enumerate(ctx.sources):
             parts = [g[i].to(src) for g in grads if g is not None]
@@ -152,7 +155,7 @@ class GatherAll(torch.autograd.Function):
         return (None, *grads_in)
 
     @staticmethod
-    def jvp(ctx, _, *tangents: torch.Tensor):
+    def jvp(ctx: Any, _: Any, *tangents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # linear: the tangents travel as the values do
         return tuple(torch.stack([t.to(dev) for t in tangents]) for dev in ctx.devices)
 
@@ -177,13 +180,13 @@ class ThreadExchange:
     starts_sums = False  # the threads take turns: a sum completes when they meet, not in the background
     reduces_locally = False  # device threads gather every instance's value: bitwise those of one device
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> None:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> None:
         return None  # never asked (reduces_locally is False): the threads gather every value
 
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> None:
         raise NotImplementedError("the threads take turns: a sum completes when they meet, not in the background")
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every slice's value stacked along a new dim 0, on this slice's
         device. All tensors travel in one meeting (one wait per collective, not per tensor).
         (``partial`` plays no part here: the slices never disagree on their sizes.)"""
@@ -194,6 +197,12 @@ class ThreadExchange:
             return _gather_each(devices, per_slice)
 
         return self.rendezvous.meet((self.group, self.seq), self.index, len(devices), what, ts, combine)
+
+
+def _implements_exchange(exchange: ThreadExchange) -> Exchange:
+    """For the type checker: a :class:`ThreadExchange` is an
+    :class:`~torchpmap._state.axis_env.Exchange` (mypy checks this return)."""
+    return exchange
 
 
 def _signature(t: torch.Tensor) -> str:

@@ -1,51 +1,43 @@
-"""The distributed engine: one slice of the mapped axis per process (multi-controller).
+"""The process exchange: one process' door to the other processes' slices of a split axis.
 
-Every process runs the same program, as in JAX's multi-host pmap. A pmap call in a
-process receives that process' *local* portion of the mapped axis (``n_local``
-instances) and returns its local portion of the result as plain tensors. The global
-axis has ``n_local * group_size`` instances; process ``r`` of the group holds instances
-``r*n_local .. r*n_local + n_local - 1``. The local slice runs through the vectorized
-engine with ``offset``/``axis_size`` set accordingly, so ``axis_index`` is global, and a
-:class:`ProcessExchange` gathers every process' slice for a collective
-(:func:`torchpmap._collectives.binding.run_owning` then runs the same math as a single process
-would on the whole axis, so forward results are bitwise those of one process).
+The engine across processes (:mod:`torchpmap._engines.multi_process`) runs this process'
+slice of the axis; a :class:`ProcessExchange` gathers every process' slice for a
+collective (:func:`torchpmap._collectives.binding.run_owning` then runs the same math as a
+single process would on the whole axis, so forward results are bitwise those of one
+process), or sums each process' partial sums in an all-reduce.
 
-Which processes form the axis:
-
-* a pmap whose ``axis_name`` is an axis of the mesh of an enclosing
-  ``with torchpmap.distributed.mesh(...)`` (or of ``pmap(..., mesh=)``) uses that mesh
-  axis' process group (``DeviceMesh.get_group(name)``);
-* otherwise, the outermost pmap spans all processes (the world group), and a pmap
-  nested inside a distributed pmap runs within each process (vectorized), as a nested
-  pmap on one device does.
-
-The exchange is an autograd Function (backward: every process' cotangent for this
-slice, summed, via all_to_all), so ``.backward()`` across processes and the gradient
-conventions of the collectives (psum transposes to psum, ...) hold. A collective over a
-pytree moves all its leaves in one transfer each way (packed as bytes): a data-parallel
-step makes one all-gather for the ``pmean`` of its gradients, not one per parameter.
-Every wait goes through :func:`torchpmap._state.process_group.wait`, which turns a failed or
-dead peer into an error naming its rank instead of a hang.
+The exchange is differentiable: its ``*_with_grad`` methods are autograd Functions
+(backward: every process' cotangent for this slice, summed, via all_to_all; the sum's
+transpose is the same sum), so ``.backward()`` across processes and the gradient
+conventions of the collectives (psum transposes to psum, ...) hold; its ``*_no_grad``
+methods are the transfers themselves. A collective over a pytree moves all its leaves in
+one transfer each way (packed as bytes): a data-parallel step makes one all-gather for the
+``pmean`` of its gradients, not one per parameter. Every transfer carries the processes'
+agreement (:mod:`torchpmap._engines.process_agreement`), and every wait goes through
+:func:`torchpmap._state.process_group.wait`, which turns a failed or dead peer into an
+error naming its rank instead of a hang.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Hashable, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from torchpmap._state import context as _context
+from torchpmap._engines import process_agreement as agreement
+from torchpmap._engines.process_exchange_rules import (
+    by_dtype,
+    differentiable,
+    split_flat,
+    sums_by_all_reduce,
+    transpose_gather,
+)
 from torchpmap._state import process_group as pg
-from torchpmap._state import torch_private as private
-from torchpmap._placement.mesh import ProcessMesh
-from torchpmap._engines import MappedCall, process_agreement as agreement, process_ops, vectorized
-from torchpmap._engines.multi_device import runs_directly as _runs_directly
-from torchpmap._engines.process_transpose import by_dtype, differentiable, split_flat, sums_by_all_reduce, transpose_gather
+from torchpmap._state.axis_env import Exchange
 from torchpmap._state.faults import ExchangeMismatch, SizeMismatch
-
-active = pg.active
 
 
 @dataclasses.dataclass(eq=False)
@@ -87,11 +79,11 @@ class ProcessExchange:
     call: int = 0
     local_size: int = 0
     axis_name: Hashable = None
-    program: Optional[tuple[int, str]] = None
+    program: tuple[int, str] | None = None
     transfers: int = 0
-    pending: Optional["_Agreement"] = None
-    posted: Optional["_Posted"] = None
-    posted_result: Optional[list[torch.Tensor]] = None
+    pending: _Agreement | None = None
+    posted: _Posted | None = None
+    posted_result: list[torch.Tensor] | None = None
 
     #: A reduction sends each process' own partial result, not all its instances' values
     #: (see torchpmap._collectives.binding.run_owning): traffic independent of the local size.
@@ -107,7 +99,7 @@ class ProcessExchange:
         if self.transfers == 0:
             self._transfer("end", "the end of the pmap call", None, None)
 
-    def all_gather_many(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+    def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         """For each ``ts[k]``: every process' value stacked along a new dim 0 (in group
         order), all tensors in one transfer. ``partial``: the values are this process'
         partial results, shaped independently of its local size.
@@ -117,34 +109,34 @@ class ProcessExchange:
         """
         return list(_GatherProcesses.apply(self, what, partial, *ts))
 
-    def gather_plain(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
-        """``all_gather_many`` without autograd: one all-gather of every tensor's bytes."""
+    def all_gather_no_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
+        """``all_gather_with_grad`` without autograd: one all-gather of every tensor's bytes."""
         layout = _Layout.of(ts)
         return layout.unpack(self._transfer("gather" if partial else "gather-all", what, layout, ts))
 
-    def sum_many(self, ts: Sequence[torch.Tensor], what: str) -> Optional[list[torch.Tensor]]:
+    def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor] | None:
         """For each ``ts[k]`` (this process' partial sum): the sum over the processes, by one
         all-reduce per dtype, the same bits in every process; None when ``ts`` is too small
-        for that to pay (see :func:`~torchpmap._engines.process_transpose.sums_by_all_reduce`):
+        for that to pay (see :func:`~torchpmap._engines.process_exchange_rules.sums_by_all_reduce`):
         the caller then gathers the partials. Differentiable: the gradient of a partial sum
         is the sum of every process' cotangent (the same all-reduce)."""
         if not sums_by_all_reduce(ts):
             return None
         return list(_SumProcesses.apply(self, what, *ts))
 
-    def sum_plain(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """:meth:`sum_many` without autograd."""
-        return split_flat(ts, self.sum_flat(ts, what))
+    def sum_no_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """:meth:`sum_with_grad` without autograd."""
+        return split_flat(ts, self.sum_no_grad_flat(ts, what))
 
-    def sum_flat(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """The sums of :meth:`sum_plain` as the flat buffers the all-reduces filled, one per
-        dtype (:func:`~torchpmap._engines.process_transpose.by_dtype`). The headers travel
+    def sum_no_grad_flat(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """The sums of :meth:`sum_no_grad` as the flat buffers the all-reduces filled, one per
+        dtype (:func:`~torchpmap._engines.process_exchange_rules.by_dtype`). The headers travel
         first, alone (an all-reduce cannot carry them), and are compared before the
         all-reduce starts."""
         self._transfer("sum", what, _Layout.of(ts), None)
         return _start_all_reduce(ts, self.group, f"{what} across {self.label}").wait_flat()
 
-    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> "OrderedSums":
+    def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> OrderedSums:
         """Sums over the processes that start later: one per group of tensors (only their
         shapes and dtypes are read here), each as soon as its values exist, always in
         group order (see :class:`OrderedSums`).
@@ -170,7 +162,7 @@ class ProcessExchange:
     def _wait_posted(self) -> None:
         if self.posted is not None:
             posted, self.posted = self.posted, None
-            self.posted_result = posted.layout.unpack(self._finish(posted))
+            self.posted_result = cast(_Layout, posted.layout).unpack(self._finish(posted))
 
     def settle_posted(self) -> None:
         """Waits for the posted gather, if any, checks every process' header and keeps its
@@ -184,7 +176,7 @@ class ProcessExchange:
     def scatter_sum(self, grads: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
         sum over processes of their entries for this process (the transpose of
-        :meth:`all_gather_many`), all tensors in one all-to-all."""
+        :meth:`all_gather_with_grad`), all tensors in one all-to-all."""
         layout = _Layout.of([g[0] for g in grads])
         received = self._transfer("scatter", f"the gradient of {what}", layout, grads)
         return [r.sum(0) for r in layout.unpack(received)]  # each contiguous, as a lone tensor's
@@ -192,7 +184,7 @@ class ProcessExchange:
     # ------------------------------------------------------------------ the agreement check
 
     def _transfer(
-        self, kind: str, what: str, layout: Optional[_Layout], ts: Optional[Sequence[torch.Tensor]]
+        self, kind: str, what: str, layout: _Layout | None, ts: Sequence[torch.Tensor] | None
     ) -> torch.Tensor:
         """Moves ``ts`` (packed by ``layout``; a scatter's have one row per process) once every
         process' header agrees (see :mod:`torchpmap._engines.process_agreement`); returns the
@@ -206,23 +198,26 @@ class ProcessExchange:
         self,
         kind: str,
         what: str,
-        layout: Optional[_Layout],
-        ts: Optional[Sequence[torch.Tensor]],
-        riding: Optional["_Agreement"] = None,
-    ) -> "_Posted":
+        layout: _Layout | None,
+        ts: Sequence[torch.Tensor] | None,
+        riding: _Agreement | None = None,
+    ) -> _Posted:
         """The first half of :meth:`_transfer`: starts the collective that carries the
         headers (and the payload, when the transfer was announced). The digest also
         covers ``riding``'s tensors: sums that start later, agreed on here."""
         st = pg.state()
         chain = agreement.chain(st, self.group)
         self.transfers += 1
-        form = (agreement.KINDS[kind], 0 if ts is None else layout.row)
+        form = (agreement.KINDS[kind], 0 if ts is None else cast(_Layout, layout).row)
         shapes, dtypes = (None, None) if layout is None else (layout.shapes, layout.dtypes)
         if riding is not None:
             what = f"{what}, agreeing on {riding.what}"
-            shapes, dtypes = shapes + riding.layout.shapes, dtypes + riding.layout.dtypes
+            # a transfer that carries an agreement carries tensors too (post_gather's)
+            shapes, dtypes = cast(tuple, shapes) + riding.layout.shapes, cast(tuple, dtypes) + riding.layout.dtypes
         digest = agreement.digest_of(kind, what, shapes, dtypes, self.program[0] if self.program else 0)
-        mine = agreement.Header(digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest))
+        mine = agreement.Header(
+            digest, self.call, self.transfers, self.local_size, form[1], 0, *chain.guess_after(digest)
+        )
         device = ts[0].device if ts else st.local_device.torch_device
         posted = _Posted(kind, what, layout, ts, riding, mine, form, device, f"{what} across {self.label}", chain)
         if chain.announced is None:  # two rounds: the headers alone, now
@@ -234,7 +229,7 @@ class ProcessExchange:
             self._start_round(renegotiate, None, None, chain.announced, device, posted)
         return posted
 
-    def _finish(self, p: "_Posted") -> torch.Tensor:
+    def _finish(self, p: _Posted) -> torch.Tensor:
         """The second half of :meth:`_transfer`: waits, compares the headers (raising on
         every process alike if they differ) and, when the headers travelled alone, moves
         the payload."""
@@ -254,16 +249,16 @@ class ProcessExchange:
         else:
             received = self._payload(p.layout if p.ts is not None else None, p.ts, p.form, p.device, p.label)
         p.chain.completed(p.mine.digest, p.form, headers)
-        return received
+        return cast(torch.Tensor, received)
 
     def _start_round(
         self,
         header: agreement.Header,
-        layout: Optional[_Layout],
-        ts: Optional[Sequence[torch.Tensor]],
+        layout: _Layout | None,
+        ts: Sequence[torch.Tensor] | None,
         form: agreement.Form,
         device: torch.device,
-        posted: "_Posted",
+        posted: _Posted,
     ) -> None:
         """Starts one round of ``form``: every process' header, and its payload (zeros
         without ``ts``). Every process' header arrives in ``posted.headers``, its payload
@@ -286,7 +281,7 @@ class ProcessExchange:
             if ts is None:
                 send = torch.zeros(rows, form[1], dtype=torch.uint8, device=device)
             else:
-                send = layout.pack(ts, rows)
+                send = cast(_Layout, layout).pack(ts, rows)
             posted.received, posted.work = self._start_collective(send, scatter)
             return
         send = torch.empty(rows, h + form[1], dtype=torch.uint8, device=device)
@@ -294,11 +289,11 @@ class ProcessExchange:
         if ts is None:
             send[:, h:].zero_()
         else:
-            layout.pack_into(send[:, h:], ts)
+            cast(_Layout, layout).pack_into(send[:, h:], ts)
         received, posted.work = self._start_collective(send, scatter)
         posted.headers, posted.received, posted.header_work = received[:, :h], received[:, h:], None
 
-    def _wait_round(self, p: "_Posted") -> list[agreement.Header]:
+    def _wait_round(self, p: _Posted) -> list[agreement.Header]:
         """Waits for a round's headers (a host wait: no device synchronisation) and reads
         them. The payload's collective, if it travels apart, is waited for (the device
         ordered after it) by :meth:`_finish`."""
@@ -306,12 +301,12 @@ class ProcessExchange:
             pg.wait(p.header_work, p.label, host=True)
         else:
             pg.wait(p.work, p.label)
-        return agreement.Header.from_bytes(p.headers)
+        return agreement.Header.from_bytes(cast(torch.Tensor, p.headers))
 
     def _payload(
         self,
-        layout: Optional[_Layout],
-        ts: Optional[Sequence[torch.Tensor]],
+        layout: _Layout | None,
+        ts: Sequence[torch.Tensor] | None,
         form: agreement.Form,
         device: torch.device,
         label: str,
@@ -320,7 +315,8 @@ class ProcessExchange:
         if layout is None:
             return torch.empty(self.size, 0, dtype=torch.uint8, device=device)
         scatter = form[0] == agreement.KINDS["scatter"]
-        return self._collective(layout.pack(ts, rows=self.size if scatter else 1), scatter, label)
+        sent = cast("Sequence[torch.Tensor]", ts)  # a layout comes with its tensors
+        return self._collective(layout.pack(sent, rows=self.size if scatter else 1), scatter, label)
 
     def _collective(self, send: torch.Tensor, scatter: bool, label: str) -> torch.Tensor:
         """``send``: ``(1, n)`` bytes to every process (all-gather), or ``(size, n)``, row ``p``
@@ -344,8 +340,8 @@ class ProcessExchange:
         chain: agreement.Chain,
         kind: str,
         what: str,
-        layout: Optional[_Layout],
-        riding: Optional["_Agreement"] = None,
+        layout: _Layout | None,
+        riding: _Agreement | None = None,
     ) -> None:
         """Raises, on every process alike, unless every header agrees with ``mine``."""
         if all(h.agrees_with(mine) for h in headers):
@@ -365,7 +361,7 @@ class ProcessExchange:
             f"{pg.state().rank}). Split the global batch evenly over the processes."
         )
 
-    def _mismatch(self, headers: list[agreement.Header], told: list[str], in_step: bool) -> "ExchangeMismatch":
+    def _mismatch(self, headers: list[agreement.Header], told: list[str], in_step: bool) -> ExchangeMismatch:
         ranks, st = self._ranks(), pg.state()
         by_text: dict[str, list[int]] = {}
         for r, text in zip(ranks, told):
@@ -402,6 +398,13 @@ class ProcessExchange:
 
     def _ranks(self) -> Sequence[int]:
         return range(self.size) if self.group is None else dist.get_process_group_ranks(self.group)
+
+
+def _implements_exchange(exchange: ProcessExchange) -> Exchange:
+    """For the type checker: a :class:`ProcessExchange` is an
+    :class:`~torchpmap._state.axis_env.Exchange` (mypy checks this return), and so its
+    :class:`OrderedSums` an :class:`~torchpmap._state.axis_env.OrderedSums`."""
+    return exchange
 
 
 @dataclasses.dataclass(eq=False)
@@ -491,7 +494,9 @@ class OrderedSums:
         if k < len(self.started) or k in self.ready:
             return
         if [(t.shape, t.dtype) for t in ts] != self.expected[k]:
-            raise RuntimeError(f"torchpmap: internal error: part {k + 1} of {self.label} is not what the processes agreed on")
+            raise RuntimeError(
+                f"torchpmap: internal error: part {k + 1} of {self.label} is not what the processes agreed on"
+            )
         if not self.started:
             self.exchange.settle_posted()  # every process agreed before the first sum starts
         self.ready[k] = list(ts)
@@ -519,9 +524,9 @@ def _explain(
     header: agreement.Header,
     kind: str,
     what: str,
-    layout: Optional[_Layout],
-    riding: Optional["_Agreement"] = None,
-    program: Optional[tuple[int, str]] = None,
+    layout: _Layout | None,
+    riding: _Agreement | None = None,
+    program: tuple[int, str] | None = None,
 ) -> str:
     """How an error names one side: the collective, the tensors (and those of the sums
     agreed on with it), the call and its program."""
@@ -534,7 +539,7 @@ def _explain(
     return f"called {what}{sent} (exchange {header.transfer} of pmap call #{header.call}{of})"
 
 
-def _describe_tensors(layout: "_Layout", at_most: int = 4) -> str:
+def _describe_tensors(layout: _Layout, at_most: int = 4) -> str:
     """``float32[1, 4], int64[1]`` (and how many more)."""
     named = [f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in zip(layout.shapes, layout.dtypes)]
     more = len(named) - at_most
@@ -562,17 +567,17 @@ class _Posted:
 
     kind: str
     what: str
-    layout: Optional["_Layout"]
-    ts: Optional[Sequence[torch.Tensor]]
-    riding: Optional["_Agreement"]
+    layout: _Layout | None
+    ts: Sequence[torch.Tensor] | None
+    riding: _Agreement | None
     mine: agreement.Header
     form: agreement.Form
     device: torch.device
     label: str
     chain: agreement.Chain
-    received: Optional[torch.Tensor] = None
+    received: torch.Tensor | None = None
     work: Any = None
-    headers: Optional[torch.Tensor] = None
+    headers: torch.Tensor | None = None
     header_work: Any = None
 
 
@@ -586,7 +591,7 @@ class _Agreement:
     """
 
     what: str
-    layout: "_Layout"
+    layout: _Layout
 
 
 # torch >= 2.10 names the flat all-gather all_gather_single (all_gather_into_tensor is deprecated there)
@@ -617,7 +622,7 @@ def headers_on_host(group: Any) -> bool:
     return known
 
 
-_host_headers: dict[Optional[int], bool] = {}
+_host_headers: dict[int | None, bool] = {}
 _host_headers_of: list[Any] = [None]  # the process state the answers belong to
 
 
@@ -638,7 +643,7 @@ class _Layout:
     row: int
 
     @classmethod
-    def of(cls, ts: Sequence[torch.Tensor]) -> "_Layout":
+    def of(cls, ts: Sequence[torch.Tensor]) -> _Layout:
         align = max(t.element_size() for t in ts)
         offsets, nbytes, end = [], [], 0
         for t in ts:
@@ -674,7 +679,9 @@ class _Layout:
         for shape, dtype, start, n in zip(self.shapes, self.dtypes, self.offsets, self.nbytes):
             t = buffer[:, start : start + n].view(dtype).reshape(m, *shape)
             # one row (a group of one process) is contiguous already: contiguous() would not copy
-            out.append(t.clone(memory_format=torch.contiguous_format) if apart and t.is_contiguous() else t.contiguous())
+            out.append(
+                t.clone(memory_format=torch.contiguous_format) if apart and t.is_contiguous() else t.contiguous()
+            )
         return out
 
 
@@ -692,20 +699,20 @@ class _SumProcesses(torch.autograd.Function):
 
     @staticmethod
     def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(exchange.sum_plain(ts, what))
+        return tuple(exchange.sum_no_grad(ts, what))
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.exchange, ctx.what = inputs[0], inputs[1]
         ctx.differentiable = [differentiable(t) for t in inputs[2:]]
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        summed = lambda gs: ctx.exchange.sum_plain(gs, f"the gradient of {ctx.what}")  # noqa: E731
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        summed = lambda gs: ctx.exchange.sum_no_grad(gs, f"the gradient of {ctx.what}")  # noqa: E731
         return None, None, *transpose_gather(grads, ctx.differentiable, summed)
 
     @staticmethod
-    def vmap(info, in_dims, exchange: ProcessExchange, what: str, *ts: torch.Tensor):
+    def vmap(info: Any, in_dims: tuple, exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[Any, Any]:
         # a sum across processes is elementwise: a batched tensor is summed as it lies
         return _SumProcesses.apply(exchange, what, *ts), tuple(in_dims[2:])
 
@@ -722,127 +729,25 @@ class _GatherProcesses(torch.autograd.Function):
 
     @staticmethod
     def forward(exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(exchange.gather_plain(ts, what, partial))
+        return tuple(exchange.all_gather_no_grad(ts, what, partial))
 
     @staticmethod
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.exchange, ctx.what = inputs[0], inputs[1]
         ctx.differentiable = [differentiable(t) for t in inputs[3:]]
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         scatter = lambda gs: ctx.exchange.scatter_sum(gs, ctx.what)  # noqa: E731
         return None, None, None, *transpose_gather(grads, ctx.differentiable, scatter)
 
     @staticmethod
-    def vmap(info, in_dims, exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor):
+    def vmap(
+        info: Any, in_dims: tuple, exchange: ProcessExchange, what: str, partial: bool, *ts: torch.Tensor
+    ) -> tuple[Any, Any]:
         # An enclosing map batches some ts (a pmap over one mesh axis nested in a pmap over
         # another): gather the whole batch at once; the processes of this group hold the
         # same instances of the enclosing axis, so entry b matches entry b.
         t_dims = in_dims[3:]
         moved = [t if d is None else t.movedim(d, 0) for t, d in zip(ts, t_dims)]
         return _GatherProcesses.apply(exchange, what, partial, *moved), tuple(None if d is None else 1 for d in t_dims)
-
-
-# --------------------------------------------------------------------------- which processes form the axis
-
-_WORLD = object()  # the key of a pmap over all processes in _context.process_axes
-
-
-def _plan(call: MappedCall) -> tuple[Optional[ProcessExchange], Any]:
-    """The exchange for this call and its key in the running stack; None to run locally."""
-    st = pg.state()
-    mesh, name, enclosing = call.mesh, call.axis_name, _context.process_axes.get()
-    if mesh is not None:
-        if not isinstance(mesh, ProcessMesh):
-            raise NotImplementedError(
-                f"pmap over axis {name!r} of {mesh!r}: in a multi-process run, build the mesh with "
-                "torchpmap.distributed.mesh(shape, axis_names), which gives each mesh axis its process group"
-            )
-        if _WORLD in enclosing:
-            raise ValueError(
-                f"pmap over mesh axis {name!r} is nested inside a pmap over all processes; map the mesh axes "
-                "from the outermost pmap on (the outer pmap already spans every process)"
-            )
-        if name in enclosing:
-            raise ValueError(
-                f"pmap: axis_name={name!r} is a mesh axis that an enclosing pmap already maps over; each mesh "
-                "axis can be mapped by one pmap at a time"
-            )
-        return ProcessExchange(mesh.group(name), mesh.coordinate(name), mesh.shape[name], f"mesh axis {name!r}"), name
-    if enclosing:  # nested, over a name that is no mesh axis: within this process
-        return None, None
-    return ProcessExchange(None, st.rank, st.world_size, "all processes"), _WORLD
-
-
-def run(call: MappedCall) -> list[torch.Tensor]:
-    st = pg.state()
-    st.check_usable()
-    exchange, key = _plan(call)
-    if exchange is None:  # nested inside a distributed pmap, over a name that is no mesh axis
-        return vectorized.run(call)
-    if process_ops.is_tracing():
-        raise NotImplementedError(
-            f"pmap(jit=True): the distributed pmap over axis {call.axis_name!r} is nested in another one that is "
-            "being compiled; nested pmaps across processes run eagerly"
-        )
-    st.calls += 1
-    exchange.call, exchange.local_size, exchange.axis_name = st.calls, call.size, call.axis_name
-    exchange.program = call.program
-    part = dataclasses.replace(call, devices=st.local_devices)
-    token = _context.process_axes.set(_context.process_axes.get() + (key,))
-    try:
-        if call.programs is not None and private.current_vmap_level() is None:
-            outputs = _run_compiled(part, exchange)
-        elif part.size == 1 and _runs_directly(part):  # one instance per process: nothing to vectorize
-            outputs = vectorized.run_one(part, offset=exchange.index, axis_size=exchange.size, exchange=exchange)
-        else:
-            outputs = _run_slice(part, exchange, exchange)
-        exchange.settle()  # a call without collectives still checks the sizes
-        return outputs
-    except (SizeMismatch, ExchangeMismatch):
-        raise  # every process raises it at the same point: they stay in step
-    except BaseException as e:
-        if not getattr(e, "_torchpmap_reported", False) and not isinstance(e, (pg.RankFailed, TimeoutError)):
-            pg.report_own_failure(e, f"pmap over axis {call.axis_name!r}")
-            try:
-                e._torchpmap_reported = True  # type: ignore[attr-defined]
-                e.add_note(f"torchpmap: raised on rank {st.rank} of {st.world_size} (pmap call #{st.calls})")
-            except AttributeError:
-                pass
-        raise
-    finally:
-        _context.process_axes.reset(token)
-
-
-def _run_slice(part: MappedCall, exchange: ProcessExchange, through: Any) -> list[torch.Tensor]:
-    """This process' slice of the axis, vectorized; its collectives go ``through`` the exchange."""
-    n_local = part.size
-    return vectorized.run(part, offset=exchange.index * n_local, axis_size=exchange.size * n_local, exchange=through)
-
-
-def _run_compiled(part: MappedCall, exchange: ProcessExchange) -> list[torch.Tensor]:
-    """``jit=True``: this process' slice as a compiled program whose exchanges are ops
-    (see :mod:`torchpmap._engines.process_ops`); the program bakes in the slice's place."""
-    stand_in = process_ops.traced(exchange)
-
-    def trace(call: MappedCall) -> list[torch.Tensor]:
-        with process_ops.tracing():
-            return _run_slice(call, exchange, stand_in)
-
-    return part.programs.run(
-        part,
-        (part.signature, stand_in.key),
-        engine=lambda call: _run_slice(call, exchange, exchange),
-        traced_engine=trace,
-        may_retry=_is_no_fault_of_the_run,
-    )
-
-
-def _is_no_fault_of_the_run(failure: Exception) -> bool:
-    """False for a failure that an eager retry must not repeat: a size mismatch, or any
-    failed collective (the process state is then poisoned: the others have moved on)."""
-    return (
-        not isinstance(failure, (SizeMismatch, ExchangeMismatch, pg.PeerFailed, TimeoutError))
-        and pg.state().poisoned is None
-    )

@@ -1,21 +1,24 @@
-"""What device threads must not share: random streams.
+"""Random streams per device thread: what device threads must not share.
 
-A thread-local TorchFunctionMode sees every torch call of a device thread. Device threads share torch's default generators, so the numbers an
-  instance draws would depend on thread scheduling. Each thread instead gets its own
-  stream, seeded from one draw of the caller's generator (so ``torch.manual_seed`` makes
-  a whole pmap reproducible); the mode swaps the thread's state into the default
-  generator around each random op, under a lock. Other ops pass straight through and run
-concurrently. (Forward-mode AD, which PyTorch keeps per process, is shared by the
-device threads of a call: see :func:`torchpmap._state.context.shared_forward_ad`.)
+A thread-local TorchFunctionMode sees every torch call of a device thread. Device threads
+share torch's default generators, so the numbers an instance draws would depend on thread
+scheduling. Each thread instead gets its own stream, seeded from one draw of the caller's
+generator (so ``torch.manual_seed`` makes a whole pmap reproducible); the mode swaps the
+thread's state into the default generator around each random op, under a lock. Other ops
+pass straight through and run concurrently. Under ``randomness="error"`` the mode refuses
+random ops; ``"per_instance"`` streams are :mod:`torchpmap._engines.random_per_instance`'s.
+(Forward-mode AD, which PyTorch keeps per process, is shared by the device threads of a
+call: see :func:`torchpmap._state.context.shared_forward_ad`.)
 """
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torchpmap._engines.instance_streams import instance_seed
+from torchpmap._engines.random_per_instance import instance_seed
 from torchpmap._state.torch_private import functorch_layers_cleared
 
 _DRAWING_OPS = frozenset(
@@ -52,7 +55,7 @@ class _DeviceThreadMode(TorchFunctionMode):
             own.manual_seed(seed)
             self.states.append(own.get_state())
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", None)
         own_seed = kwargs is not None and kwargs.get("generator") is torch.default_generator  # see call_seed
         if self.refuse and name in _DRAWING_OPS and not own_seed:  # what vmap does under randomness="error"
@@ -80,9 +83,9 @@ def device_thread_mode(
     """The mode for device thread ``index``: its random stream is seed + index for
     "different", seed for "same", none for "error" (random ops are refused, in messages
     that name the map as ``what``) and for "per_instance" (each instance's own stream:
-    see :mod:`instance_streams`)."""
+    see :mod:`torchpmap._engines.random_per_instance`)."""
     if seed is not None and randomness == "per_instance":
-        # Random ops are drawn per instance (see instance_streams); what reaches this mode
+        # Random ops are drawn per instance (see random_per_instance); what reaches this mode
         # comes from C++ (nn.LSTM's dropout) in an instance run without a vmap level, one
         # per thread: its own stream, seeded from the instance's index, as on any placement
         seed = instance_seed(seed, index) ^ 1

@@ -1,0 +1,173 @@
+"""The engine choice: which engine runs a mapped call, and the fallback to one instance at a time.
+
+:func:`run` takes a :class:`~torchpmap._engines.mapped_call.MappedCall` and hands it to
+the engine that fits it: across processes (:mod:`~torchpmap._engines.multi_process`), the
+instances of a mesh axis (:mod:`~torchpmap._engines.mesh_axes`), several devices
+(:mod:`~torchpmap._engines.multi_device`), a compiled program
+(:mod:`~torchpmap._engines.compiled`) or one vectorized call
+(:mod:`~torchpmap._engines.vectorized`). When vmap cannot run the function, its instances
+run one at a time (:mod:`~torchpmap._engines.one_at_a_time`) from then on.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from torchpmap._engines import batching_fixes, mesh_axes, multi_device, multi_process, one_at_a_time, vectorized
+from torchpmap._engines.engine_warnings import JitFallbackWarning, VectorizationFallbackWarning
+from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._state import axis_env as _axis_env
+from torchpmap._state import torch_private as private
+from torchpmap._state.config import vectorization_disabled
+from torchpmap._state.faults import ExchangeMismatch, PeerFailed, SizeMismatch
+from torchpmap._state.log import logger
+
+#: Messages of failures that say vmap cannot run a program, where running its instances
+#: one at a time can: data-dependent Python, ``.item()``, an op without a batching rule,
+#: and kernels whose backward mishandles a batched tensor (nn.GRU/RNN/LSTM's).
+_CANNOT_VECTORIZE = (
+    "vmap: It looks like you're",  # calling .item(), or data-dependent control flow (each torch words it its own way)
+    "Batching rule not implemented for",
+    "doesn't match the broadcast shape",
+)
+
+
+def _cannot_vectorize(failure: BaseException | None) -> str | None:
+    """The first line of ``failure`` (or of its cause) when it says vmap cannot run the program."""
+    seen: set[int] = set()
+    while failure is not None and id(failure) not in seen:
+        seen.add(id(failure))
+        text = str(failure)
+        if isinstance(failure, RuntimeError) and any(m in text for m in _CANNOT_VECTORIZE):
+            return f"{type(failure).__name__}: {(text.strip().splitlines() or [''])[0]}"
+        failure = failure.__cause__ or failure.__context__
+    return None
+
+
+def run(call: MappedCall) -> list[torch.Tensor]:
+    """Runs ``call`` on the engine that fits it; outputs have the mapped axis at dim 0.
+
+    ``body`` may not run at all: a compiled program of an earlier call with the same
+    ``signature`` computes the outputs. When vmap cannot run the function (see
+    :data:`_CANNOT_VECTORIZE`), its instances run one at a time instead, from then on,
+    with a :class:`VectorizationFallbackWarning`: in a single process, at the outermost
+    vectorized map only (an inner map's failure reaches the outer one, which falls back as
+    a whole). The function's Python code then runs again: once for the failed attempt,
+    then once per instance.
+    """
+    if call.devices is not None and multi_process.active():  # several processes: one slice each (compiled or not)
+        _log_engine(call, "distributed (this process' slice)")
+        return multi_process.run(call)
+
+    if vectorization_disabled() or (call.vmap_fallback is not None and call.vmap_fallback.reason is not None):
+        _log_engine(call, "one instance at a time")
+        return one_at_a_time.run(call)
+    try:
+        if batching_fixes.needed():
+            with batching_fixes.fixed():
+                return _run_vectorized(call)
+        return _run_vectorized(call)
+    except Exception as failure:
+        why = _cannot_vectorize(failure)
+        outermost = not any(f.vectorized for f in _axis_env.current_frames())
+        if why is None and outermost and _names_no_instance(failure):
+            _raise_naming_the_instance(call, failure)
+        if why is None or call.vmap_fallback is None or not outermost:
+            raise
+        call.vmap_fallback.reason = why
+        logger.info(
+            "pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on",
+            call.axis_name,
+            why,
+        )
+        warnings.warn(
+            f"torch.func.vmap cannot run the function mapped over axis {call.axis_name!r} ({why}), so its instances "
+            "run one at a time from now on (same results, slower; with several devices they still meet at "
+            "collectives). Tensor ops instead of Python branches on values (torch.where) keep it vectorized.",
+            VectorizationFallbackWarning,
+            stacklevel=3,
+        )
+        return one_at_a_time.run(call)
+
+
+#: Failures of torchpmap's own machinery, which name what failed already (running the
+#: instances again would not tell more).
+_OWN_FAILURES: tuple[type[BaseException], ...] = (
+    PeerFailed,
+    SizeMismatch,
+    ExchangeMismatch,
+    TimeoutError,
+    private.TorchPrivateError,
+)
+
+
+def _names_no_instance(failure: BaseException) -> bool:
+    """Whether ``failure`` was raised by the function while several instances ran as one
+    vectorized program (so that no instance is named), and is not torchpmap's own."""
+    return vectorized.raised_vectorized(failure) and not isinstance(failure, _OWN_FAILURES)
+
+
+def _raise_naming_the_instance(call: MappedCall, failure: Exception) -> None:
+    """Raises the error of the first instance that fails when they run one at a time,
+    with a note naming it and its device, as every other placement names it.
+
+    Vectorized, an error is raised for all instances at once (often in vmap's own words:
+    ``torch.vdot`` of 2-D tensors says "Got wrong shapes for dot" under vmap, "1D tensors
+    expected" on a device that runs one instance). Run one at a time, the function raises
+    torch's own error for the instance that fails. The function's Python code runs again
+    (on this error path only). When every instance succeeds one at a time, vmap is what
+    failed: ``failure`` is raised with a note saying so.
+    """
+    first = (str(failure).strip().splitlines() or [""])[0]
+    try:
+        one_at_a_time.run(call)
+    except Exception as exact:
+        if hasattr(exact, "add_note"):
+            exact.add_note(
+                f"torchpmap: found by running the instances one at a time, after their vectorized run raised "
+                f"{type(failure).__name__}: {first}"
+            )
+        raise exact from None
+    where = ", ".join(map(str, call.devices)) if call.devices else "the inputs' device"
+    if hasattr(failure, "add_note"):
+        failure.add_note(
+            f"torchpmap: raised while instances 0..{call.size - 1} ran as one vectorized program (on {where}); run one "
+            "at a time, every instance succeeds, so torch.func.vmap is what failed: with "
+            "torchpmap.disable_vectorization() the function runs that way"
+        )
+    raise failure
+
+
+def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
+    if call.mesh is not None:
+        _warn_not_compiled(call, "maps an axis of a device mesh")
+        _log_engine(call, "mesh (one thread per mesh position)")
+        return mesh_axes.run(call, call.mesh)
+    if call.devices is not None and len(call.devices) > 1:
+        _warn_not_compiled(call, f"runs on {len(call.devices)} devices")
+        _log_engine(call, "multi-device (one thread per device)")
+        return multi_device.run(call)
+    if call.programs is not None and private.current_vmap_level() is None:
+        _log_engine(call, "compiled")
+        return call.programs.run(call, call.signature)
+    _log_engine(call, "vectorized")
+    return vectorized.run(call)
+
+
+def _log_engine(call: MappedCall, engine: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):  # the hot path pays for the level check only
+        where = "where the inputs are" if call.devices is None else ", ".join(map(str, call.devices))
+        # eager, or jit=True inside a transform: part of the enclosing computation
+        logger.debug("map over axis %r: %d instances on %s, engine: %s", call.axis_name, call.size, where, engine)
+
+
+def _warn_not_compiled(call: MappedCall, why: str) -> None:
+    if call.programs is not None:
+        warnings.warn(
+            f"pmap(jit=True) over axis {call.axis_name!r} {why}; only the single-device vectorized engine "
+            "compiles, so this call runs eagerly (same results). Pass devices=torchpmap.devices()[:1] to compile it.",
+            JitFallbackWarning,
+            stacklevel=4,
+        )
