@@ -98,8 +98,16 @@ def _on_one_device():
 
 @pytest.fixture(scope="module")
 def reference():
-    with _on_one_device():
-        return progs.reference()
+    # under bitwise placement, as the processes it is compared with bitwise: one device's
+    # data_parallel_step otherwise takes the gradient of the mean loss outside the map,
+    # equal to the per-instance gradients' mean to rounding only
+    previous = tp.config.bitwise_placement
+    tp.config.bitwise_placement = True
+    try:
+        with _on_one_device():
+            return progs.reference()
+    finally:
+        tp.config.bitwise_placement = previous
 
 
 # 4 processes on 2 cores: 13-20 s, mostly importing torch. With one instance per process
