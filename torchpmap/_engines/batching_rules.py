@@ -128,13 +128,7 @@ def _attention_forward(op: Callable[..., tuple]) -> Callable[..., tuple]:
     names = [a.name for a in private.op_schema(op).arguments]
 
     def rule(*args: object, **kwargs: object) -> tuple:
-        bound = dict(zip(names, args), **kwargs)
-        level = private.current_vmap_level()
-        unwrapped = {
-            k: private.unwrap_batched(v, level) if isinstance(v, torch.Tensor) else (v, None) for k, v in bound.items()
-        }
-        values = {k: v for k, (v, _) in unwrapped.items()}
-        batched = {k: d for k, (_, d) in unwrapped.items() if d is not None and d >= 0}
+        level, values, batched, size = _unwrapped(names, args, kwargs)
         if torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values.values()):
             values["compute_log_sumexp"] = True
         if batched and float(values.get("dropout_p") or 0.0) != 0.0:
@@ -142,7 +136,6 @@ def _attention_forward(op: Callable[..., tuple]) -> Callable[..., tuple]:
         with private.batching_excluded():
             if not batched:  # nothing batched at this level: the op as it is, for the levels below
                 return op(**values)
-            size = next(unwrapped[k][0].shape[d] for k, d in batched.items())
             folded = dict(values)
             for k in ("query", "key", "value"):
                 folded[k] = _instances_first(values[k], batched.get(k), size).flatten(0, 1)
@@ -162,6 +155,23 @@ def _attention_forward(op: Callable[..., tuple]) -> Callable[..., tuple]:
         )
 
     return rule
+
+
+def _unwrapped(names: Sequence[str], args: tuple, kwargs: dict) -> tuple[int, dict, dict[str, int], int]:
+    """A rule's arguments by schema name, unwrapped at the innermost vmap level: (the
+    level, the physical values, the batched ones' batch dims, the batch size or 0)."""
+    level = private.current_vmap_level()
+    values: dict = {}
+    batched: dict[str, int] = {}
+    for name, value in dict(zip(names, args), **kwargs).items():
+        dim = None
+        if isinstance(value, torch.Tensor):
+            value, dim = private.unwrap_batched(value, level)
+        values[name] = value
+        if dim is not None and dim >= 0:
+            batched[name] = dim
+    size = next((values[k].shape[d] for k, d in batched.items()), 0)
+    return level, values, batched, size
 
 
 def _check_randomness(op: object) -> None:
@@ -214,19 +224,13 @@ def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
     names = [a.name for a in private.op_schema(op).arguments]
 
     def rule(*args: object, **kwargs: object) -> tuple:
-        bound = dict(zip(names, args), **kwargs)
-        level = private.current_vmap_level()
-        unwrapped = {
-            k: private.unwrap_batched(v, level) if isinstance(v, torch.Tensor) else (v, None) for k, v in bound.items()
-        }
-        batched = {k: d for k, (_, d) in unwrapped.items() if d is not None and d >= 0}
-        values = {k: v for k, (v, _) in unwrapped.items()}
+        level, values, batched, size = _unwrapped(names, args, kwargs)
         if not batched:  # nothing batched at this level: the op as it is, for the levels below
             with private.batching_excluded():
                 return op(**values)
-        size = next(unwrapped[k][0].shape[d] for k, d in batched.items())
         mask = values.get("attn_bias")
-        bias_grad = bool(bound.get("grad_input_mask", (False,) * 4)[3]) if "grad_input_mask" in bound else False
+        mask_grad = values.get("grad_input_mask")
+        bias_grad = bool(mask_grad[3]) if isinstance(mask_grad, (list, tuple)) else False
         foldable = set(batched) <= private.CUDA_ATTENTION_BATCH_FIRST | {"attn_bias"} and not bias_grad
         with private.batching_excluded():
             if not foldable:
