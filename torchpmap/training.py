@@ -606,22 +606,28 @@ def data_parallel_step(
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
 
+    def run_model(
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
+    ) -> tuple[torch.Tensor, PyTree, Tensors]:
+        """One instance's loss (and aux) and its own copy of the buffers after the forward.
+        The copy is made inside the transform that calls this, so that modules may update
+        it in place (batch norm does)."""
+        inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
+        state = {k: v.clone() for k, v in {**floating, **other}.items()}
+        output = _functional_call(model, {**params, **frozen, **state}, inputs)
+        loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
+        return loss, aux, state
+
     def instance_step(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
-        inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
-
         # Across processes (one instance each), the gradients' all-reduce starts bucket by
         # bucket while the backward runs, as DDP's; elsewhere this is pmean.
         grad_mean = GradientMean(axis_name)
         reached: list[str] = []  # the parameters the loss depends on, in the model's order
 
         def loss_of(params: Tensors) -> tuple[torch.Tensor, tuple[Tensors, torch.Tensor, PyTree]]:
-            # This instance's own copy of the buffers, created inside the transform so
-            # that modules may update it in place (batch norm does).
-            state = {k: v.clone() for k, v in {**floating, **other}.items()}
-            output = _functional_call(model, {**grad_mean.watch(params), **frozen, **state}, inputs)
-            loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
+            loss, aux, state = run_model(grad_mean.watch(params), frozen, floating, other, batch)
             reached.extend(_reached(loss, params))
             if grad_mean.buckets:
                 # Bucketed gradients: the loss and buffer means start now, with the buckets'
@@ -671,10 +677,7 @@ def data_parallel_step(
     def instance_loss(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
     ) -> tuple[torch.Tensor, tuple[Tensors, Tensors, PyTree]]:
-        inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
-        state = {k: v.clone() for k, v in {**floating, **other}.items()}
-        output = _functional_call(model, {**params, **frozen, **state}, inputs)
-        loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
+        loss, aux, state = run_model(params, frozen, floating, other, batch)
         buffer_change = {k: state[k].detach() - floating[k] for k in floating}
         aux = pytree.tree_map(lambda a: a.detach(), aux)
         if has_aux:
