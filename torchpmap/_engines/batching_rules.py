@@ -139,12 +139,8 @@ def _attention_forward(op: Callable[..., tuple]) -> Callable[..., tuple]:
             folded = dict(values)
             for k in ("query", "key", "value"):
                 folded[k] = _instances_first(values[k], batched.get(k), size).flatten(0, 1)
-            mask = values.get("attn_bias")
-            if isinstance(mask, torch.Tensor):
-                batch = folded["query"].shape[0] // size
-                folded["attn_bias"] = _aligned_bias(
-                    _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(0, 1)
-                )
+            if isinstance(values.get("attn_bias"), torch.Tensor):
+                folded["attn_bias"] = _folded_bias(values["attn_bias"], batched.get("attn_bias"), size, folded)
             outs = op(**folded)
         rows = folded["query"].shape[0]
         return tuple(
@@ -198,6 +194,13 @@ def _kernel_layout(value: torch.Tensor) -> torch.Tensor:
     return value if value.stride(-1) == 1 else value.contiguous()
 
 
+def _folded_bias(bias: torch.Tensor, dim: int | None, size: int, folded: dict) -> torch.Tensor:
+    """An attention bias with the instances folded into the batch as ``folded["query"]``
+    has them, laid out as the memory-efficient kernel needs (:func:`_aligned_bias`)."""
+    batch = folded["query"].shape[0] // size
+    return _aligned_bias(_mask_instances_first(bias, dim, size, batch).flatten(0, 1))
+
+
 def _aligned_bias(bias: torch.Tensor) -> torch.Tensor:
     """An attention bias as the memory-efficient kernel needs it: the last dim contiguous
     and every other stride a multiple of 16 elements (``F.scaled_dot_product_attention``
@@ -241,10 +244,7 @@ def _attention_backward(op: Callable[..., tuple]) -> Callable[..., tuple]:
                     if values[k] is not None:
                         folded[k] = _kernel_layout(_instances_first(values[k], batched.get(k), size).flatten(0, 1))
                 if isinstance(mask, torch.Tensor):
-                    batch = folded["query"].shape[0] // size
-                    folded["attn_bias"] = _aligned_bias(
-                        _mask_instances_first(mask, batched.get("attn_bias"), size, batch).flatten(0, 1)
-                    )
+                    folded["attn_bias"] = _folded_bias(mask, batched.get("attn_bias"), size, folded)
                 outs = [o if o is None else o.unflatten(0, (size, -1)) for o in op(**folded)]
         return tuple(o if o is None else private.add_batch_dim(o, 0, level) for o in outs)
 

@@ -228,12 +228,7 @@ def cuda_attention_backwards() -> tuple[Any, ...]:
     the forward drew).
     Public replacement: none (private aten ops). Checked: torch 2.11.0, 2.13.0, 2.14.1
     (the schemas; the kernels ran on an H100 with 2.11.0)."""
-    found = []
-    for name in _CUDA_ATTENTION_BACKWARDS:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None:
-            found.append(packet.default)
-    return tuple(found)
+    return _aten_defaults(_CUDA_ATTENTION_BACKWARDS)
 
 
 #: The forwards of the CUDA kernels that compute the log-sum-exp only when asked to.
@@ -255,12 +250,13 @@ def cuda_attention_forwards() -> tuple[Any, ...]:
     ("LSE is not correctly aligned (strideH)"), in bfloat16 the default kernel returned wrong gradients, silently.
     Public replacement: none (private aten ops; a fix in torch's rule would retire it).
     Checked: torch 2.11.0, 2.13.0, 2.14.1 (the schemas; the kernels ran on an H200 with 2.11.0)."""
-    found = []
-    for name in _CUDA_ATTENTION_FORWARDS:
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is not None:
-            found.append(packet.default)
-    return tuple(found)
+    return _aten_defaults(_CUDA_ATTENTION_FORWARDS)
+
+
+def _aten_defaults(names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The default overloads of the ``torch.ops.aten`` ops of these names that this torch has."""
+    packets = (getattr(torch.ops.aten, name, None) for name in names)
+    return tuple(packet.default for packet in packets if packet is not None)
 
 
 def vmap_randomness() -> str | None:
