@@ -66,6 +66,7 @@ from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._frontend.api import pmap
 from torchpmap._collectives.public import pmean
 from torchpmap._collectives.gradient_mean import GradientMean
+from torchpmap._engines import recurrent
 
 __all__ = [
     "replicate",
@@ -583,6 +584,8 @@ def data_parallel_step(
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
 
+    stateful = recurrent.modules_needing_state(model)
+
     def instance_step(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: Optional[torch.Tensor]
     ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
@@ -597,7 +600,8 @@ def data_parallel_step(
             # This instance's own copy of the buffers, created inside the transform so
             # that modules may update it in place (batch norm does).
             state = {k: v.clone() for k, v in {**floating, **other}.items()}
-            output = _functional_call(model, {**grad_mean.watch(params), **frozen, **state}, inputs)
+            with recurrent.zero_states_supplied(stateful):  # see torchpmap._engines.recurrent
+                output = _functional_call(model, {**grad_mean.watch(params), **frozen, **state}, inputs)
             loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
             reached.extend(_reached(loss, params))
             if grad_mean.buckets:
