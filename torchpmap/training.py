@@ -63,6 +63,7 @@ from torch.func import functional_call, grad, grad_and_value
 
 from torchpmap._collectives.gradient_mean import GradientMean
 from torchpmap._collectives.public import pmean
+from torchpmap._engines import recurrent
 from torchpmap._frontend.api import pmap
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import DeviceLike
@@ -607,15 +608,19 @@ def data_parallel_step(
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
 
+    stateful = recurrent.modules_needing_state(model)
+
     def run_model(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
     ) -> tuple[torch.Tensor, PyTree, Tensors]:
         """One instance's loss (and aux) and its own copy of the buffers after the forward.
         The copy is made inside the transform that calls this, so that modules may update
-        it in place (batch norm does)."""
+        it in place (batch norm does). RNNs called without a state get one of zeros
+        batched like their input (see torchpmap._engines.recurrent)."""
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
         state = {k: v.clone() for k, v in {**floating, **other}.items()}
-        output = _functional_call(model, {**params, **frozen, **state}, inputs)
+        with recurrent.zero_states_supplied(stateful):
+            output = _functional_call(model, {**params, **frozen, **state}, inputs)
         loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
         return loss, aux, state
 

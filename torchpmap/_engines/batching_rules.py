@@ -26,16 +26,40 @@ state. vmap's rules for the memory-efficient and cuDNN forwards are replaced (se
 :func:`_attention_forward`): they skipped the log-sum-exp when the gradient is taken
 outside the map (``.backward()`` on a pmap result), which failed on an H200 in the
 memory-efficient backward and gave silently wrong gradients in bfloat16 (``docs/gpu.md``).
+
+Two more kinds of rule send fewer functions to one instance at a time:
+
+* **Recurrent networks** (``aten::gru/lstm/rnn_tanh/rnn_relu.input``, behind ``nn.GRU``,
+  ``nn.LSTM``, ``nn.RNN``), for which vmap has no rule and no loop: with the weights
+  shared by every instance, the instances fold into the op's batch (see
+  :func:`_recurrent`); with weights per instance, one call per instance. Under
+  ``torch.func.grad`` inside the map the op is decomposed before vmap sees it (see
+  :mod:`torchpmap._engines.recurrent`).
+* **Reading a value** (``bool(t)``, ``t.item()``): vmap refuses it for a batched tensor;
+  the rule here reads it once when every instance of a torchpmap map holds the same
+  value (see :func:`_value_read`), which is what each instance would read run alone.
+  This one replaces torch's rule; under a plain ``torch.func.vmap`` the read is still
+  refused, as torch refuses it.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
 from torchpmap._state import torch_private as private
+
+
+class AtenOp(Protocol):
+    """An aten op overload (``torch.ops.aten.item.default``): callable, and named."""
+
+    def __call__(self, *args: Any) -> Any: ...
+
+    def name(self) -> str: ...
+
 
 _library: torch.library.Library | None = None
 
@@ -51,12 +75,14 @@ def install() -> None:
     if _library is not None:
         return
     _library = torch.library.Library("aten", "IMPL")
-    flash = private.cpu_flash_attention()
-    if flash is None:
-        return
     problem = private.changed("batching_excluded")  # probed in a thread of its own: never under the caller's transforms
     if problem is not None:
         warnings.warn(f"{problem} torchpmap's batching rules are off.", private.TorchPrivateWarning, stacklevel=2)
+        return
+    _install_value_reads(_library)
+    _install_recurrent(_library)
+    flash = private.cpu_flash_attention()
+    if flash is None:
         return
     for op, rule in zip(flash, (_flash_forward, _flash_backward)):
         if not private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"):
@@ -309,3 +335,170 @@ def _mask_instances_first(mask: torch.Tensor, dim: int | None, size: int, batch:
     logical = stacked.shape[1:]
     four = stacked.reshape(size, *([1] * (4 - len(logical))), *logical)
     return four.expand(size, batch, *four.shape[2:])
+
+
+def _install_value_reads(library: torch.library.Library) -> None:
+    """Replaces vmap's rules for ``bool(t)``, ``t.item()``, ``int(t)`` and ``float(t)``
+    with :func:`_value_read` (unless torch changed the ops: then vmap keeps refusing them,
+    and a function that reads a batched value runs one instance at a time, as before)."""
+    problem = private.changed("vmap_value_reads")
+    if problem is not None:
+        message = f"{problem} bool()/.item() of a batched tensor stays refused."
+        warnings.warn(message, private.TorchPrivateWarning, stacklevel=3)
+        return
+    with warnings.catch_warnings():  # torch's own (refusing) rules for these ops are replaced on purpose (torch warns)
+        warnings.simplefilter("ignore")
+        for op in private.vmap_value_reads():
+            library.impl(op, _value_read(op), "FuncTorchBatched")
+
+
+def _value_read(op: AtenOp) -> Callable[[torch.Tensor], object]:
+    """The rule for an op that reads a tensor's value into Python (``bool(t)``,
+    ``t.item()``): the value, read once, when every instance of this vmap level holds the
+    same one (bit for bit); vmap's own refusal otherwise.
+
+    Running the instances one at a time (torchpmap's fallback), each instance would read
+    that same value and take the same Python branch, so reading it once and going on
+    vectorized computes what the fallback computes. Hugging Face models check
+    ``padding_mask.all()`` this way before building an attention mask: with padding in
+    every shard (or in none), every instance agrees. Where the instances differ, the
+    refusal keeps vmap's words ("It looks like you're ..."), and torchpmap falls back to
+    one instance at a time, as before.
+
+    Only torchpmap's own maps read a value this way (see :func:`torchpmap_levels`): under a
+    ``torch.func.vmap`` of the user's, inside a map or not, the read is refused as vmap
+    refuses it.
+
+    Inside a trace (``pmap(jit=True)`` traces with fake tensors), the comparison has no
+    value to read: it raises the trace's data-dependent error, and the call runs eagerly
+    (a value is never baked into a compiled program). A value batched at an outer level
+    too is checked there in turn (the comparison's own ``bool`` reaches that level's rule).
+    """
+
+    def rule(tensor: torch.Tensor) -> object:
+        level = private.current_vmap_level()
+        value, dim = private.unwrap_batched(tensor, level)
+        with private.batching_excluded():
+            if dim is None or dim < 0:  # the same for every instance of this level by construction
+                return op(value)
+            first = value.select(dim, 0)
+            if level in torchpmap_levels() and _same_bits(value.movedim(dim, 0)):
+                return op(first)
+        raise RuntimeError(
+            "vmap: It looks like you're either (1) calling .item() on a Tensor or (2) attempting to use a Tensor in "
+            f"some data-dependent control flow ({op.name()} of a tensor whose value differs between the instances of "
+            "the map). Rewrite the branch with tensor ops (torch.where), or let the instances run one at a time."
+        )
+
+    return rule
+
+
+_levels = threading.local()
+
+
+def torchpmap_levels() -> list[int]:
+    """The vmap levels, in this thread, that torchpmap's maps opened (innermost last)."""
+    levels = getattr(_levels, "open", None)
+    if levels is None:
+        levels = _levels.open = []
+    return levels
+
+
+def _same_bits(stacked: torch.Tensor) -> bool:
+    """Whether every slice of ``stacked`` along dim 0 equals the first, bit for bit (0.0
+    and -0.0 differ, a NaN equals the same NaN): what Python would read from each."""
+    rows = stacked.reshape(stacked.shape[0], -1)
+    if rows.dtype.is_floating_point or rows.dtype.is_complex:
+        rows = rows.contiguous().view(torch.uint8)
+    return bool((rows == rows[:1]).all())
+
+
+def _install_recurrent(library: torch.library.Library) -> None:
+    """Registers :func:`_recurrent` for ``aten::gru/lstm/rnn_tanh/rnn_relu.input`` (unless
+    torch has a rule of its own, or changed the ops: vmap then refuses them, and the
+    function runs one instance at a time, as before)."""
+    if private.changed("recurrent_ops") is not None:
+        return
+    for op in private.recurrent_ops():
+        if not private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"):
+            library.impl(op, _recurrent(op), "FuncTorchBatched")
+
+
+def _recurrent(op: AtenOp) -> Callable[..., tuple]:
+    """The rule for a recurrent network's op (``nn.GRU``, ``nn.LSTM``, ``nn.RNN``):
+    ``op(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+    batch_first)``, whose ``input`` is batch x time x features (time first without
+    ``batch_first``) and whose ``hx`` (a list of two for the LSTM) is layers x batch x
+    hidden.
+
+    Where the weights are the same for every instance (a map with ``in_axes=None`` for
+    the parameters: data parallelism), the instances fold into the op's batch, one call
+    instead of one per instance: each row of the batch is computed on its own, with the
+    same weights, so the rows of an instance are what its own call gives (to rounding: a
+    product over more rows may block its sums differently). The gradients flow through
+    that call to the levels below (a ``.backward()`` on the map's result): a shared weight
+    gets the sum over all rows, as it gets the sum over the instances without the rule.
+    Where the weights differ per instance, folding is not possible: the op runs once per
+    instance, on its slices, and the results are stacked (what vmap's loop would do, had it
+    one for these ops). With dropout between the layers (random draws) the rule refuses,
+    in vmap's words ("Batching rule not implemented"), and the function runs one instance
+    at a time, drawing as it did before the rule.
+
+    Under ``torch.func.grad`` *inside* the map the op never reaches this rule: ``grad``
+    decomposes it into its cells first, whose ops vmap batches itself (see
+    :mod:`torchpmap._engines.recurrent` for what that path needs).
+    """
+    lstm = "lstm" in op.name()
+
+    def rule(
+        input: torch.Tensor, hx: torch.Tensor | list[torch.Tensor], params: list[torch.Tensor], has_biases: bool,
+        num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        level = private.current_vmap_level()
+        states = list(hx) if lstm else [hx]
+        x, x_dim = private.unwrap_batched(input, level)
+        unwrapped_states = [private.unwrap_batched(h, level) for h in states]
+        weights = [private.unwrap_batched(p, level) for p in params]
+        dims = [d for _, d in ((x, x_dim), *unwrapped_states, *weights) if d is not None and d >= 0]
+
+        def call(x: torch.Tensor, states: list[torch.Tensor], weights: list[torch.Tensor]) -> tuple:
+            h = states if lstm else states[0]
+            return op(x, h, weights, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+
+        if not dims:  # nothing batched at this level: the op as it is, for the levels below
+            with private.batching_excluded():
+                return call(x, [s for s, _ in unwrapped_states], [w for w, _ in weights])
+        size = next(v.shape[d] for v, d in ((x, x_dim), *unwrapped_states, *weights) if d is not None and d >= 0)
+        xs = _instances_first(x, x_dim, size)
+        hs = [_instances_first(s, d, size) for s, d in unwrapped_states]
+        if dropout > 0.0 and train and num_layers > 1:  # random draws: the old path (one instance at a time)
+            raise RuntimeError(
+                f"Batching rule not implemented for {op.name()} with dropout between the layers (torchpmap's rule "
+                "leaves random draws to running the instances one at a time)."
+            )
+        shared = all(d is None or d < 0 for _, d in weights)
+        with private.batching_excluded():
+            if shared and xs.dim() == 4:
+                outs = _recurrent_folded(call, xs, hs, [w for w, _ in weights], batch_first)
+            else:
+                ws = [_instances_first(w, d, size) for w, d in weights]
+                results = [call(xs[i], [h[i] for h in hs], [w[i] for w in ws]) for i in range(size)]
+                outs = [(torch.stack(parts), 0) for parts in zip(*results)]
+        return tuple(private.add_batch_dim(o, d, level) for o, d in outs)
+
+    return rule
+
+
+def _recurrent_folded(
+    call: Callable[..., tuple], xs: torch.Tensor, hs: list[torch.Tensor], weights: list[torch.Tensor], batch_first: bool
+) -> list[tuple[torch.Tensor, int]]:
+    """One call of a recurrent op for all instances: ``xs`` is instances x (batch x time
+    or time x batch) x features, each of ``hs`` instances x layers x batch x hidden. The
+    instances fold into the batch next to it (instance-major), and the results unfold
+    again; returns each result with the dim its instances are on."""
+    size = xs.shape[0]
+    x = xs.flatten(0, 1) if batch_first else xs.movedim(0, 1).flatten(1, 2)
+    states = [h.movedim(0, 1).flatten(1, 2) for h in hs]
+    out, *final = call(x, states, weights)
+    out_dim = 0 if batch_first else 1
+    return [(out.unflatten(out_dim, (size, -1)), out_dim), *((h.unflatten(1, (size, -1)), 1) for h in final)]

@@ -259,6 +259,45 @@ def _aten_defaults(names: tuple[str, ...]) -> tuple[Any, ...]:
     return tuple(packet.default for packet in packets if packet is not None)
 
 
+#: The recurrent ops behind ``nn.RNN``/``nn.LSTM``/``nn.GRU`` on padded (not packed) input.
+_RECURRENT = ("gru", "lstm", "rnn_tanh", "rnn_relu")
+
+
+def recurrent_ops() -> tuple[Any, ...]:
+    """The ``.input`` overloads of ``aten::gru``, ``lstm``, ``rnn_tanh`` and ``rnn_relu``
+    (what ``nn.GRU``, ``nn.LSTM`` and ``nn.RNN`` call through ``torch._VF``): ``(input,
+    hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)``,
+    ``hx`` a list for the LSTM.
+
+    For: torchpmap's batching rule for them (vmap has none, and cannot loop over them:
+    "Batching rule not implemented for aten::gru.input. We could not generate a
+    fallback"). They are composite ops: under ``torch.func.grad`` inside the map they are
+    decomposed before vmap sees them, and this rule plays no part there.
+    Public replacement: none (a batching rule in torch).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (the ops and their schemas)."""
+    return tuple(getattr(torch.ops.aten, name).input for name in _RECURRENT)
+
+
+#: The ops that read a tensor's value into Python (``bool(t)``, ``t.item()``, ``int(t)``,
+#: ``float(t)``), which vmap refuses for a batched tensor.
+_VALUE_READS = ("is_nonzero", "item", "_local_scalar_dense")
+
+
+def vmap_value_reads() -> tuple[Any, ...]:
+    """The ops behind ``bool(t)``, ``t.item()`` and ``int(t)``/``float(t)``
+    (``aten::is_nonzero``, ``aten::item``, ``aten::_local_scalar_dense``).
+
+    For: torchpmap's batching rule for them, which replaces vmap's (vmap refuses them for
+    a batched tensor, "It looks like you're calling .item()"): when every instance holds
+    the same value, that value is read once, as each instance would read it run alone, so
+    a Python branch that goes the same way for every instance (Hugging Face's
+    ``padding_mask.all()``) no longer sends the whole function to one instance at a time.
+    Public replacement: none (a vmap option for "uniform" control flow).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (the ops and their schemas; vmap has a rule for
+    each, which raises)."""
+    return tuple(getattr(torch.ops.aten, name).default for name in _VALUE_READS)
+
+
 def vmap_randomness() -> str | None:
     """The ``randomness`` ("error", "same" or "different") of the innermost transform in
     force when it is a vmap, else None.
@@ -1226,6 +1265,26 @@ def _probe_cuda_attention_forwards() -> None:
         _expect(lse.shape[:2] == (2, 3) and lse.shape[2] >= 5, "the log-sum-exp is batch x heads x length")
 
 
+def _probe_recurrent_ops() -> None:
+    want = ["input", "hx", "params", "has_biases", "num_layers", "dropout", "train", "bidirectional", "batch_first"]
+    for op in recurrent_ops():
+        _expect([a.name for a in op_schema(op).arguments] == want, f"{op.name()} takes {want}")
+    gru = torch.nn.GRU(2, 3, batch_first=True)
+    x, h = torch.randn(1, 4, 2), torch.zeros(1, 1, 3)
+    out, _ = recurrent_ops()[0](x, h, list(gru._flat_weights), True, 1, 0.0, False, False, True)
+    _expect(torch.allclose(out, gru(x, h)[0]), "gru.input is nn.GRU's forward")
+
+
+def _probe_vmap_value_reads() -> None:
+    ops = vmap_value_reads()
+    for op in ops:
+        schema = op_schema(op)
+        _expect([a.name for a in schema.arguments] == ["self"], f"{op.name()} takes one tensor")
+        _expect(len(schema.returns) == 1, f"{op.name()} returns one value")
+        _expect(has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"), f"vmap has a rule for {op.name()}")
+    _expect(ops[0](torch.ones(())) is True and ops[1](torch.full((), 2.5)) == 2.5, "they read the value")
+
+
 def _probe_vmap_randomness() -> None:
     _expect(vmap_randomness() is None, "none outside vmap")
     for kind in ("error", "same", "different"):
@@ -1375,6 +1434,12 @@ ENTRIES: dict[str, Entry] = {
             "cuda_attention_forwards",
             "torch.ops.aten._scaled_dot_product_{efficient,cudnn}_attention",
             _probe_cuda_attention_forwards,
+        ),
+        Entry("recurrent_ops", "torch.ops.aten.{gru,lstm,rnn_tanh,rnn_relu}.input", _probe_recurrent_ops),
+        Entry(
+            "vmap_value_reads",
+            "torch.ops.aten.{is_nonzero,item,_local_scalar_dense} (vmap's rules replaced)",
+            _probe_vmap_value_reads,
         ),
         Entry(
             "vmap_randomness",

@@ -5,13 +5,17 @@ One row per model (random init, small configs, nothing downloaded), 4 instances 
 examples, float32, eager and ``jit=True``, against plain PyTorch taking the same step
 (the mean of the 4 shards' losses, one shard at a time, as row (h)):
 
-* ``gru``, ``lstm``: ``nn.GRU`` fails in vmap's backward, so its instances run one at a
-  time (``VectorizationFallbackWarning``); a float32 ``nn.LSTM`` vectorizes, with vmap's
-  per-instance loop inside ``mkldnn_rnn_layer``.
+* ``gru``, ``lstm``: vectorized (``data_parallel_step`` gives them an initial state
+  batched like the input: ``torchpmap._engines.recurrent``); a float32 ``nn.LSTM``
+  still has vmap's per-instance loop inside ``mkldnn_rnn_layer``, whose backward under
+  ``torch.func`` is its differentiable math, step by step. (Before: ``nn.GRU`` ran one
+  instance at a time, ``VectorizationFallbackWarning``.)
 * ``cnn_bn``: a small CNN with batch norm (statistics per shard, as DDP computes them).
 * ``bert_padded``, ``gpt2_padded``: Hugging Face models (if ``transformers`` is
-  installed) with padding masks, which check the mask's values, so they run one
-  instance at a time; the batch is a dict, passed as keyword arguments.
+  installed) with padding masks, which check the mask's values (``padding_mask.all()``):
+  the same on every instance here (every shard has padding), so read once and
+  vectorized (before: one instance at a time); the batch is a dict, passed as keyword
+  arguments.
 
 Each column computes the averaged loss and the gradients (``optimizer=None``), so repeated
 calls do the same work. Dropout is off so that the columns can be compared.
