@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import torchpmap as tp
 from torchpmap.training import data_parallel_step, shard
 
 N = 4  # instances: the data axis

@@ -82,6 +82,7 @@ __all__ = [
     "unshard",
     "prefetch_to_device",
     "data_parallel_step",
+    "ShardedStep",
 ]
 
 
@@ -575,6 +576,39 @@ def data_parallel_step(
         has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(loss, aux)``
             with ``aux`` averaged over every instance (as ``torch.func.grad``'s
             ``has_aux``; Flax's steps return their ``pmean``'d metrics this way).
+        shard_params: ``True`` or the step's ``axis_name``: ZeRO-3 / FSDP, see below.
+            None or False (the default): every instance uses the module's parameters.
+
+    **Sharded parameters** (``shard_params=True``): every parameter that requires grad
+    is flattened, zero-padded to ``N * s`` elements (``s = ceil(numel / N)``, ``N`` the
+    instances of every process) and split into ``N`` rows; instance ``i`` holds row
+    ``i``, and each device the rows of its own instances (a flat layout, as ZeRO-3's and
+    FSDP's flat parameters: any shape, any ``N``). A step gathers the rows of every
+    parameter (one ``all_gather`` before the forward) and differentiates with respect to
+    the rows: ``all_gather``'s transpose is ``psum_scatter``, so each instance receives
+    its row of the averaged gradient, and the optimizer steps the rows. Between steps
+    each device holds ``1/N`` of the parameters, their gradients and the optimizer's
+    state (plus the last row's padding); during a step, the gathered weights that
+    autograd saves live until their backward. The weights equal the replicated step's
+    to rounding. What changes:
+
+    * the returned step is a :class:`ShardedStep` (``torchpmap.training.ShardedStep``);
+      after its first call the module's trained parameters are *emptied* (0 elements,
+      the same ``Parameter`` objects; calling the model raises, naming the fix) and
+      ``step.gather_params()`` writes their whole values back, e.g. to evaluate or save
+      ``model.state_dict()``; the next call takes them, with any change, back into its
+      rows. ``step.bytes_per_device()`` counts what each device holds;
+    * the optimizer is moved onto the rows (each parameter replaced in its param groups
+      by its per-device pieces, existing state split likewise): schedulers and, in one
+      process, ``grad_scaler`` work unchanged, and ``optimizer.state_dict()`` is the
+      sharded state. Only optimizers whose update is elementwise step correctly on
+      rows: exactly ``SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``Adadelta``, ``Adamax``,
+      ``ASGD``, ``NAdam``, ``RAdam``, ``RMSprop`` and ``Rprop``; any other (``LBFGS``, a
+      subclass) is refused with a ``TypeError``;
+    * an optimizer is required (the step applies the split gradients itself), so the
+      step does no gradient clipping (there is none in the replicated step either; clip
+      with ``optimizer=None`` and no ``shard_params``); ``grad_scaler`` across processes
+      is refused, and every batch must have the first call's number of instances.
 
     Example:
         >>> import torch
