@@ -212,3 +212,30 @@ def test_refusals_name_the_argument_and_the_fix():
     step(shard((x, y), 4))
     with pytest.raises(ValueError, match=r"the batch has 8 instances.*rows for 4.*shard\(batch, n=4\)"):
         step(shard((x, y), 8))
+
+
+def test_a_checkpoint_of_gathered_weights_and_sharded_optimizer_state_resumes_exactly(placement, tmp_path):
+    x, y = data()
+
+    def started() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, opt, data_parallel_step(model, F.mse_loss, opt, shard_params=True)
+
+    model, opt, step = started()
+    for _ in range(3):
+        step(shard((x, y), N))
+    step.gather_params()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    resumed_model, resumed_opt, resumed = started()
+    resumed(shard((x, y), N))  # the first call moves the optimizer onto the rows
+    resumed.gather_params()
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed_model.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    for _ in range(2):
+        assert torch.equal(resumed(shard((x, y), N)), step(shard((x, y), N)))
+    step.gather_params()
+    resumed.gather_params()
+    for k, v in model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[k], v), k
