@@ -480,14 +480,14 @@ def data_parallel_step(
     1. runs ``loss_fn(model(inputs_i), targets_i)`` and its gradient on every instance
        ``i`` inside :func:`torchpmap.pmap`, through ``torch.func.functional_call`` and
        ``torch.func.grad_and_value`` (only parameters with ``requires_grad`` get one);
-       On one device in one process (eager, ``randomness`` not ``"per_instance"``, and
-       ``torchpmap.config.bitwise_placement`` off)
+       On one device in one process (eager or ``jit=True``, ``randomness`` not
+       ``"per_instance"``, and ``torchpmap.config.bitwise_placement`` off)
        the gradient is instead taken outside the map, of the mean of the instances'
-       losses: the same gradient (to rounding), with each weight's gradient one product
-       over every example as in plain PyTorch on the whole batch, instead of one per
-       instance and their mean (measured on the 2-core CPU machine, otherwise idle, with
-       a 64-256-256-10 MLP of 8 instances: 1.88-1.89x plain PyTorch's step before,
-       1.60-1.65x after);
+       losses, by ``torch.autograd.grad``: the same gradient (to rounding), with each
+       weight's gradient one product over every example as in plain PyTorch on the
+       whole batch, instead of one per instance and their mean (measured on the 2-core
+       CPU machine, otherwise idle, with a 64-256-256-10 MLP of 8 instances: 1.88-1.89x
+       plain PyTorch's step before, 1.60-1.65x after; see ``docs/performance.md``);
     2. averages gradients and losses over ``axis_name`` with :func:`torchpmap.pmean`
        (``out_axes=None``: they come back once); across processes, large gradients are
        all-reduced bucket by bucket while the backward still runs, as DDP does
@@ -716,7 +716,7 @@ def data_parallel_step(
         randomness=randomness,
     )
 
-    # One device, one process, eager: the gradient is taken outside the map, of the mean
+    # One device, one process (eager or jit): the gradient is taken outside the map, of the mean
     # loss, so that each weight's gradient is one product over every example (as in plain
     # PyTorch on the whole batch) instead of one per instance and their mean.
     def instance_loss(
@@ -737,6 +737,7 @@ def data_parallel_step(
         in_axes=(None, None, 0, None, 0),
         out_axes=(0, None),
         devices=devices,
+        jit=jit,
         randomness=randomness,
     )
 
@@ -763,7 +764,7 @@ def data_parallel_step(
     def folds() -> bool:
         """Whether this call takes the one-device step: decided at the call, where pmap
         resolves the devices it runs on (an enclosing device thread may pin them)."""
-        if jit or randomness == "per_instance" or config.bitwise_placement or _devices.process_count() != 1:
+        if randomness == "per_instance" or config.bitwise_placement or _devices.process_count() != 1:
             return False
         return len(devices if devices is not None else _devices.devices()) == 1
 
