@@ -24,7 +24,6 @@ from torch.func import functional_call, grad, stack_module_state
 
 import torchpmap as tp
 from torchpmap._engines import batching_rules, recurrent
-from torchpmap._placement import devices as _devices
 from torchpmap.training import data_parallel_step, shard
 
 N, B, T, F_IN, H = 8, 2, 4, 3, 5
@@ -36,14 +35,10 @@ def installed():
     batching_rules.install()
 
 
-@pytest.fixture(params=[1, 4], ids=["1 device", "4 devices"])
-def devices(request, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", str(request.param))
-    _devices._local_devices.cache_clear()
-    yield tp.devices()
-    monkeypatch.undo()
-    _devices._local_devices.cache_clear()
+@pytest.fixture
+def devices(placement):
+    """1 and 4 CPU devices (conftest's ``placement``)."""
+    return placement
 
 
 def quietly(fn):
