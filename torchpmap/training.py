@@ -758,8 +758,10 @@ def data_parallel_step(
         leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
         with torch.enable_grad():
             objective, (loss, (buffer_change, counters, aux)) = mean_loss(leaves)
-            grads = torch.autograd.grad(objective, [leaves[k] for k in reached])
-        return dict(zip(reached, grads)), loss, buffer_change, counters, aux
+            # allow_unused: a compiled forward's node lists every parameter it was given
+            grads = torch.autograd.grad(objective, [leaves[k] for k in reached], allow_unused=True)
+        found = {k: g for k, g in zip(reached, grads) if g is not None}  # as after loss.backward()
+        return found, loss, buffer_change, counters, aux
 
     def folds() -> bool:
         """Whether this call takes the one-device step: decided at the call, where pmap
