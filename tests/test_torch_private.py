@@ -41,6 +41,18 @@ def _docstrings() -> dict[str, str]:
     return docs
 
 
+def test_probes_leave_the_callers_random_stream_where_it_was():
+    """The first map of a process runs probes (``changed``); a run resumed from a
+    checkpoint must then draw the dropout masks of the run it resumes."""
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
+    for name in private.ENTRIES:
+        private.changed(name)
+    private.check()
+    torch.testing.assert_close(torch.rand(4), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", list(private.ENTRIES))
 def test_entry_says_what_it_is_for_and_what_replaces_it(name):
     assert hasattr(private, name), f"ENTRIES names {name!r}, which the module does not define"

@@ -1468,8 +1468,18 @@ def _isolated(probe: Callable[[], None]) -> None:
     torch.func transform (grad, vmap, jvp, a pmap's level) is active, grad mode is on, no
     autocast, inference mode, torch function or dispatch mode. A probe checks what torch
     does, not what the caller's context makes of it: under ``torch.func.grad`` a probe
-    run in the caller's thread saw its ops wrapped by the grad level and failed."""
-    _in_thread(probe)
+    run in the caller's thread saw its ops wrapped by the grad level and failed.
+
+    The CPU generator's state is put back after it: a probe that makes a module or draws
+    (``nn.GRU(2, 3)``, ``torch.randn``) must not move the caller's random stream, or a
+    run resumed from a checkpoint, whose first map runs the probes, would draw other
+    dropout masks than the run it resumes."""
+
+    def untouched_stream() -> None:
+        with torch.random.fork_rng(devices=[]):
+            probe()
+
+    _in_thread(untouched_stream)
 
 
 #: How a probe fails when torch changed the private API behind it: the API is missing
