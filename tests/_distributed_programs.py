@@ -873,6 +873,31 @@ def shard_map_programs(mesh, d: dict) -> dict:
     return out
 
 
+def scenario_sharded_step(rank: int, nproc: int) -> dict:
+    """data_parallel_step(shard_params=True) across processes (ZeRO-3): models built from
+    each process' own seed, AdamW, batch norm, metrics, a layer the loss never reaches;
+    the weights gathered after, and the bytes each process holds for the shards."""
+    from torchpmap.training import data_parallel_step, shard
+
+    x, y = (local(t, rank, nproc) for t in same_answers_data())
+    model = WithSpare(seed=100 + rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+    step = data_parallel_step(model, metrics_loss, opt, has_aux=True, shard_params=True)
+    losses, accuracies = [], []
+    for _ in range(3):
+        loss, aux = step(shard((x, y), n=2))  # two instances per process
+        losses.append(loss)
+        accuracies.append(aux["accuracy"])
+    held = step.bytes_per_device()
+    step.gather_params()
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "losses": torch.stack(losses),
+        "accuracies": torch.stack(accuracies),
+        "bytes": sum(held.values()),
+    }
+
+
 def scenario_shard_map_checkpoint(rank: int, nproc: int) -> dict:
     """FSDP-style sharded weights (a shard_map's DTensor results) saved with
     torch.distributed.checkpoint by every process; the test loads them in one."""

@@ -63,6 +63,18 @@ def _logs(finished) -> str:
     return "\n".join(f"--- rank {f.rank} (rc={f.returncode}, {f.seconds:.1f} s)\n{f.output[-3000:]}" for f in finished)
 
 
+def _ranks_finished(scenario: str, nproc: int, tmp_path: Path, **options) -> tuple[list[dict], str]:
+    """Runs ``scenario`` on ``nproc`` processes; every one must exit cleanly and write its
+    results. Returns the results, rank by rank, and the processes' logs."""
+    finished, results = _run(scenario, nproc, tmp_path, **options)
+    logs = _logs(finished)
+    assert all(f.returncode == 0 for f in finished), logs
+    per_rank = [results[r] for r in range(nproc)]
+    for res in per_rank:
+        assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
+    return per_rank, logs
+
+
 def _concat(per_rank: list, key: str):
     """The ranks' local outputs of one program, put back together along the mapped axis."""
     leaves = [pytree.tree_flatten(r[key]) for r in per_rank]
@@ -527,12 +539,7 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
     reaches keeps p.grad None and its value; metrics are averaged over every instance.
     Processes that run different programs with the same shapes raise at their first
     exchange. broadcast, check_same, complex collectives."""
-    finished, results = _run("same_answers", 2, tmp_path, timeout=60)
-    logs = _logs(finished)
-    assert all(f.returncode == 0 for f in finished), logs
-    per_rank = [results[r] for r in range(2)]
-    for res in per_rank:
-        assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
+    per_rank, _ = _ranks_finished("same_answers", 2, tmp_path, timeout=60)
     assert not torch.equal(per_rank[0]["initial"]["head.weight"], per_rank[1]["initial"]["head.weight"])
     with _on_one_device():
         reference = {
@@ -577,3 +584,22 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
     z = torch.stack([(torch.arange(3.0) + 1j * r).to(torch.complex128) for r in range(2)])
     _assert_same("complex all_gather", _concat(per_rank, "complex_all_gather"), z.expand(2, 2, 3), bitwise=True)
     _assert_same("complex ppermute", _concat(per_rank, "complex_ppermute"), z.roll(1, 0), bitwise=True)
+
+
+@pytest.mark.slow
+def test_sharded_step_on_two_processes_trains_one_process_model(tmp_path):
+    """data_parallel_step(shard_params=True) on 2 processes of 2 instances each: the
+    weights (gathered after 3 AdamW steps), losses and metrics of the replicated step
+    in one process; each process holds 2 of the 4 flat rows of every parameter, of its
+    gradient and of AdamW's two moments."""
+    per_rank, _ = _ranks_finished("sharded_step", 2, tmp_path, timeout=60)
+    with _on_one_device():
+        reference = progs.same_answers_reference(seed=100, n=4)
+    for r in range(2):
+        for k in ("state", "losses", "accuracies"):
+            _assert_same(f"{k} of rank {r} vs one process", per_rank[r][k], reference[k], bitwise=False)
+    numels = [p.numel() for p in progs.WithSpare(seed=0).parameters()]
+    rows = sum(2 * -(-n // 4) for n in numels)  # this process' 2 rows of each, padded
+    whole = sum(numels)
+    for res in per_rank:  # float32: parameter, gradient, 2 moments; and a 'step' count per parameter
+        assert res["bytes"] <= 4 * 4 * rows + 4 * len(numels) < 4 * 4 * whole, (res["bytes"], rows, whole)

@@ -24,7 +24,6 @@ from torch.func import functional_call, grad, stack_module_state
 
 import torchpmap as tp
 from torchpmap._engines import batching_rules, recurrent
-from torchpmap._placement import devices as _devices
 from torchpmap.training import data_parallel_step, shard
 
 N, B, T, F_IN, H = 8, 2, 4, 3, 5
@@ -36,14 +35,10 @@ def installed():
     batching_rules.install()
 
 
-@pytest.fixture(params=[1, 4], ids=["1 device", "4 devices"])
-def devices(request, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", str(request.param))
-    _devices._local_devices.cache_clear()
-    yield tp.devices()
-    monkeypatch.undo()
-    _devices._local_devices.cache_clear()
+@pytest.fixture
+def devices(placement):
+    """1 and 4 CPU devices (conftest's ``placement``)."""
+    return placement
 
 
 def quietly(fn):
@@ -196,6 +191,28 @@ def test_data_parallel_step_vectorizes_without_an_initial_state(kind, jit, devic
     torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=lambda s: f"{name}: {s}")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_float32_lstm_step_on_one_device_compiles_and_matches_plain_pytorch(jit):
+    # float32 on CPU: oneDNN's mkldnn_rnn_layer, whose backward must run as torch's own
+    # kernel (not its differentiable math under torch.func.grad), and which the compiled
+    # step traces as the LSTM's cells (AOTAutograd cannot differentiate mkldnn_rnn_layer)
+    torch.manual_seed(0)
+    model = Recurrent("LSTM")
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(N * B, T, F_IN, generator=g), torch.randint(0, 2, (N * B,), generator=g)
+    step = data_parallel_step(model, nn.functional.cross_entropy, None, devices=tp.devices()[:1], jit=jit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tp.VectorizationFallbackWarning)
+        warnings.simplefilter("error", tp.JitFallbackWarning)
+        loss = step(shard((x, y), n=N))
+    want = torch.stack([nn.functional.cross_entropy(ref(x[i * B:(i + 1) * B]), y[i * B:(i + 1) * B]) for i in range(N)])
+    want.mean().backward()
+    torch.testing.assert_close(loss, want.mean().detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda s: f"{name}: {s}")
 
 
 @pytest.mark.parametrize("module", [

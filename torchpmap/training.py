@@ -59,12 +59,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad, grad_and_value
+from torch.func import functional_call, grad_and_value
 
 from torchpmap._collectives.gradient_mean import GradientMean
 from torchpmap._collectives.public import pmean
 from torchpmap._engines import recurrent
 from torchpmap._frontend.api import pmap
+from torchpmap._frontend.elementwise_optimizers import check_elementwise
+from torchpmap._frontend.reached import reached as _reached
+from torchpmap._frontend.sharded_step import ShardedStep
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.sharded import ShardedTensor
@@ -79,6 +82,7 @@ __all__ = [
     "unshard",
     "prefetch_to_device",
     "data_parallel_step",
+    "ShardedStep",
 ]
 
 
@@ -463,6 +467,7 @@ def data_parallel_step(
     jit: bool | Mapping[str, Any] = False,
     randomness: Randomness = "different",
     has_aux: bool = False,
+    shard_params: AxisName | bool | None = None,
 ) -> Callable[[PyTree], Any]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
 
@@ -475,14 +480,14 @@ def data_parallel_step(
     1. runs ``loss_fn(model(inputs_i), targets_i)`` and its gradient on every instance
        ``i`` inside :func:`torchpmap.pmap`, through ``torch.func.functional_call`` and
        ``torch.func.grad_and_value`` (only parameters with ``requires_grad`` get one);
-       On one device in one process (eager, ``randomness`` not ``"per_instance"``, and
-       ``torchpmap.config.bitwise_placement`` off)
+       On one device in one process (eager or ``jit=True``, ``randomness`` not
+       ``"per_instance"``, and ``torchpmap.config.bitwise_placement`` off)
        the gradient is instead taken outside the map, of the mean of the instances'
-       losses: the same gradient (to rounding), with each weight's gradient one product
-       over every example as in plain PyTorch on the whole batch, instead of one per
-       instance and their mean (measured on the 2-core CPU machine, otherwise idle, with
-       a 64-256-256-10 MLP of 8 instances: 1.88-1.89x plain PyTorch's step before,
-       1.60-1.65x after);
+       losses, by ``torch.autograd.grad``: the same gradient (to rounding), with each
+       weight's gradient one product over every example as in plain PyTorch on the
+       whole batch, instead of one per instance and their mean (measured on the 2-core
+       CPU machine, otherwise idle, with a 64-256-256-10 MLP of 8 instances: 1.88-1.89x
+       plain PyTorch's step before, 1.60-1.65x after; see ``docs/performance.md``);
     2. averages gradients and losses over ``axis_name`` with :func:`torchpmap.pmean`
        (``out_axes=None``: they come back once); across processes, large gradients are
        all-reduced bucket by bucket while the backward still runs, as DDP does
@@ -573,6 +578,39 @@ def data_parallel_step(
         has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(loss, aux)``
             with ``aux`` averaged over every instance (as ``torch.func.grad``'s
             ``has_aux``; Flax's steps return their ``pmean``'d metrics this way).
+        shard_params: ``True`` or the step's ``axis_name``: ZeRO-3 / FSDP, see below.
+            None or False (the default): every instance uses the module's parameters.
+
+    **Sharded parameters** (``shard_params=True``): every parameter that requires grad
+    is flattened, zero-padded to ``N * s`` elements (``s = ceil(numel / N)``, ``N`` the
+    instances of every process) and split into ``N`` rows; instance ``i`` holds row
+    ``i``, and each device the rows of its own instances (a flat layout, as ZeRO-3's and
+    FSDP's flat parameters: any shape, any ``N``). A step gathers the rows of every
+    parameter (one ``all_gather`` before the forward) and differentiates with respect to
+    the rows: ``all_gather``'s transpose is ``psum_scatter``, so each instance receives
+    its row of the averaged gradient, and the optimizer steps the rows. Between steps
+    each device holds ``1/N`` of the parameters, their gradients and the optimizer's
+    state (plus the last row's padding); during a step, the gathered weights that
+    autograd saves live until their backward. The weights equal the replicated step's
+    to rounding. What changes:
+
+    * the returned step is a :class:`ShardedStep` (``torchpmap.training.ShardedStep``);
+      after its first call the module's trained parameters are *emptied* (0 elements,
+      the same ``Parameter`` objects; calling the model raises, naming the fix) and
+      ``step.gather_params()`` writes their whole values back, e.g. to evaluate or save
+      ``model.state_dict()``; the next call takes them, with any change, back into its
+      rows. ``step.bytes_per_device()`` counts what each device holds;
+    * the optimizer is moved onto the rows (each parameter replaced in its param groups
+      by its per-device pieces, existing state split likewise): schedulers and, in one
+      process, ``grad_scaler`` work unchanged, and ``optimizer.state_dict()`` is the
+      sharded state. Only optimizers whose update is elementwise step correctly on
+      rows: exactly ``SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``Adadelta``, ``Adamax``,
+      ``ASGD``, ``NAdam``, ``RAdam``, ``RMSprop`` and ``Rprop``; any other (``LBFGS``, a
+      subclass) is refused with a ``TypeError``;
+    * an optimizer is required (the step applies the split gradients itself), so the
+      step does no gradient clipping (there is none in the replicated step either; clip
+      with ``optimizer=None`` and no ``shard_params``); ``grad_scaler`` across processes
+      is refused, and every batch must have the first call's number of instances.
 
     Example:
         >>> import torch
@@ -609,6 +647,7 @@ def data_parallel_step(
         )
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
+    sharded_axis = _sharded_axis(shard_params, axis_name, optimizer)
 
     stateful = recurrent.modules_needing_state(model)
 
@@ -679,7 +718,7 @@ def data_parallel_step(
         randomness=randomness,
     )
 
-    # One device, one process, eager: the gradient is taken outside the map, of the mean
+    # One device, one process (eager or jit): the gradient is taken outside the map, of the mean
     # loss, so that each weight's gradient is one product over every example (as in plain
     # PyTorch on the whole batch) instead of one per instance and their mean.
     def instance_loss(
@@ -700,6 +739,7 @@ def data_parallel_step(
         in_axes=(None, None, 0, None, 0),
         out_axes=(0, None),
         devices=devices,
+        jit=jit,
         randomness=randomness,
     )
 
@@ -714,22 +754,33 @@ def data_parallel_step(
             reached.extend(_reached(loss, params))
             return (loss if scale is None else loss * scale), (loss.detach(), rest)
 
-        grads, (loss, (buffer_change, counters, aux)) = grad(mean_loss, has_aux=True)(params)
-        return {k: grads[k] for k in reached}, loss, buffer_change, counters, aux
+        # Plain autograd, not torch.func.grad: under a grad transform, ops whose backward
+        # kernel is not itself differentiable run their differentiable math instead
+        # (the float32 nn.LSTM's mkldnn backward: step by step, ~6x plain PyTorch's step).
+        leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
+        with torch.enable_grad():
+            objective, (loss, (buffer_change, counters, aux)) = mean_loss(leaves)
+            # allow_unused: a compiled forward's node lists every parameter it was given
+            grads = torch.autograd.grad(objective, [leaves[k] for k in reached], allow_unused=True)
+        found = {k: g for k, g in zip(reached, grads) if g is not None}  # as after loss.backward()
+        return found, loss, buffer_change, counters, aux
 
     def folds() -> bool:
         """Whether this call takes the one-device step: decided at the call, where pmap
         resolves the devices it runs on (an enclosing device thread may pin them)."""
-        if jit or randomness == "per_instance" or config.bitwise_placement or _devices.process_count() != 1:
+        if randomness == "per_instance" or config.bitwise_placement or _devices.process_count() != 1:
             return False
         return len(devices if devices is not None else _devices.devices()) == 1
 
     started = [False]  # across processes: process 0's parameters and buffers copied at the first call
 
-    def step(batch: PyTree) -> Any:
+    def start() -> None:
         if not started[0]:
             _start_from_process_zero(model, axis_name)
             started[0] = True
+
+    def prepare(batch: PyTree) -> tuple[PyTree, int]:
+        """The batch as the instances take it, and its number of instances."""
         if model_inputs is None:
             batch = _pair(batch)
         leaves = pytree.tree_leaves(batch)
@@ -737,7 +788,25 @@ def data_parallel_step(
             raise TypeError(
                 "data_parallel_step: the batch holds no tensors; shard it first, e.g. torchpmap.training.shard(batch)"
             )
-        n = leaves[0].shape[0]
+        return batch, leaves[0].shape[0]
+
+    def write_buffers(buffer_change: Tensors, counters: Tensors, floating: Tensors) -> None:
+        for k, change in buffer_change.items():
+            model.get_buffer(k).add_(change.to(floating[k].device))
+        for k, value in counters.items():
+            model.get_buffer(k).copy_(value)
+
+    if sharded_axis is not None:
+        assert optimizer is not None  # checked by _sharded_axis
+        return ShardedStep(
+            model, optimizer, grad_scaler, run_model=run_model, prepare=prepare, start=start,
+            write_buffers=write_buffers, split_buffers=lambda: _split_buffers(model), axis_name=sharded_axis,
+            devices=devices, jit=jit, randomness=randomness, has_aux=has_aux,
+        )
+
+    def step(batch: PyTree) -> Any:
+        start()
+        batch, n = prepare(batch)
         named = dict(model.named_parameters())
         params = {k: p.detach() for k, p in named.items() if p.requires_grad}
         frozen = {k: p.detach() for k, p in named.items() if not p.requires_grad}
@@ -759,10 +828,7 @@ def data_parallel_step(
                     grad.add_(g)  # accumulate, as loss.backward() does
                 else:
                     named[k].grad = g
-            for k, change in buffer_change.items():
-                model.get_buffer(k).add_(change.to(floating[k].device))
-            for k, value in counters.items():
-                model.get_buffer(k).copy_(value)
+            write_buffers(buffer_change, counters, floating)
         if optimizer is not None and grad_scaler is not None:
             grad_scaler.step(optimizer)
             grad_scaler.update()
@@ -773,6 +839,29 @@ def data_parallel_step(
         return loss.detach()
 
     return step
+
+
+def _sharded_axis(
+    shard_params: AxisName | bool | None, axis_name: AxisName, optimizer: torch.optim.Optimizer | None
+) -> AxisName | None:
+    """The axis that ``shard_params`` splits the parameters over (None: replicated), checked."""
+    if shard_params is None or shard_params is False:
+        return None
+    if shard_params is not True and shard_params != axis_name:
+        raise ValueError(
+            f"data_parallel_step: shard_params={shard_params!r} names another axis than the step's axis_name="
+            f"{axis_name!r}. The parameters are split over the data axis that the step maps and averages over "
+            f"(ZeRO-3, FSDP): pass shard_params=True or shard_params={axis_name!r}. To split weights over a model "
+            "axis (tensor parallelism), write the step with torchpmap.shard_map."
+        )
+    if optimizer is None:
+        raise ValueError(
+            f"data_parallel_step: shard_params={shard_params!r} needs an optimizer: the gradients come back split "
+            "like the parameters, and the step applies them to the shards itself. For gradients in p.grad (to "
+            "clip, accumulate or step yourself), leave shard_params out."
+        )
+    check_elementwise(optimizer, f"data_parallel_step(shard_params={shard_params!r})")
+    return axis_name
 
 
 def _check_optimizer_holds_the_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -807,38 +896,6 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, PyTree]:
                 "instances): wrap numbers with torch.tensor(...)"
             )
     return loss, aux
-
-
-def _reached(loss: torch.Tensor, params: Mapping[str, torch.Tensor]) -> list[str]:
-    """The names of ``params`` that ``loss`` depends on through autograd's graph (those
-    that ``loss.backward()`` would give a ``.grad``), in ``params``' order; raises when it
-    reaches none of them (a detached loss, or one computed from other tensors)."""
-    names = {id(t): k for k, t in params.items()}
-    found: set[str] = set()
-    seen: set[Any] = set()
-    stack = [getattr(loss, "grad_fn", None)]
-    while stack and len(found) < len(names):
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf of the graph
-        if variable is not None:
-            name = names.get(id(variable))
-            if name is not None:
-                found.add(name)
-            continue
-        stack.extend(child for child, _ in node.next_functions)
-    if not found:
-        detached = not isinstance(loss, torch.Tensor) or loss.grad_fn is None
-        raise ValueError(
-            "data_parallel_step: the loss does not depend on any of the model's parameters that require grad "
-            f"({len(params)} of "
-            f"them){' (it carries no autograd graph: detached, or made from plain numbers)' if detached else ''}, "
-            "so the step could not change the model. Compute the loss from the model's output (do not .detach() "
-            "it or call .item()), and check that the parameters you train have requires_grad=True."
-        )
-    return [k for k in params if k in found]
 
 
 def _start_from_process_zero(model: torch.nn.Module, axis_name: Hashable) -> None:

@@ -34,11 +34,12 @@ cache so that anything else that changes the program (shapes, strides, dtypes, d
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import threading
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -363,7 +364,8 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
     # A tensor passed for two arguments is traced as two inputs (that share its memory), not as one,
     # which the graph would then read for both at every later call.
     inputs = distinct(graph_inputs(call, tensor_slots))
-    graph = private.make_fx_real_inputs(program, decomposition_table={})(*inputs)
+    with _onednn_off():
+        graph = private.make_fx_real_inputs(program, decomposition_table={})(*inputs)
     # e.g. forward-AD shape checks that return a bool dynamo refuses; every exchange stays
     graph.graph.eliminate_dead_code(is_impure_node=graph_rewrites.kept)
     graph_rewrites.fold_instance_sums(graph)  # per-instance products summed over instances -> one product
@@ -389,6 +391,25 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **kwargs)
     return _Program(compiled, tensor_slots, constants, output_layout, graph_forward=graph.forward)
+
+
+@contextlib.contextmanager
+def _onednn_off() -> Iterator[None]:
+    """oneDNN off while a program is traced (``torch.backends.mkldnn.enabled``, nothing
+    else of its settings). A float32 ``nn.LSTM`` on CPU otherwise records
+    ``aten::mkldnn_rnn_layer``, which AOTAutograd cannot differentiate when the gradient
+    is taken outside the map ("expected Tensor() for op ... mkldnn_rnn_layer"); without
+    it the LSTM is recorded as its cells' ops, which inductor compiles. The flag is read
+    as ops decompose, so the trace sees it and inductor's later choices do not. It is the
+    process' flag: an eager oneDNN op in another thread during the trace takes torch's
+    native kernel instead (the same math, rounded its own way)."""
+    mkldnn: Any = torch.backends.mkldnn  # a module whose flags are properties (typed as descriptors)
+    previous = mkldnn.enabled
+    mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        mkldnn.enabled = previous
 
 
 def distinct(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -148,9 +148,14 @@ def device_thread(
     _devices.set_current_default((device,))
     try:
         what = "vmap" if call.devices is None else "pmap"
-        with cuda_device(device.torch_device), device_thread_mode(seed, j, call.randomness, device.torch_device, what):
+        mode = device_thread_mode(seed, j, call.randomness, device.torch_device, what)
+        # Under "per_instance" the instances' own streams (entered around the body) must see
+        # a random op before this mode does, as they always have: the mode then stays outside.
+        whole = call.randomness == "per_instance"
+        with cuda_device(device.torch_device), mode if whole else contextlib.nullcontext():
             yield dataclasses.replace(
                 call,
+                body=call.body if whole else _under(mode, call.body),
                 mapped=[slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)],
                 size=k,
                 devices=(device,),
@@ -160,6 +165,20 @@ def device_thread(
         raise
     finally:
         _devices.set_current_default(None)
+
+
+def _under(
+    mode: contextlib.AbstractContextManager, body: Callable[[Sequence[torch.Tensor], Sequence[Any]], Any]
+) -> Callable[[Sequence[torch.Tensor], Sequence[Any]], Any]:
+    """``body`` run with the thread's random-stream mode in force. The mode sees every
+    torch call made while it is in force (a Python call each), so it covers the
+    function's own body only, not torchpmap's slicing and stacking around it."""
+
+    def run(mapped: Sequence[torch.Tensor], broadcast: Sequence[Any]) -> Any:
+        with mode:
+            return body(mapped, broadcast)
+
+    return run
 
 
 def cuda_device(device: torch.device) -> contextlib.AbstractContextManager:

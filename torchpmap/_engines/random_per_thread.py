@@ -4,8 +4,10 @@ A thread-local TorchFunctionMode sees every torch call of a device thread. Devic
 share torch's default generators, so the numbers an instance draws would depend on thread
 scheduling. Each thread instead gets its own stream, seeded from one draw of the caller's
 generator (so ``torch.manual_seed`` makes a whole pmap reproducible); the mode swaps the
-thread's state into the default generator around each random op, under a lock. Other ops
-pass straight through and run concurrently. Under ``randomness="error"`` the mode refuses
+thread's state into the default generator around each random op, under a lock (the
+stream is made at the thread's first draw). Other ops pass straight through. The mode is
+in force while the function's body runs (see ``multi_device.device_thread``): each torch
+call it sees costs a Python call. Under ``randomness="error"`` the mode refuses
 random ops; ``"per_instance"`` streams are :mod:`torchpmap._engines.random_per_instance`'s.
 (Forward-mode AD, which PyTorch keeps per process, is shared by the device threads of a
 call: see :func:`torchpmap._state.context.shared_forward_ad`.)
@@ -13,7 +15,7 @@ call: see :func:`torchpmap._state.context.shared_forward_ad`.)
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -43,17 +45,20 @@ def call_seed(randomness: str) -> int | None:
 class _DeviceThreadMode(TorchFunctionMode):
     def __init__(self, seed: int | None, device: torch.device, refuse: bool = False, what: str = "pmap"):
         super().__init__()
-        self.seed, self.refuse, self.what = seed, refuse, what
-        if seed is None:
-            return
-        self.generators = [torch.default_generator]
-        if device.type == "cuda":
-            self.generators.append(torch.cuda.default_generators[device.index or 0])
-        self.states = []
-        for g in self.generators:
-            own = torch.Generator(device=g.device)
-            own.manual_seed(seed)
-            self.states.append(own.get_state())
+        self.seed, self.refuse, self.what, self.device = seed, refuse, what, device
+        self.generators: list[torch.Generator] = []
+        self.states: list[torch.Tensor] = []  # the thread's streams, made at its first draw
+
+    def _streams(self) -> list[torch.Tensor]:
+        if not self.states:
+            self.generators = [torch.default_generator]
+            if self.device.type == "cuda":
+                self.generators.append(torch.cuda.default_generators[self.device.index or 0])
+            for g in self.generators:
+                own = torch.Generator(device=g.device)
+                own.manual_seed(cast(int, self.seed))
+                self.states.append(own.get_state())
+        return self.states
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", None)
@@ -66,8 +71,9 @@ class _DeviceThreadMode(TorchFunctionMode):
         if self.seed is None or name not in _RANDOM_OPS:
             return func(*args, **(kwargs or {}))
         with _lock:
+            streams = self._streams()
             saved = [g.get_state() for g in self.generators]
-            for g, state in zip(self.generators, self.states):
+            for g, state in zip(self.generators, streams):
                 g.set_state(state)
             try:
                 return func(*args, **(kwargs or {}))

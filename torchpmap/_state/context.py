@@ -157,6 +157,9 @@ class CallerState:
         """Puts this state in force in the current (device) thread for the block."""
         if torch.get_num_threads() != self.intra_op_threads:  # a pooled worker keeps what it was given
             torch.set_num_threads(self.intra_op_threads)
+        if self._in_force_already():  # the common case: nothing to enter (each context costs microseconds)
+            yield
+            return
         with contextlib.ExitStack() as stack:
             stack.enter_context(private.functorch_layers_restored(self.transforms))
             if self.inference_mode:
@@ -170,6 +173,19 @@ class CallerState:
             for stream in self.cuda_streams:
                 stack.enter_context(torch.cuda.stream(stream))
             yield
+
+    def _in_force_already(self) -> bool:
+        """Whether this thread's state is already this one (plain grad mode, nothing else):
+        checked on each entry, so a pooled worker whose last body changed its grad mode
+        is put right."""
+        return (
+            not (self.transforms or self.inference_mode or self.autocast or self.function_modes or self.cuda_streams)
+            and torch.is_grad_enabled() == self.grad_enabled
+            and not torch.is_inference_mode_enabled()
+            and private.forward_grad_enabled() == self.forward_grad_enabled
+            and not private.function_mode_stack()
+            and not any(torch.is_autocast_enabled(t) for t in AUTOCAST_DEVICE_TYPES)
+        )
 
 
 def _non_default_streams(devices: Sequence[Any]) -> tuple[Any, ...]:

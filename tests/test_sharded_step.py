@@ -1,0 +1,241 @@
+"""data_parallel_step(shard_params=...): ZeRO-3 gives the replicated step's weights, in 1/N the bytes.
+
+Every test of numbers compares with the replicated step on one device (the oracle) and
+runs on 1 and on 4 CPU devices (the ``placement`` fixture). The multi-process run is in
+tests/test_distributed.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchpmap.training import data_parallel_step, shard
+
+N = 4  # instances: the data axis
+
+
+def mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+OPTIMIZERS = {
+    "sgd-momentum-wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.01, amsgrad=True),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+}
+
+
+def train(model, make_opt, steps: int, devices=None, **kw) -> tuple[list[float], dict]:
+    x, y = data()
+    opt = make_opt(model.parameters())
+    step = data_parallel_step(model, F.mse_loss, opt, devices=devices, **kw)
+    losses = [step(shard((x, y), N)).item() for _ in range(steps)]
+    if kw.get("shard_params"):
+        step.gather_params()
+    return losses, weights(model)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_weights_after_steps_equal_the_replicated_steps(placement, name):
+    oracle_losses, oracle = train(mlp(), OPTIMIZERS[name], 5, devices=placement[:1])
+    losses, got = train(mlp(), OPTIMIZERS[name], 5, shard_params=True)
+    assert_same_weights(got, oracle)
+    assert losses == pytest.approx(oracle_losses, rel=1e-5)
+
+
+class WithSpare(torch.nn.Module):
+    """Batch norm, a frozen layer, and a layer its forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 8, bias=False), torch.nn.BatchNorm1d(8), torch.nn.Tanh())
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.head, self.spare = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.frozen(self.body(x)))
+
+
+def metrics_loss(out, y):
+    return F.mse_loss(out, y), {"abs": (out - y).abs().mean()}
+
+
+def test_buffers_aux_frozen_and_unused_parameters_as_the_replicated_step(placement):
+    x, y = data()
+    runs = {}
+    for sharded in (False, True):
+        model = WithSpare()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+        step = data_parallel_step(
+            model, metrics_loss, opt, has_aux=True, shard_params=sharded,
+            devices=None if sharded else placement[:1],
+        )
+        out = [step(shard((x, y), N)) for _ in range(3)]
+        if sharded:
+            step.gather_params()
+        runs[sharded] = out, weights(model)
+    (rep_out, rep), (sh_out, sh) = runs[False], runs[True]
+    assert_same_weights(sh, rep)
+    assert torch.equal(sh["spare.weight"], WithSpare().spare.weight.detach())  # no gradient: AdamW leaves it
+    for (l1, a1), (l2, a2) in zip(rep_out, sh_out):
+        torch.testing.assert_close(l2, l1)
+        torch.testing.assert_close(a2["abs"], a1["abs"])
+
+
+def test_optimizer_state_from_replicated_steps_is_split_and_training_goes_on(placement):
+    oracle_losses, oracle = train(mlp(), OPTIMIZERS["adamw"], 4, devices=placement[:1])
+    x, y = data()
+    model = mlp()
+    opt = OPTIMIZERS["adamw"](model.parameters())
+    first = data_parallel_step(model, F.mse_loss, opt)
+    losses = [first(shard((x, y), N)).item() for _ in range(2)]
+    second = data_parallel_step(model, F.mse_loss, opt, shard_params="batch")
+    losses += [second(shard((x, y), N)).item() for _ in range(2)]
+    second.gather_params()
+    assert_same_weights(weights(model), oracle)
+    assert losses == pytest.approx(oracle_losses, rel=1e-5)
+
+
+def test_module_is_emptied_and_gather_params_writes_back_values_the_next_step_takes(placement):
+    x, y = data()
+    model = mlp()
+    step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=True)
+    step(shard((x, y), N))
+    assert all(p.numel() == 0 for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"step\.gather_params\(\) first"):
+        model(x)
+    step.gather_params()
+    assert [tuple(p.shape) for p in model.parameters()] == [(10, 6), (10,), (3, 10), (3,)]
+    model(x)  # usable as it is
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # a change the next step must see
+    step(shard((x, y), N))
+    step.gather_params()
+    assert torch.equal(model[2].weight, torch.zeros(3, 10))  # tanh(0) = 0: no gradient reaches it
+    assert not torch.equal(model[2].bias, torch.zeros(3))
+
+
+def test_grad_scaler_in_one_process_as_the_replicated_step(placement):
+    runs = []
+    for sharded in (False, True):
+        model = mlp()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        x, y = data()
+        step = data_parallel_step(
+            model, F.mse_loss, torch.optim.Adam(model.parameters(), lr=0.01), grad_scaler=scaler,
+            shard_params=sharded, devices=None if sharded else placement[:1],
+        )
+        for _ in range(3):
+            step(shard((x, y), N))
+        if sharded:
+            step.gather_params()
+        runs.append(weights(model))
+    assert_same_weights(runs[1], runs[0])
+
+
+def tensor_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def test_each_device_holds_a_quarter_of_parameters_gradients_and_adam_state(placement):
+    """Measured on 4 CPU devices: the bytes of the trained parameters' pieces, their
+    gradients and Adam's state on each device, against what the replicated step holds
+    (one whole copy, which every device needs to run it), and the module's own
+    parameters (emptied)."""
+    if len(placement) < 4:
+        pytest.skip("the per-device bytes need 4 devices")
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))  # noqa: E731
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    model = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data_parallel_step(model, F.mse_loss, opt)(shard((x, y), N))
+    replicated = sum(tensor_bytes(p, p.grad, *opt.state[p].values()) for p in model.parameters())
+    model = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    step = data_parallel_step(model, F.mse_loss, opt, shard_params=True)
+    step(shard((x, y), N))
+    per_device = step.bytes_per_device()
+    assert sorted(per_device) == sorted(placement)
+    largest_layer = 256 * 64 * 4  # one gathered weight, float32
+    for device, held in per_device.items():
+        assert held <= replicated / 4 + largest_layer, (device, held, replicated)
+    # flat rows, and every size divides by 4: exactly a quarter, but Adam's 4-byte 'step'
+    # count, which each of the 4 parameters' pieces has its own of on every device
+    counts = 4 * 4
+    assert all(held == (replicated - counts) // 4 + counts for held in per_device.values()), per_device
+    assert sum(tensor_bytes(p) for p in model.parameters()) == 0  # the module holds nothing whole
+    print(f"\nreplicated: {replicated} bytes on every device; sharded: {per_device}")
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_refusals_name_the_argument_and_the_fix():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"shard_params='model' names another axis than the step's axis_name='batch'"):
+        data_parallel_step(model, F.mse_loss, opt, shard_params="model")
+    with pytest.raises(ValueError, match=r"needs an optimizer"):
+        data_parallel_step(model, F.mse_loss, None, shard_params=True)
+    with pytest.raises(TypeError, match=r"torch\.optim\.lbfgs\.LBFGS, which cannot step on shards.*leave shard_params"):
+        data_parallel_step(model, F.mse_loss, torch.optim.LBFGS(model.parameters()), shard_params=True)
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    with pytest.raises(TypeError, match=r"MyAdam, which cannot step on shards: it subclasses Adam"):
+        data_parallel_step(model, F.mse_loss, MyAdam(model.parameters()), shard_params=True)
+    x, y = data()
+    step = data_parallel_step(model, F.mse_loss, opt, shard_params=True)
+    step(shard((x, y), 4))
+    with pytest.raises(ValueError, match=r"the batch has 8 instances.*rows for 4.*shard\(batch, n=4\)"):
+        step(shard((x, y), 8))
+
+
+def test_a_checkpoint_of_gathered_weights_and_sharded_optimizer_state_resumes_exactly(placement, tmp_path):
+    x, y = data()
+
+    def started() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+        model = mlp()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, opt, data_parallel_step(model, F.mse_loss, opt, shard_params=True)
+
+    model, opt, step = started()
+    for _ in range(3):
+        step(shard((x, y), N))
+    step.gather_params()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ckpt.pt")
+    resumed_model, resumed_opt, resumed = started()
+    resumed(shard((x, y), N))  # the first call moves the optimizer onto the rows
+    resumed.gather_params()
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed_model.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    for _ in range(2):
+        assert torch.equal(resumed(shard((x, y), N)), step(shard((x, y), N)))
+    step.gather_params()
+    resumed.gather_params()
+    for k, v in model.state_dict().items():
+        assert torch.equal(resumed_model.state_dict()[k], v), k

@@ -1,0 +1,243 @@
+"""A model's trained parameters held as shards, one row per instance, on their devices.
+
+What ``data_parallel_step(shard_params=...)`` keeps between steps (ZeRO-3): for every
+parameter that requires grad, its :class:`~torchpmap._frontend.flat_shards.FlatLayout`
+rows, this process' ``n`` of the ``N`` instances, split over the devices the step's
+``pmap`` runs on, each device holding the rows of its own instances (a
+:class:`~torchpmap.ShardedTensor`'s shards: the pmap takes them where they are).
+
+The optimizer is moved onto the shards: in each of its param groups, a parameter of the
+model is replaced by its pieces (one per device), and its state, if it has any already,
+is split the same way, so the optimizer's state is per shard from its first step on.
+Its hyperparameters, learning-rate schedulers and ``GradScaler`` keep working on it.
+
+The module's own trained parameters are released (emptied to 0 elements, the same
+``Parameter`` objects) so that nothing holds their whole values between steps;
+:meth:`ShardedParams.gather_into_module` writes them back, and the next step takes the
+module's values again (:meth:`ShardedParams.reload_from_module`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from torchpmap._collectives.public import all_gather
+from torchpmap._frontend.api import pmap
+from torchpmap._frontend.flat_shards import FlatLayout
+from torchpmap._placement import devices as _devices
+from torchpmap._placement.devices import Device, DeviceLike
+from torchpmap._placement.sharded import Shard, ShardedTensor
+
+
+@dataclasses.dataclass
+class ShardedParams:
+    """The shards of a model's trained parameters, and where each piece lives.
+
+    Attributes:
+        model: the module whose parameters these are.
+        layouts: per parameter name, how it is split into ``N`` rows.
+        pieces: per parameter name, its rows on this process, one ``(device, tensor)``
+            per device (the tensor ``(instances on that device, s)``); these tensors are
+            what the optimizer holds and steps.
+        first: the index of this process' first row (``process_index * n``).
+        count: ``n``, the rows (instances) on this process.
+        released: whether the module's own parameters are emptied (the shards are the
+            values) rather than holding the values gathered by ``gather_into_module``.
+    """
+
+    model: torch.nn.Module
+    layouts: dict[str, FlatLayout]
+    pieces: dict[str, list[Shard]]
+    first: int
+    count: int
+    released: bool = False
+
+    @classmethod
+    def split(
+        cls, model: torch.nn.Module, names: Sequence[str], count: int, axis_name: Hashable,
+        devices: Sequence[DeviceLike] | None,
+    ) -> ShardedParams:
+        """Splits the model's current values of ``names`` into rows, ``count`` instances
+        here of ``count * process_count()`` in all, placed as the step's pmap places
+        its instances."""
+        total = count * _devices.process_count()
+        first = _devices.process_index() * count
+        layouts = {k: FlatLayout(model.get_parameter(k).shape, total) for k in names}
+        rows = {k: layouts[k].rows(model.get_parameter(k), first, count) for k in names}
+        placed = pmap(_copy, axis_name=axis_name, in_axes=0, out_axes=0, devices=devices)(rows)
+        pieces = {k: _pieces_of(v) for k, v in placed.items()}
+        for shards in pieces.values():
+            for s in shards:
+                s.tensor.requires_grad_(True)  # a leaf the optimizer steps, as a Parameter is
+        return cls(model, layouts, pieces, first, count)
+
+    # ------------------------------------------------------------------ the optimizer
+
+    def move_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replaces each of the model's parameters in ``optimizer``'s param groups by
+        its pieces, with its state (if any) split the same way."""
+        names = {id(self.model.get_parameter(k)): k for k in self.pieces}
+        for group in optimizer.param_groups:
+            params: list[torch.Tensor] = []
+            for p in group["params"]:
+                k = names.get(id(p))
+                if k is None:
+                    params.append(p)
+                    continue
+                state = optimizer.state.pop(p, None)
+                for piece in self.pieces[k]:
+                    params.append(piece.tensor)
+                    if state:
+                        optimizer.state[piece.tensor] = {
+                            key: self._split_state(k, value, piece) for key, value in state.items()
+                        }
+            group["params"] = params
+
+    def _split_state(self, name: str, value: Any, piece: Shard) -> Any:
+        """One optimizer state entry for ``piece``: a tensor of the parameter's shape split
+        as the parameter is; a scalar (Adam's ``step``) copied."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        layout = self.layouts[name]
+        if tuple(value.shape) != tuple(layout.shape):
+            return value.clone()
+        mine = layout.rows(value, self.first, self.count)
+        start = 0
+        for other in self.pieces[name]:
+            if other is piece:
+                break
+            start += other.tensor.shape[0]
+        return mine[start : start + piece.tensor.shape[0]].to(piece.tensor.device)
+
+    # ------------------------------------------------------------------ the module
+
+    def release_module(self) -> None:
+        """Empties the module's own trained parameters (the same Parameter objects, 0
+        elements, no gradient): between steps the shards are the values."""
+        with torch.no_grad():
+            for k in self.pieces:
+                p = self.model.get_parameter(k)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
+        self.released = True
+
+    def reload_from_module(self) -> None:
+        """Takes the module's values (written by :meth:`gather_into_module`, perhaps
+        changed since) into the shards, in place, and releases the module again."""
+        with torch.no_grad():
+            for k, shards in self.pieces.items():
+                p = self.model.get_parameter(k)
+                layout = self.layouts[k]
+                if tuple(p.shape) != tuple(layout.shape):
+                    raise ValueError(
+                        f"data_parallel_step(shard_params=...): the model's parameter {k!r} has shape "
+                        f"{tuple(p.shape)}, but the step shards it as {tuple(layout.shape)}. Change the values "
+                        "after step.gather_params(), not the shapes (build a new step for a new model)."
+                    )
+                rows = layout.rows(p, self.first, self.count)
+                for piece, part in zip(shards, rows.split([s.tensor.shape[0] for s in shards])):
+                    piece.tensor.copy_(part)
+        self.release_module()
+
+    def gather_into_module(self, axis_name: Hashable, devices: Sequence[DeviceLike] | None) -> None:
+        """Writes every parameter's whole value into the module (across processes, by
+        an ``all_gather`` over ``axis_name``)."""
+        with torch.no_grad():
+            if _devices.process_count() == 1:
+                flat = {
+                    k: torch.cat([s.tensor.detach().to(self._home(k)) for s in shards]).reshape(-1)
+                    for k, shards in self.pieces.items()
+                }
+            else:
+                gather = pmap(_gathered(axis_name), axis_name=axis_name, in_axes=0, out_axes=None, devices=devices)
+                flat = gather(self.values())
+            for k, value in flat.items():
+                p = self.model.get_parameter(k)
+                p.data = self.layouts[k].unflatten(value).to(p.device).clone()
+        self.released = False
+
+    def _home(self, name: str) -> torch.device:
+        return self.model.get_parameter(name).device
+
+    def module_is_released(self) -> bool:
+        """Whether the module's parameters are still emptied (no one wrote into them)."""
+        return self.released and all(self.model.get_parameter(k).numel() == 0 for k in self.pieces)
+
+    def released_in(self, module: torch.nn.Module) -> list[str]:
+        """The names of released parameters that ``module`` would use as they are (not
+        swapped for values by ``functional_call``)."""
+        if not self.released:
+            return []
+        out = []
+        for k in self.pieces:
+            owner, _, leaf = k.rpartition(".")
+            sub = module.get_submodule(owner) if owner else module
+            p = sub._parameters.get(leaf)
+            if p is not None and p.numel() == 0 and self.layouts[k].numel > 0:
+                out.append(k)
+        return out
+
+    # ------------------------------------------------------------------ values for the step
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """Per parameter, its ``(n, s)`` rows as the pmap takes them: a ShardedTensor
+        over the pieces (a plain tensor on one device), detached."""
+        return {
+            k: _assembled([Shard(s.device, s.tensor.detach()) for s in shards]) for k, shards in self.pieces.items()
+        }
+
+    def set_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Each piece's ``.grad``: its rows of ``grads`` (the step's sharded gradients);
+        None for a parameter the loss does not reach, as after ``loss.backward()``."""
+        for k, shards in self.pieces.items():
+            g = grads.get(k)
+            parts: list[torch.Tensor | None] = [None] * len(shards) if g is None else [s.tensor for s in _pieces_of(g)]
+            if len(parts) != len(shards):
+                raise RuntimeError(
+                    f"sharded step: the gradient of {k!r} came back in {len(parts)} pieces, not {len(shards)}"
+                )
+            for piece, part in zip(shards, parts):
+                piece.tensor.grad = None if part is None else part.detach().to(piece.tensor.device)
+
+    def bytes_per_device(self, optimizer: torch.optim.Optimizer | None) -> dict[Device, int]:
+        """The bytes each device holds for the trained parameters: their pieces, the
+        pieces' gradients and ``optimizer``'s state for them."""
+        out: dict[Device, int] = {}
+        for shards in self.pieces.values():
+            for s in shards:
+                held = [s.tensor, s.tensor.grad]
+                if optimizer is not None:
+                    held += list(optimizer.state.get(s.tensor, {}).values())
+                out[s.device] = out.get(s.device, 0) + sum(
+                    t.numel() * t.element_size() for t in held if isinstance(t, torch.Tensor)
+                )
+        return out
+
+
+def _copy(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in rows.items()}
+
+
+def _gathered(axis_name: Hashable) -> Callable[[dict[str, torch.Tensor]], Any]:
+    def gather(rows: dict[str, torch.Tensor]) -> Any:
+        return all_gather(rows, axis_name, tiled=True)
+
+    return gather
+
+
+def _pieces_of(value: torch.Tensor) -> list[Shard]:
+    """A pmap result mapped along dim 0 as (device, tensor) pieces: a ShardedTensor's
+    shards, or the one tensor of a pmap on one device."""
+    if isinstance(value, ShardedTensor):
+        return list(value.shards)
+    found = _devices.at(value.device)
+    if found is None:
+        raise RuntimeError(f"sharded step: a shard on {value.device}, which is none of torchpmap's devices")
+    return [Shard(found[0], value)]
+
+
+def _assembled(shards: list[Shard]) -> torch.Tensor:
+    return shards[0].tensor if len(shards) == 1 else ShardedTensor(shards)

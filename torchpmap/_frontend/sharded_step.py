@@ -1,0 +1,218 @@
+"""The sharded data-parallel step (ZeRO-3, FSDP): ``data_parallel_step(shard_params=...)``.
+
+Every instance of the data axis holds ``1/N`` of every trained parameter (a flat row,
+see :mod:`~torchpmap._frontend.flat_shards`), of its gradient and of the optimizer's
+state for it. A step, on every instance:
+
+1. ``all_gather`` of the rows (one exchange for all the parameters), cut back to each
+   parameter's shape: the whole parameters, for this step's forward and backward;
+2. the loss of the instance's batch through ``functional_call`` with those parameters,
+   and its gradient with respect to the *rows*: autograd's transpose of ``all_gather``
+   is ``psum_scatter``, so each instance receives the sum over the instances of its own
+   row's gradient, divided by ``N`` here: the averaged gradient, already split;
+3. ``pmean`` of the loss, the buffers' changes and ``aux``, as the replicated step.
+
+Then the optimizer steps the rows (it holds them in place of the parameters, see
+:mod:`~torchpmap._frontend.sharded_params`), which is the replicated step's update only
+for an elementwise optimizer (:mod:`~torchpmap._frontend.elementwise_optimizers`).
+
+Why every parameter is gathered before the forward, not layer by layer as it is used:
+the step runs the instances of several devices in threads that take turns at
+collectives, with the one module swapped to each instance's tensors by
+``functional_call`` for the length of a turn. A collective inside the forward would
+hand the turn over with this instance's tensors swapped in. And under ``torch.func``
+transforms saved-tensor hooks are off, so a gathered weight that autograd saves for the
+backward lives until that backward whenever it was gathered: gathering per layer would
+not lower the step's peak.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.func import grad_and_value
+
+from torchpmap._collectives.public import all_gather, pmean
+from torchpmap._frontend.api import pmap
+from torchpmap._frontend.reached import reached
+from torchpmap._frontend.sharded_params import ShardedParams
+from torchpmap._placement import devices as _devices
+from torchpmap._placement.devices import Device, DeviceLike
+from torchpmap._state.torch_private import pytree
+from torchpmap._state.type_aliases import PyTree, Randomness
+
+Tensors = dict[str, torch.Tensor]
+
+#: One instance's forward: ``(params, frozen, floating buffers, other buffers, batch) ->
+#: (loss, aux, the buffers after the forward)`` (``data_parallel_step``'s ``run_model``).
+RunModel = Callable[[Tensors, Tensors, Tensors, Tensors, Any], tuple[torch.Tensor, PyTree, Tensors]]
+
+#: The step's result for the gradients, loss, buffer changes, counters and aux.
+StepOut = tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]
+
+
+def sharded_instance_step(
+    run_model: RunModel, params: ShardedParams, axis_name: Hashable, has_aux: bool
+) -> Callable[..., StepOut]:
+    """One instance's step on its rows: gather, loss, gradient of the rows, means."""
+    layouts = params.layouts
+
+    def instance_step(
+        rows: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
+    ) -> StepOut:
+        found: list[str] = []
+
+        def loss_of(rows: Tensors) -> tuple[torch.Tensor, tuple[Tensors, torch.Tensor, PyTree]]:
+            gathered = all_gather(rows, axis_name, tiled=True)
+            whole = {k: layouts[k].unflatten(gathered[k]) for k in rows}
+            loss, aux, state = run_model(whole, frozen, floating, other, batch)
+            found.extend(reached(loss, whole))
+            return (loss if scale is None else loss * scale), (state, loss, aux)
+
+        grads, (_, (state, loss, aux)) = grad_and_value(loss_of, has_aux=True)(rows)
+        total = layouts[next(iter(layouts))].instances
+        grads = {k: grads[k] / total for k in found}  # psum_scatter summed them: their mean
+        buffer_change = {k: state[k] - floating[k] for k in floating}
+        counters = {k: state[k] for k in other}
+        if has_aux:
+            loss, buffer_change, aux = pmean((loss, buffer_change, aux), axis_name)
+        else:
+            loss, buffer_change = pmean((loss, buffer_change), axis_name)
+        return grads, loss, buffer_change, counters, aux
+
+    return instance_step
+
+
+class ShardedStep:
+    """``data_parallel_step(..., shard_params=...)``: call it with a sharded batch as
+    the replicated step; between calls the parameters, gradients and optimizer state
+    are split over the data axis (see ``data_parallel_step``).
+
+    The module's trained parameters are emptied (0 elements) after the first call: the
+    step holds their values. :meth:`gather_params` writes them back into the module
+    (to evaluate, save, or change them); the next call takes them from there again.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        grad_scaler: torch.amp.GradScaler | None,
+        *,
+        run_model: RunModel,
+        prepare: Callable[[PyTree], tuple[PyTree, int]],
+        start: Callable[[], None],
+        write_buffers: Callable[[Tensors, Tensors, Tensors], None],
+        split_buffers: Callable[[], tuple[Tensors, Tensors]],
+        axis_name: Hashable,
+        devices: Sequence[DeviceLike] | None,
+        jit: bool | Mapping[str, Any],
+        randomness: Randomness,
+        has_aux: bool,
+    ) -> None:
+        self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
+        self._run_model, self._prepare, self._start = run_model, prepare, start
+        self._write_buffers, self._split_buffers = write_buffers, split_buffers
+        self.axis_name, self._devices, self._jit, self._randomness = axis_name, devices, jit, randomness
+        self.has_aux = has_aux
+        self.params: ShardedParams | None = None
+        self._step: Callable[..., StepOut] | None = None
+        model.register_forward_pre_hook(self._refuse_released)
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, batch: PyTree) -> Any:
+        batch, n = self._prepare(batch)
+        params = self._params(n)
+        if self._step is None:
+            self._step = pmap(
+                sharded_instance_step(self._run_model, params, self.axis_name, self.has_aux),
+                axis_name=self.axis_name,
+                in_axes=(0, None, 0, None, 0, None),
+                out_axes=(0, None, None, None, None),
+                devices=self._devices,
+                jit=self._jit,
+                randomness=self._randomness,
+            )
+        named = dict(self.model.named_parameters())
+        frozen = {k: p.detach() for k, p in named.items() if k not in params.pieces and not p.requires_grad}
+        floating, other = self._split_buffers()
+        per_instance = {k: b.unsqueeze(0).expand(n, *b.shape) for k, b in floating.items()}
+        scale = None
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            device = next(iter(params.pieces.values()))[0].tensor.device
+            scale = self.grad_scaler.scale(torch.ones((), device=device))
+        grads, loss, buffer_change, counters, aux = self._step(
+            params.values(), frozen, per_instance, other, batch, scale
+        )
+        with torch.no_grad():
+            params.set_grads(grads)
+            self._write_buffers(buffer_change, counters, floating)
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.optimizer)
+            self.grad_scaler.update()
+        else:
+            self.optimizer.step()
+        if self.has_aux:
+            return loss.detach(), pytree.tree_map(lambda a: a.detach(), aux)
+        return loss.detach()
+
+    def _params(self, n: int) -> ShardedParams:
+        """The shards: made at the first call (from the module's values, after process
+        0's are copied everywhere), taken from the module again after gather_params."""
+        if self.params is None:
+            self._start()
+            if self.grad_scaler is not None and self.grad_scaler.is_enabled() and _devices.process_count() > 1:
+                raise ValueError(
+                    "data_parallel_step(shard_params=..., grad_scaler=...): across processes each process sees only "
+                    "its own shards' gradients, so GradScaler would skip the step on some processes and not on "
+                    "others. Leave grad_scaler out (bfloat16 autocast needs none), or leave shard_params out."
+                )
+            names = [k for k, p in self.model.named_parameters() if p.requires_grad]
+            params = ShardedParams.split(self.model, names, n, self.axis_name, self._devices)
+            params.move_optimizer(self.optimizer)
+            params.release_module()
+            self.params = params
+            return params
+        params = self.params
+        if n != params.count:
+            raise ValueError(
+                f"data_parallel_step(shard_params=...): the batch has {n} instances along its leading axis, but the "
+                f"step split the parameters into rows for {params.count} at its first call "
+                f"({params.count * _devices.process_count()} in all). Shard every batch into the same number of "
+                f"instances (torchpmap.training.shard(batch, n={params.count})), or build a new step."
+            )
+        if not params.module_is_released():
+            params.reload_from_module()
+        return params
+
+    # ------------------------------------------------------------------ the module's view
+
+    def gather_params(self) -> None:
+        """Writes the whole value of every trained parameter into the module, in place
+        of the emptied ones, e.g. to evaluate the model, read or save ``state_dict()``,
+        or load new values into it. The module holds them until the next step, which
+        takes them (and any change made to them) back into its shards. Across processes
+        every process must call it (it is an ``all_gather``)."""
+        if self.params is not None and self.params.released:
+            self.params.gather_into_module(self.axis_name, self._devices)
+
+    def bytes_per_device(self) -> dict[Device, int]:
+        """Per device, the bytes of the trained parameters' shards, their gradients and
+        the optimizer's state for them (empty before the first call)."""
+        if self.params is None:
+            return {}
+        return self.params.bytes_per_device(self.optimizer)
+
+    def _refuse_released(self, module: torch.nn.Module, args: Any) -> None:
+        """A forward pre-hook: the module called with its parameters emptied by the step."""
+        if self.params is None:
+            return
+        empty = self.params.released_in(module)
+        if empty:
+            raise RuntimeError(
+                f"{type(module).__name__}: its parameters are held in shards by data_parallel_step(shard_params=...) "
+                f"and emptied in the module ({', '.join(empty[:3])}{', ...' if len(empty) > 3 else ''} have 0 "
+                "elements). Call step.gather_params() first to write their values into the module."
+            )
