@@ -70,8 +70,11 @@ LINT_VENV := $(call venv_of,$(TORCH_MAIN))
 
 # pytest's exit status 5 (no test collected) fails the recipe like any other failure.
 PYTEST = -m pytest -q
-# Every JAX comparison again through pmap(jit=True), where a fallback to eager fails.
-JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=1 TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
+# $(call JIT_SWEEP,PYTHON,DEVICES): every JAX comparison again through pmap(jit=...) on
+# DEVICES CPU devices, where a fallback to eager fails. TORCHPMAP_TEST_JIT_BACKEND picks the
+# compiler: inductor (jit=True, on every device) or aot_eager (the default: Dynamo and
+# AOTAutograd without generated code, on one device, where a backend compiles).
+JIT_SWEEP = TORCHPMAP_NUM_CPU_DEVICES=$(2) TORCHPMAP_TEST_JIT=1 $(1) $(PYTEST) tests/test_jax_differential.py \
 	-W error::torchpmap.JitFallbackWarning
 
 .PHONY: setup demo lint test test-main test-oldest test-short test-compat test-quick test-jit-inductor bench bench-cluster \
@@ -96,27 +99,38 @@ test: test-main
 endif
 
 # $(call suite,PYTHON,TORCH VERSION): the whole suite on one device, then the
-# device-spanning parts again on 4 CPU devices, then the jit sweeps (aot_eager: the trace
-# through Dynamo and AOTAutograd; inductor: jit=True's own path, generated code).
+# device-spanning parts again on 4 CPU devices, then the inductor jit sweeps (jit=True's
+# own path, generated code) on one device and on 4 CPU devices (compiled device slices).
 define suite
 	@echo "== $$(date +%T) torch $(2): whole suite, 1 device"
 	TORCHPMAP_NUM_CPU_DEVICES=1 $(1) $(PYTEST)
 	@echo "== $$(date +%T) torch $(2): tests/, 4 CPU devices"
 	TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) tests
-	@echo "== $$(date +%T) torch $(2): jit sweep"
-	$(call JIT_SWEEP,$(1))
-	@echo "== $$(date +%T) torch $(2): jit sweep, inductor"
-	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1))
+	@echo "== $$(date +%T) torch $(2): jit sweep, inductor, 1 device"
+	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),1)
+	@echo "== $$(date +%T) torch $(2): jit sweep, inductor, 4 CPU devices"
+	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),4)
 endef
 
-# The whole suite on $(TORCH) (TORCH_MAIN unless given).
+# The jit sweep through Dynamo and AOTAutograd (the aot_eager backend: the trace, without
+# generated code), on one device: $(call aot_eager_sweep,PYTHON,TORCH VERSION).
+define aot_eager_sweep
+	@echo "== $$(date +%T) torch $(2): jit sweep, aot_eager, 1 device"
+	$(call JIT_SWEEP,$(1),1)
+endef
+
+# The whole suite on $(TORCH) (TORCH_MAIN unless given), with every jit sweep.
 test-main: $(VENV)/.stamp-test
 	$(call suite,$(PY),$(TORCH))
+	$(call aot_eager_sweep,$(PY),$(TORCH))
 
-# The oldest release: the whole suite, and the GPU check's short pass on CPU devices (the
-# GPU machines run this release; the check must not rot between their sessions).
+# The oldest release: the whole suite, the aot_eager jit sweep (here only, in the matrix:
+# it checks the trace, which the inductor sweeps also compile, and CI's hour is full), and
+# the GPU check's short pass on CPU devices (the GPU machines run this release; the check
+# must not rot between their sessions).
 test-oldest: $(OLDEST_VENV)/.stamp-test
 	$(call suite,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
+	$(call aot_eager_sweep,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
 	@echo "== $$(date +%T) torch $(TORCH_OLDEST): gpu-check --quick (no CUDA: its CPU parts)"
 	$(MAKE) --no-print-directory gpu-check PYTHON=$(OLDEST_VENV)/bin/python GPU_CHECK_FLAGS=--quick \
 		GPU_CHECK_OUT=build/gpu-check-quick
@@ -134,10 +148,11 @@ test-short: $(VENV)/.stamp-test
 test-compat: $(COMPAT_VENV)/.stamp-test
 	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT))
 
-# The jit sweep through jit=True's own path (inductor, generated code, no Dynamo), alone
-# (`make test` runs it too, after the aot_eager sweep).
+# The jit sweeps through jit=True's own path (inductor, generated code, no Dynamo), alone,
+# on one device and on 4 CPU devices (`make test` runs them too).
 test-jit-inductor: $(VENV)/.stamp-test
-	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY))
+	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY),1)
+	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY),4)
 
 # The inner loop while working: everything but the tests marked slow (several processes,
 # the examples, Hugging Face models, the longest sweeps), tests and doctests, on one

@@ -160,9 +160,10 @@ class _Torch(Backend):
                 return tp.vmap(fun, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name, **options)
 
             return vmap
-        if kind == "pmap_jit":  # on one device: the engine that compiles
+        if kind == "pmap_jit":  # inductor compiles on every device of the run; Dynamo's backends on one
+            pinned = {} if JIT_OPTIONS is True else {"devices": tp.devices()[:1]}
             return lambda fun, axis_name=None, **options: _pmap_on_valid_devices(
-                fun, axis_name, jit=JIT_OPTIONS, **{"devices": tp.devices()[:1], **options}
+                fun, axis_name, jit=JIT_OPTIONS, **{**pinned, **options}
             )
         raise ValueError(kind)
 
@@ -263,7 +264,10 @@ MULTI_DEVICE_ERRORS = ("does not divide evenly over the",)
 #: check): aot_eager runs the traced graph through dynamo and AOTAutograd without
 #: generating code, so the sweep checks the trace; tests/test_jit.py also runs inductor.
 #: TORCHPMAP_TEST_JIT_BACKEND=inductor sweeps with jit=True, the path users get: inductor
-#: without Dynamo (``make test`` runs both sweeps; ``make test-jit-inductor`` this one alone).
+#: without Dynamo, on every device of the run (TORCHPMAP_NUM_CPU_DEVICES=4: compiled device
+#: slices, see torchpmap._engines.compiled_devices); the aot_eager sweep runs on one device,
+#: as a ``backend`` compiles there only. (``make test`` runs the sweeps; ``make
+#: test-jit-inductor`` the inductor sweep alone.)
 _JIT_BACKEND = os.environ.get("TORCHPMAP_TEST_JIT_BACKEND", "aot_eager")
 JIT_OPTIONS: Any = True if _JIT_BACKEND == "inductor" else {"backend": _JIT_BACKEND}
 DEFAULT_TORCH_KINDS = ("pmap", "vmap", "pmap_jit") if os.environ.get("TORCHPMAP_TEST_JIT") == "1" else ("pmap", "vmap")

@@ -80,7 +80,7 @@ def test_a_compiled_data_parallel_step_runs_one_product_per_weight_and_matches_e
     original = compiled.graph_rewrites.fold_instance_sums
     compiled.graph_rewrites.fold_instance_sums = lambda g: seen.append(original(g)) or seen[-1]
     try:
-        # on one device: across devices in one process, jit=True runs eagerly (nothing to trace)
+        # on one device: one trace (several devices in one process trace a slice each)
         one = tp.devices()[:1]
         got = tp.pmap(step, axis_name="i", in_axes=(None, 0, 0), out_axes=None, jit=True, devices=one)(params, x, y)
     finally:

@@ -160,6 +160,9 @@ class ProgramCache:
         self._calls = self._traces = 0
         self._last: Hashable = None
         self._warned = False
+        # several devices in one process: (signature, devices) -> the compiled device slices
+        # (see torchpmap._engines.compiled_devices); None: that signature runs eagerly
+        self.device_slices: dict[Hashable, Any] = {}
 
     def __len__(self) -> int:
         return len(self._programs)
@@ -196,7 +199,7 @@ class ProgramCache:
         # Tracing and compiling are not thread-safe (make_fx patches module globals): one
         # thread at a time traces, in the whole process, and a thread that waited for
         # another's trace of this signature runs that program instead of tracing again.
-        with _TRACING:
+        with TRACING:
             program = self._programs.get(signature, _UNTRACED)
             if program is not _UNTRACED and (program is None or program.constants_current()):
                 traced_meanwhile = program
@@ -216,7 +219,7 @@ class ProgramCache:
         may_retry: Callable[[Exception], bool],
     ) -> list[torch.Tensor]:
         """Traces ``call``'s program for ``signature`` and runs it (its first call compiles
-        it); eagerly, from then on, when that fails (see :meth:`run`). Holds ``_TRACING``."""
+        it); eagerly, from then on, when that fails (see :meth:`run`). Holds ``TRACING``."""
         # traced anew: first sight, or a closed-over tensor changed (constants_current)
         self._programs.pop(signature, None)
         while len(self._programs) >= config.jit_cache_size:
@@ -280,7 +283,7 @@ def _fallback_message(call: MappedCall, failure: Exception) -> str:
 _UNTRACED: Any = object()  # ProgramCache: a signature not seen yet
 
 #: Held while a program is traced and compiled (see :meth:`ProgramCache.run`).
-_TRACING = threading.RLock()
+TRACING = threading.RLock()
 
 
 @dataclasses.dataclass
@@ -296,7 +299,7 @@ class _Program:
         self.constants_traced = [_leaf_signature(c) for c in self.constants]
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
-        return self.compiled(*_graph_inputs(call, self.tensor_slots), *self.constants)
+        return self.compiled(*graph_inputs(call, self.tensor_slots), *self.constants)
 
     def release(self) -> None:
         """Frees what torch.compile keeps for this program (it is being evicted)."""
@@ -311,12 +314,37 @@ class _Program:
         return not self.constants or all(_leaf_signature(c) == k for c, k in zip(self.constants, self.constants_traced))
 
 
-def _graph_inputs(call: MappedCall, tensor_slots: Sequence[int]) -> list[torch.Tensor]:
+def graph_inputs(call: MappedCall, tensor_slots: Sequence[int]) -> list[torch.Tensor]:
+    """A compiled program's tensor inputs for ``call``: the mapped tensors, then the
+    broadcast tensors at ``tensor_slots``, on the call's device."""
     device = call.devices[0].torch_device if call.devices else None
     return [as_local(t, device) for t in call.mapped] + [as_local(call.broadcast[k], device) for k in tensor_slots]
 
 
-def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Program:
+@dataclasses.dataclass
+class TracedGraph:
+    """A mapped call's program as an aten graph, before compilation.
+
+    Attributes:
+        graph: the graph; its inputs are the mapped tensors, then the broadcast tensors
+            at ``tensor_slots``, then ``constants``.
+        inputs: the tensors it was traced on (the call's; each repeat a distinct object).
+        tensor_slots: positions in ``call.broadcast`` that are graph inputs.
+        constants: tensors the function closes over, passed by reference at every call.
+        output_layout: what ``body`` recorded while it was traced.
+    """
+
+    graph: torch.fx.GraphModule
+    inputs: list[torch.Tensor]
+    tensor_slots: list[int]
+    constants: list[torch.Tensor]
+    output_layout: OutputLayout
+
+
+def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
+    """Traces what ``engine`` runs for ``call`` on fake tensors (see the module docstring),
+    with the gradient stops of eager autograd written in, and the rewrites that every
+    compiled program gets."""
     tensor_slots = [k for k, v in enumerate(call.broadcast) if isinstance(v, (torch.Tensor, ShardedTensor))]
     n_mapped = len(call.mapped)
 
@@ -335,23 +363,30 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     # detach as alias, and AOTAutograd would differentiate through it.
     # A tensor passed for two arguments is traced as two inputs (that share its memory), not as one,
     # which the graph would then read for both at every later call.
-    inputs = _distinct(_graph_inputs(call, tensor_slots))
+    inputs = distinct(graph_inputs(call, tensor_slots))
     with _onednn_off():
         graph = private.make_fx_real_inputs(program, decomposition_table={})(*inputs)
-    graph.graph.eliminate_dead_code()  # e.g. forward-AD shape checks that return a bool dynamo refuses
+    # e.g. forward-AD shape checks that return a bool dynamo refuses; every exchange stays
+    graph.graph.eliminate_dead_code(is_impure_node=graph_rewrites.kept)
     graph_rewrites.fold_instance_sums(graph)  # per-instance products summed over instances -> one product
     graph_rewrites.split_sliced_products(graph)  # a bucket's rows of a weight gradient: their own product
+    constants = _lift_constants(graph)
+    return TracedGraph(graph, inputs, tensor_slots, constants, dataclasses.replace(call.output_layout))
+
+
+def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Program:
+    traced = trace_graph(call, engine)
+    graph, inputs, tensor_slots, constants = traced.graph, traced.inputs, traced.tensor_slots, traced.constants
+    output_layout = traced.output_layout
     kwargs = {"fullgraph": True, "dynamic": False, **options}
     if graph_rewrites.start_exchanges_early(graph) and "mode" not in kwargs:  # a bucket starts once its gradients exist
         # and inductor keeps that order: its peak-memory pass would put the next layer's
         # product back before the bucket's start (torch.compile takes a mode or options)
         kwargs["options"] = {"reorder_for_peak_memory": False, **kwargs.get("options", {})}
-    constants = _lift_constants(graph)
-    output_layout = dataclasses.replace(call.output_layout)
     if set(options) <= {"options"} and not graph_rewrites.writes_an_input(graph):  # no mode, backend or dynamic
         # Inductor alone: the signature decides everything Dynamo's guards would check, except
         # which inputs share memory, which a program that only reads them need not know
-        compiled = private.compile_graph(graph, _distinct([*inputs, *constants]), kwargs.get("options", {}))
+        compiled = private.compile_graph(graph, distinct([*inputs, *constants]), kwargs.get("options", {}))
         return _Program(compiled, tensor_slots, constants, output_layout)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **kwargs)
@@ -377,7 +412,7 @@ def _onednn_off() -> Iterator[None]:
         mkldnn.enabled = previous
 
 
-def _distinct(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def distinct(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors``, each repeat of one tensor object replaced by a new tensor object on the
     same memory, with the same ``requires_grad``: to trace or compile a program for inputs
     that may or may not be the same tensor."""

@@ -3,10 +3,13 @@
 :func:`run` takes a :class:`~torchpmap._engines.mapped_call.MappedCall` and hands it to
 the engine that fits it: across processes (:mod:`~torchpmap._engines.multi_process`), the
 instances of a mesh axis (:mod:`~torchpmap._engines.mesh_axes`), several devices
-(:mod:`~torchpmap._engines.multi_device`), a compiled program
+(:mod:`~torchpmap._engines.multi_device`; compiled:
+:mod:`~torchpmap._engines.compiled_devices`), a compiled program
 (:mod:`~torchpmap._engines.compiled`) or one vectorized call
-(:mod:`~torchpmap._engines.vectorized`). When vmap cannot run the function, its instances
-run one at a time (:mod:`~torchpmap._engines.one_at_a_time`) from then on.
+(:mod:`~torchpmap._engines.vectorized`). A ``jit=True`` call inside an enclosing map or
+transform is part of that computation (see :func:`_inside_a_map`). When vmap cannot run
+the function, its instances run one at a time (:mod:`~torchpmap._engines.one_at_a_time`)
+from then on.
 """
 from __future__ import annotations
 
@@ -15,7 +18,16 @@ import warnings
 
 import torch
 
-from torchpmap._engines import batching_fixes, mesh_axes, multi_device, multi_process, one_at_a_time, vectorized
+from torchpmap._engines import (
+    batching_fixes,
+    compiled_devices,
+    mesh_axes,
+    multi_device,
+    multi_process,
+    one_at_a_time,
+    thread_ops,
+    vectorized,
+)
 from torchpmap._engines.engine_warnings import JitFallbackWarning, VectorizationFallbackWarning
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._state import axis_env as _axis_env
@@ -141,19 +153,34 @@ def _raise_naming_the_instance(call: MappedCall, failure: Exception) -> None:
 
 
 def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
+    programs = call.programs if call.programs is not None and not _inside_a_map() else None  # jit=True
     if call.mesh is not None:
-        _warn_not_compiled(call, "maps an axis of a device mesh")
+        if programs is not None:
+            _warn_not_compiled(call, "maps an axis of a device mesh")
         _log_engine(call, "mesh (one thread per mesh position)")
         return mesh_axes.run(call, call.mesh)
     if call.devices is not None and len(call.devices) > 1:
-        _warn_not_compiled(call, f"runs on {len(call.devices)} devices")
+        if programs is not None:
+            _log_engine(call, "compiled, one thread per device")
+            return compiled_devices.run(call)
         _log_engine(call, "multi-device (one thread per device)")
         return multi_device.run(call)
-    if call.programs is not None and private.current_vmap_level() is None:
+    if programs is not None:
         _log_engine(call, "compiled")
-        return call.programs.run(call, call.signature)
+        return programs.run(call, call.signature)
     _log_engine(call, "vectorized")
     return vectorized.run(call)
+
+
+def _inside_a_map() -> bool:
+    """Whether this call runs as part of an enclosing computation, which a ``jit=True``
+    call then joins, eagerly (or as part of the enclosing trace): inside a
+    ``torch.func`` transform or a vectorized map (a vmap level), inside an instance of an
+    enclosing map that runs without vmap (a bound axis: a device thread's single
+    instance, whose collectives over the outer axis meet the other device threads, which
+    a program traced on its own would wait for while it holds the tracing lock), or while
+    a device slice is traced (:mod:`torchpmap._engines.compiled_devices`)."""
+    return private.current_vmap_level() is not None or bool(_axis_env.current_frames()) or thread_ops.is_tracing()
 
 
 def _log_engine(call: MappedCall, engine: str) -> None:
@@ -164,10 +191,9 @@ def _log_engine(call: MappedCall, engine: str) -> None:
 
 
 def _warn_not_compiled(call: MappedCall, why: str) -> None:
-    if call.programs is not None:
-        warnings.warn(
-            f"pmap(jit=True) over axis {call.axis_name!r} {why}; only the single-device vectorized engine "
-            "compiles, so this call runs eagerly (same results). Pass devices=torchpmap.devices()[:1] to compile it.",
-            JitFallbackWarning,
-            stacklevel=4,
-        )
+    warnings.warn(
+        f"pmap(jit=True) over axis {call.axis_name!r} {why}; a mesh axis is not compiled yet (one device, and "
+        "several devices along a plain pmap axis, are), so this call runs eagerly (same results).",
+        JitFallbackWarning,
+        stacklevel=4,
+    )

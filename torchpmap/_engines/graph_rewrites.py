@@ -74,7 +74,7 @@ def fold_instance_sums(graph: torch.fx.GraphModule) -> int:
         node.replace_all_uses_with(out)
         rewritten += 1
     if rewritten:
-        graph.graph.eliminate_dead_code()
+        graph.graph.eliminate_dead_code(is_impure_node=kept)
         graph.recompile()
     return rewritten
 
@@ -205,7 +205,7 @@ def split_sliced_products(graph: torch.fx.GraphModule) -> int:
             g.erase_node(s)
         split += 1
     if split:
-        g.eliminate_dead_code()
+        g.eliminate_dead_code(is_impure_node=kept)
         g.lint()
         graph.recompile()
     return split
@@ -365,6 +365,16 @@ def start_exchanges_early(graph: torch.fx.GraphModule) -> bool:
     graph.graph.lint()
     graph.recompile()
     return True
+
+
+def kept(n: torch.fx.Node) -> bool:
+    """Whether dead-code elimination keeps ``n`` although nothing reads its result: an
+    op FX calls impure, or an exchange between the slices of the axis (a torchpmap op).
+    Every slice runs every exchange its Python code ran, in that order, as the eager
+    engines do, whether or not it reads what arrives: a slice whose program dropped one
+    (its part of a ``ppermute`` unread, under a Jacobian) would meet the others' next
+    exchange with this one's values. Pass it as ``eliminate_dead_code(is_impure_node=kept)``."""
+    return n.is_impure() or _qualified(n).startswith("torchpmap::")
 
 
 def _qualified(n: torch.fx.Node) -> str:

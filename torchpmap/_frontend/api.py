@@ -88,9 +88,13 @@ def pmap(
             closes over are read at every call, so in-place updates (an optimizer step)
             are seen. One device
             compiles, and so does each process of a multi-process run; on several
-            devices in one process the call runs eagerly, with a warning. Inside
+            devices in one process each device thread runs its own compiled slice,
+            cut at the collectives, which meet eagerly (a mesh axis, random numbers,
+            a write into an input and ``torch.compile`` options other than
+            inductor's ``options`` run eagerly there, with the warning). Inside
             another transform (an enclosing pmap, ``torch.func.grad``) the call is part
-            of the enclosing computation and runs eagerly.
+            of the enclosing computation: traced into it when the enclosing pmap
+            compiles, eager otherwise.
 
     Example:
         >>> import torch, torchpmap

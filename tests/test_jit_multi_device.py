@@ -1,0 +1,174 @@
+"""``pmap(jit=True)`` on 4 CPU devices in one process: compiled device slices, no fallback.
+
+Each program runs compiled on 4 devices (a ``JitFallbackWarning`` is an error here, and
+each test checks that the device slices were compiled), eagerly on 4 devices, and on one
+device (the oracle); all three agree (to rounding: inductor fuses and reorders float ops).
+The module makes its own 4 CPU devices, so it runs the same in the suite's 1-device and
+4-device passes. See :mod:`torchpmap._engines.compiled_devices`.
+"""
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.func import grad
+
+import torchpmap as tp
+from torchpmap._placement import devices as _devices
+
+pytestmark = pytest.mark.filterwarnings("error::torchpmap.JitFallbackWarning")
+
+
+@pytest.fixture
+def four(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "4")
+    _devices._local_devices.cache_clear()
+    yield tp.devices()
+    monkeypatch.undo()
+    _devices._local_devices.cache_clear()
+
+
+def _compiled_slices(f):
+    """How many signatures of ``f`` run through compiled device slices (not eagerly)."""
+    return sum(p is not None for p in f._programs.device_slices.values())
+
+
+def _three(fun, *args, **kw):
+    """(compiled on 4 devices, eager on 4 devices, one device), each called twice
+    (the second compiled call runs the cached programs)."""
+    out = []
+    for extra in (dict(jit=True), {}, dict(devices=tp.devices()[:1])):
+        f = tp.pmap(fun, **kw, **extra)
+        f(*args)
+        out.append(torch.as_tensor(f(*args)))
+        if "jit" in extra:
+            assert _compiled_slices(f) == 1
+    return out
+
+
+PROGRAMS = {
+    "psum": lambda v: tp.psum(v * 2, "i").sin(),
+    "pmean": lambda v: tp.pmean(v, "i") * v,
+    "all_gather": lambda v: tp.all_gather(v, "i").cos(),
+    "ppermute": lambda v: tp.ppermute(v.exp(), "i", [(j, (j + 3) % 8) for j in range(8)]),
+    "all_to_all": lambda v: tp.all_to_all(v.repeat(4)[:8].reshape(8, 1), "i", 0, 1),
+    "axis_index": lambda v: v * tp.axis_index("i"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_collectives(four, name):
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+    jit, eager, one = _three(PROGRAMS[name], x, axis_name="i")
+    torch.testing.assert_close(jit, eager)
+    torch.testing.assert_close(jit, one)
+
+
+def _shifted_sin(u):
+    return tp.ppermute(u.sin(), "i", [(j, (j + 1) % 4) for j in range(4)])
+
+
+#: One instance per device (no vmap inside a slice), where two programs once fell back:
+#: a collective of a constant (fake-tensor mode ran the op for real while tracing) and a
+#: Jacobian through ppermute (one slice's trace dropped an exchange whose result it never
+#: read, and met the others' next exchange with the wrong values).
+ONE_PER_DEVICE = {
+    "psum_of_a_constant": lambda v: tp.psum(2.0, "i") + v,
+    "jacobians_of_ppermute": lambda v: torch.stack(
+        [torch.func.jacrev(_shifted_sin)(v), torch.func.jacfwd(_shifted_sin)(v)]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_PER_DEVICE))
+def test_one_instance_per_device(four, name):
+    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(4))
+    jit, eager, one = _three(ONE_PER_DEVICE[name], x, axis_name="i")
+    torch.testing.assert_close(jit, eager)
+    torch.testing.assert_close(jit, one)
+
+
+def _loss(w, x, y):
+    return ((x @ w - y) ** 2).mean()
+
+
+def test_data_parallel_step(four):
+    g = torch.Generator().manual_seed(1)
+    w, x, y = torch.randn(3, generator=g), torch.randn(4, 5, 3, generator=g), torch.randn(4, 5, generator=g)
+    step = lambda w, x, y: w - 0.1 * tp.pmean(grad(_loss)(w, x, y), "b")  # noqa: E731
+    jit, eager, one = _three(step, w, x, y, axis_name="b", in_axes=(None, 0, 0))
+    torch.testing.assert_close(jit, eager)
+    torch.testing.assert_close(jit, one)
+
+
+def test_backward_through_a_result(four):
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(3, generator=g), torch.randn(8, 3, generator=g)
+
+    def fwd(w, v):
+        h = torch.tanh(v * w)
+        shifted = tp.ppermute(h, "b", [(j, (j + 1) % 8) for j in range(8)])
+        return tp.psum(h, "b") * tp.all_gather(h.sum(), "b").sum() + shifted
+
+    results = []
+    for extra in (dict(jit=True), {}, dict(devices=tp.devices()[:1])):
+        f = tp.pmap(fwd, axis_name="b", in_axes=(None, 0), **extra)
+        for _ in range(2):  # the second compiled call runs the cached programs
+            wr, xr = w.clone().requires_grad_(), x.clone().requires_grad_()
+            out = torch.as_tensor(f(wr, xr))
+            out.pow(2).sum().backward()
+        results.append((out.detach(), wr.grad, xr.grad))
+        if "jit" in extra:
+            assert _compiled_slices(f) == 1
+    for jit, other in ((results[0], results[1]), (results[0], results[2])):
+        for a, b in zip(jit, other):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_nested_pmap_of_pmap(four):
+    xs = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(3))
+    inner = lambda v: tp.psum(v, "j") * tp.axis_index("i") + tp.pmean(v, "i")  # noqa: E731
+    jit, eager, one = _three(tp.pmap(inner, axis_name="j"), xs, axis_name="i")
+    torch.testing.assert_close(jit, eager)
+    torch.testing.assert_close(jit, one)
+    both = tp.pmap(tp.pmap(inner, axis_name="j", jit=True), axis_name="i", jit=True)  # traced into the slices
+    both(xs)
+    torch.testing.assert_close(torch.as_tensor(both(xs)), one)
+    assert _compiled_slices(both) == 1
+
+
+def test_a_jit_pmap_inside_an_eager_one_joins_its_computation():
+    """An eager pmap on 4 devices (one instance each: no vmap) around a ``jit=True`` pmap
+    whose collective runs over the outer axis: the inner call is part of the outer
+    instance's computation, eagerly, as inside any enclosing map. It used to trace on its
+    own in each device thread, holding the process' tracing lock while its collective
+    waited for the other device threads, which waited for the lock: a hang that no
+    collective timeout ended. A fresh process, so that a hang cannot stall the suite."""
+    code = (
+        "import warnings, torch, torchpmap as tp\n"
+        "warnings.simplefilter('error', tp.JitFallbackWarning)\n"
+        "inner = lambda v: tp.psum(v, 'i') + tp.psum(v, 'j') * tp.axis_index('i')\n"
+        "x = torch.arange(24.0).reshape(4, 2, 3)\n"
+        "f = tp.pmap(tp.pmap(inner, axis_name='j', jit=True), axis_name='i')\n"
+        "one = tp.pmap(tp.pmap(inner, axis_name='j'), axis_name='i', devices=tp.devices()[:1])\n"
+        "torch.testing.assert_close(torch.as_tensor(f(x)), torch.as_tensor(one(x)))\n"
+        "print(len(tp.devices()), 'ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "TORCHPMAP_NUM_CPU_DEVICES": "4",
+           "TORCHPMAP_COLLECTIVE_TIMEOUT": "60", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0 and done.stdout.split() == ["4", "ok"], (done.stdout, done.stderr[-2000:])
+
+
+def test_random_numbers_run_eagerly_with_a_warning(four):
+    f = tp.pmap(lambda v: v + torch.rand(()), axis_name="i", jit=True)
+    with pytest.warns(tp.JitFallbackWarning, match="draws random numbers"):
+        out = f(torch.zeros(4))
+    assert torch.as_tensor(out).shape == (4,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per signature
+        f(torch.zeros(4))

@@ -1,0 +1,212 @@
+"""``jit=True`` across several devices in one process: a compiled slice per device thread.
+
+The multi-device engine (:mod:`torchpmap._engines.multi_device`) runs each device's slice
+of the axis in its own thread; collectives meet at the call's rendezvous. Compiled, the
+same threads run the same slices, each through a program of its own:
+
+1. **Trace.** On a signature's first call, every device thread traces its slice
+   (:func:`torchpmap._engines.compiled.trace_graph`) with a stand-in exchange that records
+   each collective's gather as one ``torchpmap::gather_threads`` node
+   (:mod:`torchpmap._engines.thread_ops`). A trace never waits for another thread: the
+   node's fake kernel gives the shapes. A slice's program bakes in its place on the axis
+   (``axis_index``, the part of a ``ppermute`` it keeps), so each device has its own.
+2. **Cut and compile.** Each trace is cut at its exchanges
+   (:mod:`torchpmap._engines.segments`): inductor compiles the ops between two exchanges
+   (AOTAutograd inside), the exchanges run eagerly through the thread's rendezvous.
+3. **Run.** Later calls with the signature run each device's program in its thread: the
+   segments compiled, the exchanges meeting as in the eager engine, so the gathered
+   values (and the math on them) are those of one device, and a ``.backward()`` through
+   a result, or ``torch.func.grad`` inside the map, differentiates as eagerly.
+
+What is not compiled runs eagerly with a :class:`~torchpmap._engines.engine_warnings.JitFallbackWarning`
+that names why: a trace that fails on any device (a branch on a tensor's value, ...), a
+program that draws random numbers (each device thread's eager stream is not the one a
+compiled program would draw), one that writes into its inputs, and ``torch.compile``
+options other than inductor's ``options``. A ``jit=True`` pmap nested in the function is
+part of the slice's program (see :func:`torchpmap._engines.dispatch.run`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torchpmap._engines import graph_rewrites, multi_device, segments, thread_ops, vectorized
+from torchpmap._engines.compiled import TRACING, ProgramCache, distinct, graph_inputs, trace_graph
+from torchpmap._engines.engine_warnings import JitFallbackWarning
+from torchpmap._engines.mapped_call import MappedCall, OutputLayout
+from torchpmap._engines.multi_device import check_outputs_agree, device_thread, run_threads, runs_directly
+from torchpmap._engines.random_per_thread import call_seed
+from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
+from torchpmap._placement.devices import Device
+from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state import torch_private as private
+from torchpmap._state.config import config
+from torchpmap._state.log import logger
+
+
+@dataclasses.dataclass
+class _SliceProgram:
+    """One device's compiled slice.
+
+    Attributes:
+        module: the slice's graph cut at its exchanges (:func:`segments.split_at_exchanges`).
+        tensor_slots: positions in ``call.broadcast`` that are graph inputs.
+        constants: tensors the function closes over, passed by reference at every call.
+    """
+
+    module: torch.fx.GraphModule
+    tensor_slots: list[int]
+    constants: list[torch.Tensor]
+
+    def __call__(self, part: MappedCall, exchange: ThreadExchange) -> list[torch.Tensor]:
+        with thread_ops.live(exchange):
+            return list(self.module(*graph_inputs(part, self.tensor_slots), *self.constants))
+
+
+@dataclasses.dataclass
+class _Programs:
+    """The compiled slices of one signature, one per device, and what ``body`` recorded."""
+
+    slices: list[_SliceProgram]
+    output_layout: OutputLayout
+
+
+class _NotCompiled(Exception):
+    """A slice's program that this engine does not compile (the reason is the message)."""
+
+
+def run(call: MappedCall) -> list[torch.Tensor]:
+    """Runs ``call`` (``jit=True``, several devices, no transform around it) through its
+    compiled slices, tracing them on the signature's first call; eagerly, with a
+    warning, where they cannot be compiled."""
+    cache = _slices_of(call)
+    devices = list(call.devices or ())
+    key = (call.signature, tuple(devices))
+    programs = cache.get(key, _UNTRACED)
+    if programs is None:
+        return multi_device.run(call)
+    if isinstance(programs, _Programs):
+        call.output_layout.copy_from(programs.output_layout)  # body does not run
+        return _run_slices(call, devices, programs)
+    try:
+        programs = _trace_slices(call, devices)
+        outputs = _run_slices(call, devices, programs)  # the first run compiles the segments
+    except Exception as failure:  # the eager run below raises the user's own error, if any
+        if isinstance(failure, TimeoutError):  # a device thread stopped in a collective: no limit of tracing
+            raise
+        outputs = multi_device.run(call)  # every thread of the failed attempt has stopped (one rendezvous each)
+        cache[key] = None
+        warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=5)
+        return outputs
+    while len(cache) >= config.jit_cache_size:
+        cache.pop(next(iter(cache)))  # the oldest
+    cache[key] = programs
+    return outputs
+
+
+_UNTRACED: Any = object()  # a signature not seen yet
+
+
+def _slices_of(call: MappedCall) -> dict[Hashable, Any]:
+    """The device slices that ``call``'s function keeps, by (signature, devices): a
+    :class:`_Programs`, or None for a signature that runs eagerly."""
+    cache = call.programs
+    if not isinstance(cache, ProgramCache):
+        raise TypeError(f"torchpmap: internal error: jit=True's programs are a {type(cache).__name__}")
+    return cache.device_slices
+
+
+def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> _Programs:
+    """Every device thread traces its slice (no thread waits for another: see
+    :mod:`thread_ops`); each trace is cut at its exchanges, to be compiled at its first run."""
+    k = call.size // len(devices)
+    rendezvous, seed = Rendezvous(config.collective_timeout, threading.RLock()), call_seed(call.randomness)
+    direct = k == 1 and runs_directly(call)
+    stand_in = thread_ops.TracedThreadExchange(len(devices))
+    options = _cache_options(call)
+    compile_segment = functools.partial(_compile_segment, options.get("options", {}))
+
+    slices: dict[int, _SliceProgram] = {}
+
+    def trace_one(d: int) -> list[torch.Tensor]:
+        with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
+
+            def engine(c: MappedCall) -> list[torch.Tensor]:
+                if direct:
+                    return vectorized.run_one(c, offset=d, axis_size=call.size, exchange=stand_in, seed=seed)
+                return vectorized.run(c, offset=d * k, axis_size=call.size, exchange=stand_in, seed=seed)
+
+            with TRACING, thread_ops.tracing():  # make_fx patches module globals: one trace at a time
+                traced = trace_graph(part, engine)
+            _check_compilable(traced.graph)
+            module = segments.split_at_exchanges(traced.graph, compile_segment)
+            slices[d] = _SliceProgram(module, traced.tensor_slots, traced.constants)
+            return []
+
+    run_threads([functools.partial(trace_one, d) for d in range(len(devices))], rendezvous, devices, k)
+    logger.info("pmap(jit=True) over axis %r: traced %d device slices", call.axis_name, len(slices))
+    return _Programs([slices[d] for d in range(len(devices))], dataclasses.replace(call.output_layout))
+
+
+def _cache_options(call: MappedCall) -> dict[str, Any]:
+    """The function's ``torch.compile`` options, when inductor alone compiles them: a
+    ``mode`` or a ``backend`` (Dynamo's) is used on one device only."""
+    cache = call.programs
+    options = dict(cache.options) if isinstance(cache, ProgramCache) else {}
+    if not set(options) <= {"options"}:
+        raise _NotCompiled(f"torch.compile options {sorted(set(options) - {'options'})} are only used on one device")
+    return options
+
+
+def _compile_segment(
+    options: Mapping[str, Any], graph: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]
+) -> Callable[..., Any]:
+    """Inductor's program for a segment, for inputs like ``inputs`` (``options`` patch its
+    config); one compilation at a time in the process, as for any program."""
+    with TRACING:
+        return private.compile_graph(graph, distinct(inputs), dict(options))
+
+
+def _check_compilable(graph: torch.fx.GraphModule) -> None:
+    """Raises :class:`_NotCompiled` for a slice's trace that this engine leaves eager."""
+    if graph_rewrites.writes_an_input(graph):
+        raise _NotCompiled("the program writes into one of its inputs, which only the one-device program compiles")
+    for node in graph.graph.nodes:
+        tags = getattr(node.target, "tags", ())
+        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags:
+            raise _NotCompiled(
+                f"the program draws random numbers ({node.target}); each device thread's eager stream is not "
+                "what a compiled program would draw"
+            )
+
+
+def _run_slices(call: MappedCall, devices: Sequence[Device], programs: _Programs) -> list[torch.Tensor]:
+    """Each device thread runs its compiled slice; the exchanges meet at one rendezvous."""
+    k = call.size // len(devices)
+    rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
+    torch_devices = tuple(d.torch_device for d in devices)
+    seed = call_seed(call.randomness)
+
+    def one_device(d: int) -> list[torch.Tensor]:
+        with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
+            return programs.slices[d](part, ThreadExchange(rendezvous, d, torch_devices, group))
+
+    bodies = [functools.partial(one_device, d) for d in range(len(devices))]
+    per_device = run_threads(bodies, rendezvous, devices, k)
+    check_outputs_agree(per_device, devices)
+    return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+def _fallback_message(call: MappedCall, failure: Exception) -> str:
+    first_line = (str(failure).strip().splitlines() or [""])[0]
+    why = first_line if isinstance(failure, _NotCompiled) else f"{type(failure).__name__}: {first_line}"
+    return (
+        f"pmap(jit=True) over axis {call.axis_name!r} on {len(call.devices or ())} devices could not be compiled for "
+        f"these argument shapes and types, so it runs eagerly for them (same results, no compilation): {why}."
+    )

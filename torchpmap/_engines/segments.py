@@ -1,0 +1,80 @@
+"""A traced device slice cut at its exchanges: compiled segments, eager exchanges between.
+
+A slice's trace (see :mod:`torchpmap._engines.compiled_devices`) holds its collectives as
+``torchpmap::gather_threads`` nodes. :func:`split_at_exchanges` cuts the graph there: the
+ops between two exchanges form a segment that inductor compiles (AOTAutograd inside, so
+each segment is one differentiable node), and each exchange runs eagerly through the
+device thread's own :class:`~torchpmap._engines.thread_exchange.ThreadExchange`
+(:func:`~torchpmap._engines.thread_ops.gather_live`).
+
+Why not compile the exchange into the graph, as the processes' compiled programs do
+(:mod:`torchpmap._engines.process_ops`)? A process has its own autograd engine, so the
+backward of its program can wait for the other processes' backward. The device threads of
+one process share one: a ``.backward()`` through a result runs every device's backward
+in the thread that called it (on CPU), one node after the other. A compiled program's
+backward that waited there for the other devices' would wait forever. Cut at the
+exchanges, every compiled segment's backward is its own device's alone, and the eager
+exchange's single autograd node joins the devices, as it does in the eager engine.
+
+A segment is compiled at its first call, on the tensors it gets then (the exchanges'
+outputs among them, with their ``requires_grad``), which the call's signature fixes.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+from torchpmap._engines import thread_ops
+
+#: Compiles a segment's graph for inputs like the given ones: a callable that takes the
+#: graph's inputs and returns its outputs, differentiable.
+CompileSegment = Callable[[torch.fx.GraphModule, Sequence[torch.Tensor]], Callable[..., Any]]
+
+
+class _Segment(torch.nn.Module):
+    """The ops between two exchanges, compiled at the first call."""
+
+    def __init__(self, graph: torch.fx.GraphModule, compile_segment: CompileSegment):
+        super().__init__()
+        self.graph_module = graph
+        self.compile_segment = compile_segment
+        self.compiled: Callable[..., Any] | None = None
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        if self.compiled is None:
+            self.compiled = self.compile_segment(self.graph_module, args)
+        return self.compiled(*args)
+
+
+def split_at_exchanges(graph: torch.fx.GraphModule, compile_segment: CompileSegment) -> torch.fx.GraphModule:
+    """``graph`` as a module that calls compiled segments and eager exchanges in turn.
+
+    Each segment is compiled by ``compile_segment`` at its first call, for the tensors it
+    gets then (see the module docstring).
+    """
+    part: dict[torch.fx.Node, int] = {}
+    exchanges = 0
+    for node in graph.graph.nodes:
+        if thread_ops.is_gather(node):
+            exchanges += 1
+            part[node] = 2 * exchanges - 1  # the exchange alone, with its getitems (below)
+        elif node.op == "call_function" and node.target is operator.getitem and thread_ops.is_gather(node.args[0]):
+            part[node] = part[node.args[0]]
+        else:
+            part[node] = 2 * exchanges
+    split = split_module(graph, graph, lambda node: part[node], keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        if any(thread_ops.is_gather(n) for n in sub.graph.nodes):
+            for n in sub.graph.nodes:
+                if thread_ops.is_gather(n):
+                    n.target = thread_ops.gather_live  # runs eagerly: the device thread's rendezvous
+            sub.recompile()
+        else:
+            setattr(split, name, _Segment(sub, compile_segment))
+    return split
