@@ -99,8 +99,8 @@ test: test-main
 endif
 
 # $(call suite,PYTHON,TORCH VERSION): the whole suite on one device, then the
-# device-spanning parts again on 4 CPU devices, then the inductor jit sweeps (jit=True's
-# own path, generated code) on one device and on 4 CPU devices (compiled device slices).
+# device-spanning parts again on 4 CPU devices, then the inductor jit sweep (jit=True's
+# own path, generated code) on one device.
 define suite
 	@echo "== $$(date +%T) torch $(2): whole suite, 1 device"
 	TORCHPMAP_NUM_CPU_DEVICES=1 $(1) $(PYTEST)
@@ -108,6 +108,12 @@ define suite
 	TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) tests
 	@echo "== $$(date +%T) torch $(2): jit sweep, inductor, 1 device"
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),1)
+endef
+
+# The inductor jit sweep on 4 CPU devices (compiled device slices, collectives between
+# them): $(call devices_sweep,PYTHON,TORCH VERSION). tests/test_jit_multi_device.py runs
+# on every release; the whole sweep (about 4 minutes) on the oldest, for CI's hour.
+define devices_sweep
 	@echo "== $$(date +%T) torch $(2): jit sweep, inductor, 4 CPU devices"
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),4)
 endef
@@ -122,14 +128,17 @@ endef
 # The whole suite on $(TORCH) (TORCH_MAIN unless given), with every jit sweep.
 test-main: $(VENV)/.stamp-test
 	$(call suite,$(PY),$(TORCH))
+	$(call devices_sweep,$(PY),$(TORCH))
 	$(call aot_eager_sweep,$(PY),$(TORCH))
 
-# The oldest release: the whole suite, the aot_eager jit sweep (here only, in the matrix:
-# it checks the trace, which the inductor sweeps also compile, and CI's hour is full), and
+# The oldest release: the whole suite, the 4-device and aot_eager jit sweeps (here only,
+# in the matrix: CI's hour is full; the aot_eager sweep checks the trace, which the
+# inductor sweeps also compile), and
 # the GPU check's short pass on CPU devices (the GPU machines run this release; the check
 # must not rot between their sessions).
 test-oldest: $(OLDEST_VENV)/.stamp-test
 	$(call suite,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
+	$(call devices_sweep,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
 	$(call aot_eager_sweep,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
 	@echo "== $$(date +%T) torch $(TORCH_OLDEST): gpu-check --quick (no CUDA: its CPU parts)"
 	$(MAKE) --no-print-directory gpu-check PYTHON=$(OLDEST_VENV)/bin/python GPU_CHECK_FLAGS=--quick \
