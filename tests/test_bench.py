@@ -220,3 +220,17 @@ def test_table_footnotes_reasons() -> None:
 
 def _meta() -> dict[str, Any]:
     return {"mode": "quick", "device": "cpu", "torch_threads": 1, "cpu_count": 1, "versions": {}}
+
+
+@pytest.mark.slow
+def test_sharded_columns_train_the_model_ddp_trains() -> None:
+    """The simulated cluster's FSDP columns (torchpmap's shard_params step, FSDP2's
+    fully_shard) take the same SGD steps as DDP, on 2 processes over loopback."""
+    from torchpmap.bench.ddp import run_ddp_comparison
+
+    result = run_ddp_comparison(
+        2, 2, warmup=1, batch_per_process=16, columns=("ddp", "torchpmap.fsdp", "fsdp2"), sizes=(8, 16, 3),
+        timeout=120,
+    )
+    assert set(result["columns"]) == {"ddp", "torchpmap.fsdp", "fsdp2"}
+    assert result["max_param_diff"] < 1e-5

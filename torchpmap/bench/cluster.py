@@ -15,7 +15,11 @@ processes then run :func:`torchpmap.bench.ddp.run_ddp_comparison`'s columns inte
 * ``torchpmap`` and ``torchpmap.jit``: ``torchpmap.training.data_parallel_step``, eager
   (its all-reduce started bucket by bucket during the backward, as DDP's) and compiled;
 * ``torchpmap.by_hand``: the step written as ``pmap`` with ``pmean(grad(...))``, whose
-  exchange starts after the backward (against ``torchpmap``: what the overlap gains).
+  exchange starts after the backward (against ``torchpmap``: what the overlap gains);
+* ``torchpmap.fsdp``: ``data_parallel_step(..., shard_params=True)`` (ZeRO-3: each host
+  holds half of the parameters, gradients and optimizer state; one all-gather of every
+  parameter before the forward, the gradients reduce-scattered), and ``fsdp2``: PyTorch's
+  ``fully_shard`` on each linear layer and the model (gathered layer by layer, prefetched).
 
 It needs root and iproute2 (``ip``, ``tc``); without them it says why and does nothing.
 Everything it creates is named ``tp<pid>...`` and removed on exit, also after an error.
@@ -34,6 +38,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 from collections.abc import Sequence
 from typing import Any
@@ -160,7 +165,13 @@ def measure(hosts: int, rate: str, steps: int, warmup: int, timeout: float) -> d
         )
     columns = result["columns"]
     compute, exchange = columns["compute"]["ms"], columns["allreduce"]["ms"]
-    result.update(hosts=hosts, rate=rate, exchange_share=exchange / (compute + exchange))
+    sharded, fsdp2 = columns["torchpmap.fsdp"]["all_ms"], columns["fsdp2"]["all_ms"]
+    result.update(
+        hosts=hosts,
+        rate=rate,
+        exchange_share=exchange / (compute + exchange),
+        sharded_to_fsdp2=statistics.median(a / b for a, b in zip(sharded, fsdp2)),
+    )
     return result
 
 
@@ -168,8 +179,9 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     """The results as a Markdown table."""
     lines = [
         "| hosts | link | compute alone | all-reduce alone | pmean alone | exchange share | DDP | torchpmap eager "
-        "| jit=True | by hand | eager / DDP | jit / DDP | by hand / DDP |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| jit=True | by hand | eager / DDP | jit / DDP | by hand / DDP | sharded (FSDP) | FSDP2 | sharded / DDP "
+        "| sharded / FSDP2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         c = r["columns"]
@@ -179,7 +191,8 @@ def table(results: Sequence[dict[str, Any]]) -> str:
             f"{r['exchange_share']:.0%} | "
             f"{ms('ddp')} | {ms('torchpmap')} | {ms('torchpmap.jit')} | {ms('torchpmap.by_hand')} | "
             f"{c['torchpmap']['ratio_to_ddp']:.2f} | {c['torchpmap.jit']['ratio_to_ddp']:.2f} | "
-            f"{c['torchpmap.by_hand']['ratio_to_ddp']:.2f} |"
+            f"{c['torchpmap.by_hand']['ratio_to_ddp']:.2f} | {ms('torchpmap.fsdp')} | {ms('fsdp2')} | "
+            f"{c['torchpmap.fsdp']['ratio_to_ddp']:.2f} | {r['sharded_to_fsdp2']:.2f} |"
         )
     return "\n".join(lines)
 

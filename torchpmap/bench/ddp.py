@@ -54,8 +54,11 @@ from torchpmap.bench.launch import Host, launch
 #: The default model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
 FEATURES, HIDDEN, CLASSES = 64, 256, 10
 #: The columns a comparison can time (see the module docstring).
-COLUMNS = ("torchpmap", "torchpmap.jit", "torchpmap.by_hand", "ddp", "compute", "allreduce", "pmean")
-_TRAINING = ("torchpmap", "torchpmap.jit", "torchpmap.by_hand", "ddp", "compute")
+COLUMNS = (
+    "torchpmap", "torchpmap.jit", "torchpmap.by_hand", "ddp", "compute", "allreduce", "pmean",
+    "torchpmap.fsdp", "fsdp2",
+)
+_TRAINING = ("torchpmap", "torchpmap.jit", "torchpmap.by_hand", "ddp", "compute", "torchpmap.fsdp", "fsdp2")
 
 
 def run_ddp_comparison(
@@ -165,7 +168,7 @@ def _worker(
 
     import torchpmap as tp
     import torchpmap.distributed as tpd
-    from torchpmap.training import data_parallel_step, shard
+    from torchpmap.training import ShardedStep, data_parallel_step, shard
 
     tpd.initialize(timeout=datetime.timedelta(seconds=timeout))
     rank, nproc = tp.process_index(), tp.process_count()
@@ -179,6 +182,43 @@ def _worker(
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         step = data_parallel_step(model, F.cross_entropy, opt, jit=jit)
         return lambda x, y: step(shard((x, y), instances))
+
+    gather_at_end: dict[str, Callable[[], None]] = {}  # the sharded columns: full parameters back into the module
+
+    def sharded_column() -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        model = models["torchpmap.fsdp"]
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        step = cast(ShardedStep, data_parallel_step(model, F.cross_entropy, opt, shard_params=True))
+        gather_at_end["torchpmap.fsdp"] = step.gather_params
+        return lambda x, y: step(shard((x, y), instances))
+
+    def fsdp2_column() -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        module = models["fsdp2"]
+        mesh = init_device_mesh(device.type, (nproc,))
+        for layer in module.modules():  # each Linear its own unit (gathered when used), then the root
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        opt = torch.optim.SGD(module.parameters(), lr=lr)
+
+        def full_parameters() -> None:
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.full = p.full_tensor()  # type: ignore[attr-defined]
+
+        gather_at_end["fsdp2"] = full_parameters
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(module(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
 
     def by_hand_column() -> Callable[[torch.Tensor, torch.Tensor], Any]:
         model = models["torchpmap.by_hand"]
@@ -236,7 +276,7 @@ def _worker(
         "torchpmap": lambda: torchpmap_column(False), "torchpmap.jit": lambda: torchpmap_column(True),
         "torchpmap.by_hand": by_hand_column,
         "ddp": lambda: plain_column("ddp"), "compute": lambda: plain_column("compute"), "allreduce": lambda: allreduce,
-        "pmean": lambda: pmean,
+        "pmean": lambda: pmean, "torchpmap.fsdp": sharded_column, "fsdp2": fsdp2_column,
     }
     columns = {name: builders[name]() for name in names}
 
@@ -269,10 +309,16 @@ def _worker(
     stacked = torch.tensor([times[name] for name in columns], dtype=torch.float64, device=device)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     seconds = dict(zip(columns, stacked.tolist()))
+    for gather in gather_at_end.values():
+        gather()
+
+    def full(p: torch.Tensor) -> torch.Tensor:
+        return getattr(p, "full", p).detach()  # FSDP2's DTensor: its full_tensor(), gathered above
+
     trained = [m for name, m in models.items() if name != "compute"]
     diff = max(
         (
-            (a.detach() - b.detach()).abs().max().item()
+            (full(a) - full(b)).abs().max().item()
             for other in trained[1:]
             for a, b in zip(trained[0].parameters(), other.parameters())
         ),
