@@ -456,18 +456,6 @@ def test_the_temporary_file_of_a_killed_save_is_removed_by_the_next_save_or_load
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt.pt", *kept])
 
 
-@pytest.fixture
-def four_devices(monkeypatch):
-    from torchpmap._placement import devices as _devices
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "4")
-    _devices._local_devices.cache_clear()
-    yield tp.devices()
-    monkeypatch.undo()
-    _devices._local_devices.cache_clear()
-
-
 def test_sharded_tensor_values_round_trip_on_every_placement(tmp_path, four_devices):
     """A pmap result on several devices (a ShardedTensor) used to be saved as one, and
     refused by checkpoint.load ("Unsupported global ShardedTensor"); on one device the same

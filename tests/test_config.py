@@ -59,18 +59,6 @@ def test_bad_environment_values_never_break_the_import_and_name_the_variable_whe
     assert accepts in said["initialize"]
 
 
-@pytest.fixture
-def four_devices(monkeypatch):
-    from torchpmap._placement import devices as _devices
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "4")
-    _devices._local_devices.cache_clear()
-    yield tp.devices()
-    monkeypatch.undo()
-    _devices._local_devices.cache_clear()
-
-
 @pytest.mark.parametrize("value", ["inf", "1e10", "9223372037"])
 def test_a_timeout_the_platform_cannot_wait_is_refused_naming_the_variable(four_devices, monkeypatch, value):
     """Such a timeout used to pass validation, then every collective on several devices failed

@@ -17,19 +17,8 @@ import torch
 from torch.func import grad
 
 import torchpmap as tp
-from torchpmap._placement import devices as _devices
 
 pytestmark = pytest.mark.filterwarnings("error::torchpmap.JitFallbackWarning")
-
-
-@pytest.fixture
-def four(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "4")
-    _devices._local_devices.cache_clear()
-    yield tp.devices()
-    monkeypatch.undo()
-    _devices._local_devices.cache_clear()
 
 
 def _compiled_slices(f):
@@ -60,12 +49,16 @@ PROGRAMS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_collectives(four, name):
-    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
-    jit, eager, one = _three(PROGRAMS[name], x, axis_name="i")
+def _check_placements_agree(fun, x):
+    """Compiled on 4 devices == eager on 4 devices == one device."""
+    jit, eager, one = _three(fun, x, axis_name="i")
     torch.testing.assert_close(jit, eager)
     torch.testing.assert_close(jit, one)
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_collectives(four_devices, name):
+    _check_placements_agree(PROGRAMS[name], torch.randn(8, 3, generator=torch.Generator().manual_seed(0)))
 
 
 def _shifted_sin(u):
@@ -85,18 +78,15 @@ ONE_PER_DEVICE = {
 
 
 @pytest.mark.parametrize("name", sorted(ONE_PER_DEVICE))
-def test_one_instance_per_device(four, name):
-    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(4))
-    jit, eager, one = _three(ONE_PER_DEVICE[name], x, axis_name="i")
-    torch.testing.assert_close(jit, eager)
-    torch.testing.assert_close(jit, one)
+def test_one_instance_per_device(four_devices, name):
+    _check_placements_agree(ONE_PER_DEVICE[name], torch.randn(4, 2, generator=torch.Generator().manual_seed(4)))
 
 
 def _loss(w, x, y):
     return ((x @ w - y) ** 2).mean()
 
 
-def test_data_parallel_step(four):
+def test_data_parallel_step(four_devices):
     g = torch.Generator().manual_seed(1)
     w, x, y = torch.randn(3, generator=g), torch.randn(4, 5, 3, generator=g), torch.randn(4, 5, generator=g)
     step = lambda w, x, y: w - 0.1 * tp.pmean(grad(_loss)(w, x, y), "b")  # noqa: E731
@@ -105,7 +95,7 @@ def test_data_parallel_step(four):
     torch.testing.assert_close(jit, one)
 
 
-def test_backward_through_a_result(four):
+def test_backward_through_a_result(four_devices):
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(3, generator=g), torch.randn(8, 3, generator=g)
 
@@ -129,7 +119,7 @@ def test_backward_through_a_result(four):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_nested_pmap_of_pmap(four):
+def test_nested_pmap_of_pmap(four_devices):
     xs = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(3))
     inner = lambda v: tp.psum(v, "j") * tp.axis_index("i") + tp.pmean(v, "i")  # noqa: E731
     jit, eager, one = _three(tp.pmap(inner, axis_name="j"), xs, axis_name="i")
@@ -164,7 +154,7 @@ def test_a_jit_pmap_inside_an_eager_one_joins_its_computation():
     assert done.returncode == 0 and done.stdout.split() == ["4", "ok"], (done.stdout, done.stderr[-2000:])
 
 
-def test_random_numbers_run_eagerly_with_a_warning(four):
+def test_random_numbers_run_eagerly_with_a_warning(four_devices):
     f = tp.pmap(lambda v: v + torch.rand(()), axis_name="i", jit=True)
     with pytest.warns(tp.JitFallbackWarning, match="draws random numbers"):
         out = f(torch.zeros(4))

@@ -12,18 +12,12 @@ import torch
 
 import torchpmap as tp
 from torchpmap import Device, ShardedTensor
-from torchpmap._placement import devices as _devices
 
 
 @pytest.fixture
-def devices(monkeypatch):
-    """Four CPU devices for this test, whatever TORCHPMAP_NUM_CPU_DEVICES the run uses."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "4")
-    _devices._local_devices.cache_clear()
-    yield tp.devices()
-    monkeypatch.undo()
-    _devices._local_devices.cache_clear()
+def devices(four_devices):
+    """Four CPU devices for this test (conftest's ``four_devices``)."""
+    return four_devices
 
 
 def both(devices, fun, x):
