@@ -487,7 +487,8 @@ def data_parallel_step(
        weight's gradient one product over every example as in plain PyTorch on the
        whole batch, instead of one per instance and their mean (measured on the 2-core
        CPU machine, otherwise idle, with a 64-256-256-10 MLP of 8 instances: 1.88-1.89x
-       plain PyTorch's step before, 1.60-1.65x after; see ``docs/performance.md``);
+       plain PyTorch's step before, 1.60-1.65x after, 1.44-1.48x with ``torch.autograd.grad``;
+       see ``docs/performance.md``);
     2. averages gradients and losses over ``axis_name`` with :func:`torchpmap.pmean`
        (``out_axes=None``: they come back once); across processes, large gradients are
        all-reduced bucket by bucket while the backward still runs, as DDP does
