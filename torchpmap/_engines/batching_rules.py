@@ -381,13 +381,14 @@ def _value_read(op: AtenOp) -> Callable[[torch.Tensor], object]:
         with private.batching_excluded():
             if dim is None or dim < 0:  # the same for every instance of this level by construction
                 return op(value)
-            first = value.select(dim, 0)
-            if level in torchpmap_levels() and _same_bits(value.movedim(dim, 0)):
-                return op(first)
+            own = level in torchpmap_levels()
+            if own and _same_bits(value.movedim(dim, 0)):
+                return op(value.select(dim, 0))
+        why = "whose value differs between the instances of the map" if own else "batched by a torch.func.vmap"
         raise RuntimeError(
             "vmap: It looks like you're either (1) calling .item() on a Tensor or (2) attempting to use a Tensor in "
-            f"some data-dependent control flow ({op.name()} of a tensor whose value differs between the instances of "
-            "the map). Rewrite the branch with tensor ops (torch.where), or let the instances run one at a time."
+            f"some data-dependent control flow ({op.name()} of a tensor {why}). Rewrite the branch with tensor ops "
+            "(torch.where), or let the instances run one at a time."
         )
 
     return rule
