@@ -50,6 +50,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from torchpmap._engines import rnn_weights
 from torchpmap._state import torch_private as private
 
 
@@ -420,6 +421,7 @@ def _install_recurrent(library: torch.library.Library) -> None:
     function runs one instance at a time, as before)."""
     if private.changed("recurrent_ops") is not None:
         return
+    rnn_weights.install()  # RNN modules on CUDA whose weights cuDNN cannot take (see there)
     for op in private.recurrent_ops():
         if not private.has_kernel_for_dispatch_key(op.name(), "FuncTorchBatched"):
             library.impl(op, _recurrent(op), "FuncTorchBatched")

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from torchpmap._engines import graph_rewrites, vectorized
+from torchpmap._engines import graph_rewrites, rnn_weights, vectorized
 from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning
 from torchpmap._engines.mapped_call import CompiledPrograms, Engine, MappedCall, OutputLayout
 from torchpmap._placement import devices as _devices
@@ -364,7 +364,7 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
     # A tensor passed for two arguments is traced as two inputs (that share its memory), not as one,
     # which the graph would then read for both at every later call.
     inputs = distinct(graph_inputs(call, tensor_slots))
-    with _onednn_off():
+    with _onednn_off(), rnn_weights.traced():  # fused RNN kernels: recorded as their cells
         graph = private.make_fx_real_inputs(program, decomposition_table={})(*inputs)
     # e.g. forward-AD shape checks that return a bool dynamo refuses; every exchange stays
     graph.graph.eliminate_dead_code(is_impure_node=graph_rewrites.kept)

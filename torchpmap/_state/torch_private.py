@@ -142,6 +142,17 @@ def functorch_value(t: torch.Tensor, vmap_level: int | None = None) -> tuple[tor
     return t, dim
 
 
+def is_functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a torch.func wrapper (batched or grad-tracking): a tensor with no
+    storage of its own, whose ``data_ptr()`` raises.
+
+    For: an RNN module on CUDA whose weights are such wrappers runs without cuDNN, which
+    needs their storage (:mod:`torchpmap._engines.rnn_weights`).
+    Public replacement: none (``torch.func`` does not say whether a tensor is its wrapper).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``is_functorch_wrapped_tensor``)."""
+    return bool(_is_wrapped(t))
+
+
 add_batch_dim = _bind("add_batch_dim", lambda: torch._C._functorch._add_batch_dim)
 """``add_batch_dim(tensor, dim, level) -> tensor``: wraps ``tensor`` as batched along
 ``dim`` at ``level`` (what torch.func.vmap does to each input).
