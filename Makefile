@@ -98,14 +98,15 @@ else
 test: test-main
 endif
 
-# $(call suite,PYTHON,TORCH VERSION): the whole suite on one device, then the
-# device-spanning parts again on 4 CPU devices, then the inductor jit sweep (jit=True's
-# own path, generated code) on one device.
+# $(call suite,PYTHON,TORCH VERSION[,PYTEST ARGS]): the whole suite on one device, then the
+# device-spanning parts again on 4 CPU devices (with the optional arguments: -m "not slow"
+# leaves out the several-process tests, the examples and the Hugging Face models there),
+# then the inductor jit sweep (jit=True's own path, generated code) on one device.
 define suite
 	@echo "== $$(date +%T) torch $(2): whole suite, 1 device"
 	TORCHPMAP_NUM_CPU_DEVICES=1 $(1) $(PYTEST)
-	@echo "== $$(date +%T) torch $(2): tests/, 4 CPU devices"
-	TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) tests
+	@echo "== $$(date +%T) torch $(2): tests/, 4 CPU devices $(3)"
+	TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) $(3) tests
 	@echo "== $$(date +%T) torch $(2): jit sweep, inductor, 1 device"
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),1)
 endef
@@ -154,8 +155,10 @@ test-short: $(VENV)/.stamp-test
 	@echo "== $$(date +%T) torch $(TORCH_MAIN): quick pass (not slow), 1 device"
 	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -m "not slow"
 
+# The newest release: as the oldest, but its 4-device pass leaves out the slow tests (the
+# oldest runs them on 4 devices; CI's hour), and no 4-device or aot_eager jit sweep.
 test-compat: $(COMPAT_VENV)/.stamp-test
-	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT))
+	$(call suite,$(COMPAT_VENV)/bin/python,$(TORCH_COMPAT),-m "not slow")
 
 # The jit sweeps through jit=True's own path (inductor, generated code, no Dynamo), alone,
 # on one device and on 4 CPU devices (`make test` runs them too).

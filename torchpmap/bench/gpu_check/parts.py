@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 #: what was added on the CPU since the last GPU session: the RNN and value-read rules, the sharded step).
 TEST_FILES = (
     "tests/test_device_equivalence.py", "tests/test_api.py", "tests/test_sharded.py", "tests/test_multi_device.py",
-    "tests/test_recurrent_rules.py", "tests/test_sharded_step.py",
+    "tests/test_recurrent_rules.py", "tests/test_sharded_step.py", "tests/test_autocast_policy.py",
 )
 #: Test files that run on CUDA and CPU devices together.
 MIXED_TEST_FILES = ("tests/test_api.py", "tests/test_multi_device.py")
@@ -76,7 +76,7 @@ PARTS: list[Part] = [
          _program("attention_check"), timeout=240),
     Part(
         "tests",
-        "device-equivalence, API, sharded, multi-device, RNN-rule and sharded-step tests, CUDA as the device",
+        "device-equivalence, API, sharded, multi-device, RNN-rule, sharded-step and autocast tests, CUDA as the device",
         _pytest(TEST_FILES, "tests.xml", ("tests/test_sharded.py",)),
         env=_tests_env,
         timeout=240,
