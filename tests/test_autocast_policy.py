@@ -9,6 +9,7 @@ time; where the device is CUDA (``make gpu-check``), with CUDA's autocast lists.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -132,7 +133,7 @@ def _per_instance(f: Callable[..., torch.Tensor], inputs: list[torch.Tensor]) ->
 
 
 def _compare(got: torch.Tensor, want: torch.Tensor) -> None:
-    # one rounding of the reduced dtype apart at most (2**-8 relative for bfloat16)
+    # one rounding of the reduced dtype apart at most (2**-8 relative for bfloat16, 2**-11 float16)
     torch.testing.assert_close(got, want, rtol=2**-6, atol=2**-6)
 
 
@@ -140,8 +141,15 @@ def test_every_op_of_the_table_has_a_case():
     assert {op.aten for op in autocast_policy.POLICIES.values()} == set(CASES)
 
 
+@pytest.fixture(params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def low(request, monkeypatch):
+    """The reduced dtype of autocast and of the cases' reduced inputs."""
+    monkeypatch.setattr(sys.modules[__name__], "LOW", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("case", sorted({**CASES, **NORMALIZATIONS}))
-def test_a_map_under_autocast_gives_plain_pytorchs_dtype_and_values(case, placement):
+def test_a_map_under_autocast_gives_plain_pytorchs_dtype_and_values(case, low, placement):
     _check_case(case)
 
 
