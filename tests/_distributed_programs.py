@@ -727,12 +727,16 @@ def metrics_loss(out, y):
     return torch.nn.functional.cross_entropy(out, y), {"accuracy": (out.argmax(-1) == y).float().mean()}
 
 
-def train_with_spare(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, steps: int = 3) -> dict:
-    """data_parallel_step with AdamW (weight decay) and metrics; what the model holds after."""
+def train_with_spare(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int, steps: int = 3, clipped: bool = False
+) -> dict:
+    """data_parallel_step with AdamW (weight decay) and metrics; what the model holds after.
+    ``clipped``: SGD with momentum and max_grad_norm=CLIP instead (a step that follows the
+    clipped gradient's size, which AdamW's normalisation would hide)."""
     from torchpmap.training import data_parallel_step, shard
 
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
-    step = data_parallel_step(model, metrics_loss, opt, has_aux=True)
+    opt = _optimizer(model, clipped)
+    step = data_parallel_step(model, metrics_loss, opt, has_aux=True, max_grad_norm=CLIP if clipped else None)
     losses, accuracies = [], []
     for _ in range(steps):
         loss, aux = step(shard((x, y), n=n))
@@ -810,10 +814,19 @@ def scenario_same_answers(rank: int, nproc: int) -> dict:
     return out
 
 
-def same_answers_reference(seed: int, n: int) -> dict:
+CLIP = 0.05  # below the gradient's norm at each of the 3 steps of the clipped scenario
+
+
+def _optimizer(model: torch.nn.Module, clipped: bool) -> torch.optim.Optimizer:
+    if clipped:
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
+
+
+def same_answers_reference(seed: int, n: int, clipped: bool = False) -> dict:
     """One process, every instance: the model of process 0's seed on the global batch."""
     x, y = same_answers_data()
-    return train_with_spare(WithSpare(seed=seed), x, y, n=n)
+    return train_with_spare(WithSpare(seed=seed), x, y, n=n, clipped=clipped)
 
 
 def _expect_failure(fn) -> dict:
@@ -873,16 +886,19 @@ def shard_map_programs(mesh, d: dict) -> dict:
     return out
 
 
-def scenario_sharded_step(rank: int, nproc: int) -> dict:
+def scenario_sharded_step(rank: int, nproc: int, clipped: bool = False) -> dict:
     """data_parallel_step(shard_params=True) across processes (ZeRO-3): models built from
     each process' own seed, AdamW, batch norm, metrics, a layer the loss never reaches;
-    the weights gathered after, and the bytes each process holds for the shards."""
+    the weights gathered after, and the bytes each process holds for the shards.
+    ``clipped``: SGD and max_grad_norm (the norm of rows held by both processes)."""
     from torchpmap.training import data_parallel_step, shard
 
     x, y = (local(t, rank, nproc) for t in same_answers_data())
     model = WithSpare(seed=100 + rank)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.5)
-    step = data_parallel_step(model, metrics_loss, opt, has_aux=True, shard_params=True)
+    opt = _optimizer(model, clipped)
+    step = data_parallel_step(
+        model, metrics_loss, opt, has_aux=True, shard_params=True, max_grad_norm=CLIP if clipped else None
+    )
     losses, accuracies = [], []
     for _ in range(3):
         loss, aux = step(shard((x, y), n=2))  # two instances per process
@@ -896,6 +912,10 @@ def scenario_sharded_step(rank: int, nproc: int) -> dict:
         "accuracies": torch.stack(accuracies),
         "bytes": sum(held.values()),
     }
+
+
+def scenario_sharded_step_clipped(rank: int, nproc: int) -> dict:
+    return scenario_sharded_step(rank, nproc, clipped=True)
 
 
 def scenario_shard_map_checkpoint(rank: int, nproc: int) -> dict:

@@ -587,6 +587,22 @@ def test_processes_give_the_answers_of_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_clipped_sharded_step_on_two_processes_clips_by_the_whole_gradients_norm(tmp_path, monkeypatch):
+    """max_grad_norm with shard_params across 2 processes: each process holds half of the
+    rows, and the norm is the whole gradient's, so the weights are one process' clipped
+    replicated step's (and not the unclipped ones)."""
+    per_rank, _ = _ranks_finished("sharded_step_clipped", 2, tmp_path, timeout=60)
+    with _on_one_device():
+        reference = progs.same_answers_reference(seed=100, n=4, clipped=True)
+        monkeypatch.setattr(progs, "CLIP", 1e9)  # the same SGD steps, never clipped
+        unclipped = progs.same_answers_reference(seed=100, n=4, clipped=True)
+    for r in range(2):
+        for k in ("state", "losses"):
+            _assert_same(f"{k} of rank {r} vs one process", per_rank[r][k], reference[k], bitwise=False)
+    assert any(not torch.allclose(reference["state"][k], unclipped["state"][k]) for k in reference["state"])
+
+
+@pytest.mark.slow
 def test_sharded_step_on_two_processes_trains_one_process_model(tmp_path):
     """data_parallel_step(shard_params=True) on 2 processes of 2 instances each: the
     weights (gathered after 3 AdamW steps), losses and metrics of the replicated step

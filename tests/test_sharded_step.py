@@ -154,6 +154,60 @@ def test_grad_scaler_in_one_process_as_the_replicated_step(placement):
     assert_same_weights(runs[1], runs[0])
 
 
+def plain_clipped_steps(model, make_opt, steps: int, max_norm: float) -> dict:
+    """Plain PyTorch: the mean of the shards' losses, backward, clip_grad_norm_, step."""
+    x, y = data()
+    opt = make_opt(model.parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.stack([F.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(N), y.chunk(N))]).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+    return weights(model)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "sharded"])
+def test_max_grad_norm_clips_as_clip_grad_norm_does(placement, sharded, jit):
+    # 0.05 is below the gradient's norm at every step here (no clipping would change nothing)
+    want = plain_clipped_steps(mlp(), OPTIMIZERS["sgd-momentum-wd"], 4, max_norm=0.05)
+    unclipped = plain_clipped_steps(mlp(), OPTIMIZERS["sgd-momentum-wd"], 4, max_norm=1e9)
+    _, got = train(mlp(), OPTIMIZERS["sgd-momentum-wd"], 4, shard_params=sharded, max_grad_norm=0.05, jit=jit)
+    assert_same_weights(got, want)
+    assert any(not torch.allclose(unclipped[k], want[k]) for k in want)
+
+
+def test_max_grad_norm_under_a_grad_scaler_clips_the_unscaled_gradient(placement):
+    runs = []
+    for sharded in (False, True):
+        model = mlp()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        x, y = data()
+        step = data_parallel_step(
+            model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), grad_scaler=scaler, max_grad_norm=0.05,
+            shard_params=sharded, devices=None if sharded else placement[:1],
+        )
+        for _ in range(3):
+            step(shard((x, y), N))
+        if sharded:
+            step.gather_params()
+        runs.append(weights(model))
+    assert_same_weights(runs[0], plain_clipped_steps(mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1), 3, 0.05))
+    assert_same_weights(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "1"])
+def test_max_grad_norm_must_be_a_positive_number(value):
+    model = mlp()
+    with pytest.raises(ValueError, match="max_grad_norm=.* must be a positive number"):
+        data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=value)
+
+
+def test_max_grad_norm_without_an_optimizer_names_clip_grad_norm_():
+    with pytest.raises(ValueError, match="clip_grad_norm_"):
+        data_parallel_step(mlp(), F.mse_loss, None, max_grad_norm=1.0)
+
+
 def tensor_bytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 

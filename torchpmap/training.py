@@ -468,6 +468,7 @@ def data_parallel_step(
     randomness: Randomness = "different",
     has_aux: bool = False,
     shard_params: AxisName | bool | None = None,
+    max_grad_norm: float | None = None,
 ) -> Callable[[PyTree], Any]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
 
@@ -581,6 +582,13 @@ def data_parallel_step(
             ``has_aux``; Flax's steps return their ``pmean``'d metrics this way).
         shard_params: ``True`` or the step's ``axis_name``: ZeRO-3 / FSDP, see below.
             None or False (the default): every instance uses the module's parameters.
+        max_grad_norm: with an optimizer, clip the averaged gradients to this global
+            L2 norm before the optimizer steps, as ``torch.nn.utils.clip_grad_norm_``
+            over every parameter does (with ``grad_scaler``, after
+            ``grad_scaler.unscale_(optimizer)``, as PyTorch's AMP recipe clips). Sharded
+            or not, the norm is that of the whole gradient (with ``shard_params``, the
+            rows' squared norms are summed over every instance, across devices and
+            processes). Without an optimizer, clip ``p.grad`` yourself.
 
     **Sharded parameters** (``shard_params=True``): every parameter that requires grad
     is flattened, zero-padded to ``N * s`` elements (``s = ceil(numel / N)``, ``N`` the
@@ -608,10 +616,9 @@ def data_parallel_step(
       rows: exactly ``SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``Adadelta``, ``Adamax``,
       ``ASGD``, ``NAdam``, ``RAdam``, ``RMSprop`` and ``Rprop``; any other (``LBFGS``, a
       subclass) is refused with a ``TypeError``;
-    * an optimizer is required (the step applies the split gradients itself), so the
-      step does no gradient clipping (there is none in the replicated step either; clip
-      with ``optimizer=None`` and no ``shard_params``); ``grad_scaler`` across processes
-      is refused, and every batch must have the first call's number of instances.
+    * an optimizer is required (the step applies the split gradients itself); clip
+      with ``max_grad_norm``; ``grad_scaler`` across processes is refused, and every
+      batch must have the first call's number of instances.
 
     Example:
         >>> import torch
@@ -649,6 +656,7 @@ def data_parallel_step(
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
     sharded_axis = _sharded_axis(shard_params, axis_name, optimizer)
+    _check_max_grad_norm(max_grad_norm, optimizer)
 
     stateful = recurrent.modules_needing_state(model)
 
@@ -802,7 +810,7 @@ def data_parallel_step(
         return ShardedStep(
             model, optimizer, grad_scaler, run_model=run_model, prepare=prepare, start=start,
             write_buffers=write_buffers, split_buffers=lambda: _split_buffers(model), axis_name=sharded_axis,
-            devices=devices, jit=jit, randomness=randomness, has_aux=has_aux,
+            devices=devices, jit=jit, randomness=randomness, has_aux=has_aux, max_grad_norm=max_grad_norm,
         )
 
     def step(batch: PyTree) -> Any:
@@ -830,6 +838,10 @@ def data_parallel_step(
                 else:
                     named[k].grad = g
             write_buffers(buffer_change, counters, floating)
+        if optimizer is not None and max_grad_norm is not None:
+            if grad_scaler is not None:
+                grad_scaler.unscale_(optimizer)  # clip the true gradients (PyTorch's AMP recipe)
+            torch.nn.utils.clip_grad_norm_([named[k] for k in params], max_grad_norm)
         if optimizer is not None and grad_scaler is not None:
             grad_scaler.step(optimizer)
             grad_scaler.update()
@@ -863,6 +875,24 @@ def _sharded_axis(
         )
     check_elementwise(optimizer, f"data_parallel_step(shard_params={shard_params!r})")
     return axis_name
+
+
+def _check_max_grad_norm(max_grad_norm: float | None, optimizer: torch.optim.Optimizer | None) -> None:
+    """Raises unless ``max_grad_norm`` is None, or a positive number with an optimizer."""
+    if max_grad_norm is None:
+        return
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0:
+        raise ValueError(
+            f"data_parallel_step: max_grad_norm={max_grad_norm!r} must be a positive number (the largest L2 norm "
+            "of the whole gradient, e.g. 1.0), or None for no clipping"
+        )
+    if optimizer is None:
+        raise ValueError(
+            f"data_parallel_step: max_grad_norm={max_grad_norm!r} clips the gradients before the optimizer steps, "
+            "but optimizer=None: the step only adds the gradients into p.grad. Clip them yourself "
+            "(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) before your optimizer.step(), or pass "
+            "the optimizer."
+        )
 
 
 def _check_optimizer_holds_the_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.func import grad_and_value
 
-from torchpmap._collectives.public import all_gather, pmean
+from torchpmap._collectives.public import all_gather, pmean, psum
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.reached import reached
 from torchpmap._frontend.sharded_params import ShardedParams
@@ -48,14 +48,16 @@ Tensors = dict[str, torch.Tensor]
 #: (loss, aux, the buffers after the forward)`` (``data_parallel_step``'s ``run_model``).
 RunModel = Callable[[Tensors, Tensors, Tensors, Tensors, Any], tuple[torch.Tensor, PyTree, Tensors]]
 
-#: The step's result for the gradients, loss, buffer changes, counters and aux.
-StepOut = tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]
+#: The step's result for the gradients, loss, buffer changes, counters, aux, and the
+#: squared L2 norm of the whole averaged gradient (None unless the step clips).
+StepOut = tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree, torch.Tensor | None]
 
 
 def sharded_instance_step(
-    run_model: RunModel, params: ShardedParams, axis_name: Hashable, has_aux: bool
+    run_model: RunModel, params: ShardedParams, axis_name: Hashable, has_aux: bool, clips: bool = False
 ) -> Callable[..., StepOut]:
-    """One instance's step on its rows: gather, loss, gradient of the rows, means."""
+    """One instance's step on its rows: gather, loss, gradient of the rows, means (and,
+    when the step ``clips``, the psum over the instances of its rows' squared norms)."""
     layouts = params.layouts
 
     def instance_step(
@@ -79,7 +81,11 @@ def sharded_instance_step(
             loss, buffer_change, aux = pmean((loss, buffer_change, aux), axis_name)
         else:
             loss, buffer_change = pmean((loss, buffer_change), axis_name)
-        return grads, loss, buffer_change, counters, aux
+        squared_norm = None
+        if clips:  # the rows partition the gradient (the padding is zero): their squares sum to its norm's
+            mine = sum((g.float().pow(2).sum() for g in grads.values()), torch.zeros((), device=loss.device))
+            squared_norm = psum(mine, axis_name)
+        return grads, loss, buffer_change, counters, aux, squared_norm
 
     return instance_step
 
@@ -110,8 +116,10 @@ class ShardedStep:
         jit: bool | Mapping[str, Any],
         randomness: Randomness,
         has_aux: bool,
+        max_grad_norm: float | None = None,
     ) -> None:
         self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
+        self.max_grad_norm = max_grad_norm
         self._run_model, self._prepare, self._start = run_model, prepare, start
         self._write_buffers, self._split_buffers = write_buffers, split_buffers
         self.axis_name, self._devices, self._jit, self._randomness = axis_name, devices, jit, randomness
@@ -127,10 +135,12 @@ class ShardedStep:
         params = self._params(n)
         if self._step is None:
             self._step = pmap(
-                sharded_instance_step(self._run_model, params, self.axis_name, self.has_aux),
+                sharded_instance_step(
+                    self._run_model, params, self.axis_name, self.has_aux, clips=self.max_grad_norm is not None
+                ),
                 axis_name=self.axis_name,
                 in_axes=(0, None, 0, None, 0, None),
-                out_axes=(0, None, None, None, None),
+                out_axes=(0, None, None, None, None, None),
                 devices=self._devices,
                 jit=self._jit,
                 randomness=self._randomness,
@@ -143,12 +153,14 @@ class ShardedStep:
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             device = next(iter(params.pieces.values()))[0].tensor.device
             scale = self.grad_scaler.scale(torch.ones((), device=device))
-        grads, loss, buffer_change, counters, aux = self._step(
+        grads, loss, buffer_change, counters, aux, squared_norm = self._step(
             params.values(), frozen, per_instance, other, batch, scale
         )
         with torch.no_grad():
             params.set_grads(grads)
             self._write_buffers(buffer_change, counters, floating)
+        if squared_norm is not None:
+            self._clip(params, squared_norm, scale)
         if self.grad_scaler is not None:
             self.grad_scaler.step(self.optimizer)
             self.grad_scaler.update()
@@ -157,6 +169,22 @@ class ShardedStep:
         if self.has_aux:
             return loss.detach(), pytree.tree_map(lambda a: a.detach(), aux)
         return loss.detach()
+
+    def _clip(self, params: ShardedParams, squared_norm: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """``torch.nn.utils.clip_grad_norm_``'s update on the rows: each row's gradient
+        times ``min(1, max_norm / (norm + 1e-6))``, with the norm of the whole gradient
+        (summed over every instance inside the step), unscaled first under a GradScaler."""
+        assert self.max_grad_norm is not None
+        norm = squared_norm.sqrt()
+        if scale is not None and self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.optimizer)  # the rows' gradients, as PyTorch's AMP recipe clips
+            norm = norm / scale.to(norm.device)
+        factor = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        with torch.no_grad():
+            for shards in params.pieces.values():
+                for piece in shards:
+                    if piece.tensor.grad is not None:
+                        piece.tensor.grad.mul_(factor.to(piece.tensor.grad.device, piece.tensor.grad.dtype))
 
     def _params(self, n: int) -> ShardedParams:
         """The shards: made at the first call (from the module's values, after process
