@@ -40,7 +40,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -55,6 +55,9 @@ from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.log import logger
 from torchpmap._state.torch_private import TorchDispatchMode
+
+if TYPE_CHECKING:  # compiled_devices imports this module
+    from torchpmap._engines.compiled_devices import DeviceSlicePrograms
 
 # Fake-tensor traces in threads that exit crashed torch 2.11 later: register what the
 # first trace would, from the importing thread (see the entry's docstring).
@@ -162,7 +165,7 @@ class ProgramCache:
         self._warned = False
         # several devices in one process: (signature, devices) -> the compiled device slices
         # (see torchpmap._engines.compiled_devices); None: that signature runs eagerly
-        self.device_slices: dict[Hashable, Any] = {}
+        self.device_slices: dict[Hashable, DeviceSlicePrograms | None] = {}
 
     def __len__(self) -> int:
         return len(self._programs)

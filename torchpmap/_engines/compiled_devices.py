@@ -70,7 +70,7 @@ class _SliceProgram:
 
 
 @dataclasses.dataclass
-class _Programs:
+class DeviceSlicePrograms:
     """The compiled slices of one signature, one per device, and what ``body`` recorded."""
 
     slices: list[_SliceProgram]
@@ -91,7 +91,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     programs = cache.get(key, _UNTRACED)
     if programs is None:
         return multi_device.run(call)
-    if isinstance(programs, _Programs):
+    if isinstance(programs, DeviceSlicePrograms):
         call.output_layout.copy_from(programs.output_layout)  # body does not run
         return _run_slices(call, devices, programs)
     try:
@@ -113,16 +113,16 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 _UNTRACED: Any = object()  # a signature not seen yet
 
 
-def _slices_of(call: MappedCall) -> dict[Hashable, Any]:
+def _slices_of(call: MappedCall) -> dict[Hashable, DeviceSlicePrograms | None]:
     """The device slices that ``call``'s function keeps, by (signature, devices): a
-    :class:`_Programs`, or None for a signature that runs eagerly."""
+    :class:`DeviceSlicePrograms`, or None for a signature that runs eagerly."""
     cache = call.programs
     if not isinstance(cache, ProgramCache):
         raise TypeError(f"torchpmap: internal error: jit=True's programs are a {type(cache).__name__}")
     return cache.device_slices
 
 
-def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> _Programs:
+def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePrograms:
     """Every device thread traces its slice (no thread waits for another: see
     :mod:`thread_ops`); each trace is cut at its exchanges, to be compiled at its first run."""
     k = call.size // len(devices)
@@ -151,7 +151,7 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> _Programs:
 
     run_threads([functools.partial(trace_one, d) for d in range(len(devices))], rendezvous, devices, k)
     logger.info("pmap(jit=True) over axis %r: traced %d device slices", call.axis_name, len(slices))
-    return _Programs([slices[d] for d in range(len(devices))], dataclasses.replace(call.output_layout))
+    return DeviceSlicePrograms([slices[d] for d in range(len(devices))], dataclasses.replace(call.output_layout))
 
 
 def _cache_options(call: MappedCall) -> dict[str, Any]:
@@ -186,7 +186,7 @@ def _check_compilable(graph: torch.fx.GraphModule) -> None:
             )
 
 
-def _run_slices(call: MappedCall, devices: Sequence[Device], programs: _Programs) -> list[torch.Tensor]:
+def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms) -> list[torch.Tensor]:
     """Each device thread runs its compiled slice; the exchanges meet at one rendezvous."""
     k = call.size // len(devices)
     rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
