@@ -220,3 +220,47 @@ def test_a_compiled_map_casts_as_plain_pytorch(case, placement):
         compiled = torch.as_tensor(tp.pmap(f, jit=True)(*inputs))
     assert compiled.dtype == want.dtype
     _compare(compiled.cpu(), want.cpu())
+
+
+def _inside(f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def with_autocast_inside(*args: torch.Tensor) -> torch.Tensor:
+        with _autocast():
+            return f(*args)
+
+    return with_autocast_inside
+
+
+@pytest.mark.parametrize("case", ["aten::linear", "aten::conv2d", "aten::cross_entropy_loss", "batch_norm"])
+def test_autocast_entered_inside_the_mapped_function_casts_as_plain_pytorch(case, placement):
+    f, inputs = {**CASES, **NORMALIZATIONS}[case]()
+    want = _per_instance(f, inputs)
+    got = torch.as_tensor(tp.pmap(_inside(f))(*inputs))
+    assert got.dtype == want.dtype, f"{case}: {got.dtype} under the map, {want.dtype} in plain PyTorch"
+    _compare(got.cpu(), want.cpu())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tp.JitFallbackWarning)
+        compiled = torch.as_tensor(tp.pmap(_inside(f), jit=True)(*inputs))
+    assert compiled.dtype == want.dtype
+
+
+def test_autocast_switched_off_inside_a_map_under_autocast_is_off():
+    f, inputs = CASES["aten::linear"]()
+
+    def off_inside(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(here().type, enabled=False):
+            return f(x)
+
+    with _autocast():
+        got = torch.as_tensor(tp.pmap(off_inside)(*inputs))
+    assert got.dtype == torch.float32
+
+
+def test_an_autocast_decorator_reentered_by_every_instance():
+    f, inputs = CASES["aten::linear"]()
+    decorated = torch.autocast(here().type, dtype=LOW)(f)  # one autocast object, entered at every call
+    want = _per_instance(f, inputs)
+    with tp.disable_vectorization():
+        looped = torch.as_tensor(tp.pmap(decorated)(*inputs))
+    got = torch.as_tensor(tp.pmap(decorated)(*inputs))
+    assert got.dtype == looped.dtype == want.dtype
+    _compare(got, want)

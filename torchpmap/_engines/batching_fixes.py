@@ -12,19 +12,26 @@
    rounded back to the input's dtype at the end.
 
 A torch function mode makes both corrections; it is only pushed under autocast, so other
-calls pay nothing for it.
+calls pay nothing for it: by the dispatcher when a map starts under autocast
+(:func:`needed`, :func:`fixed`), and, for autocast entered *inside* a mapped function, by
+``torch.autocast`` itself: :func:`install` makes its ``__enter__`` push the mode (and its
+``__exit__`` pop it) when a vmap level of torchpmap's is open in the thread, and only
+then (outside maps, and in a user's own ``torch.func.vmap``, autocast is torch's). The
+check costs one thread-local read per ``torch.autocast`` entered.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from torchpmap._engines import autocast_policy
+from torchpmap._engines import autocast_policy, batching_rules
 from torchpmap._state import context as _context
 
 _REDUCED = (torch.bfloat16, torch.float16)
@@ -51,3 +58,45 @@ def needed() -> bool:
 def fixed() -> contextlib.AbstractContextManager[Any]:
     """The corrections above, in force for a block (enter it only when :func:`needed`)."""
     return _MixedPrecision()
+
+
+_installed = False
+
+
+def install() -> None:
+    """Makes ``torch.autocast`` entered inside one of torchpmap's maps push the
+    corrections' mode for its block (see the module docstring). Idempotent."""
+    global _installed
+    if _installed:
+        return
+    autocast = torch.amp.autocast_mode.autocast
+    autocast.__enter__ = _entering(autocast.__enter__)  # type: ignore[method-assign]
+    autocast.__exit__ = _exiting(autocast.__exit__)  # type: ignore[method-assign]
+    _installed = True
+
+
+def _entering(enter: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    @functools.wraps(enter)
+    def __enter__(self: Any) -> Any:
+        result = enter(self)
+        if getattr(self, "_enabled", False) and batching_rules.torchpmap_levels():
+            mode = _MixedPrecision()
+            mode.__enter__()
+            self.__dict__.setdefault("_torchpmap_modes", []).append(mode)
+        else:
+            self.__dict__.setdefault("_torchpmap_modes", []).append(None)
+        return result
+
+    return __enter__
+
+
+def _exiting(exit_: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(exit_)
+    def __exit__(self: Any, *exc: Any) -> Any:
+        modes = self.__dict__.get("_torchpmap_modes")
+        mode = modes.pop() if modes else None
+        if mode is not None:
+            mode.__exit__(*exc)
+        return exit_(self, *exc)
+
+    return __exit__

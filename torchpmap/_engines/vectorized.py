@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import torch
 
-from torchpmap._engines import batching_rules
+from torchpmap._engines import batching_fixes, batching_rules
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_instance import InstanceStreams
 from torchpmap._engines.random_per_thread import call_seed
@@ -209,6 +209,7 @@ def _vmap_flat(
     if not _decompositions_loaded:
         private.ensure_vmap_decompositions()
         batching_rules.install()
+        batching_fixes.install()  # autocast entered inside a mapped function
         _decompositions_loaded = True
     previous_message = private.saved_tensors_hooks_disabled_message()
     try:
