@@ -19,6 +19,7 @@ from torch.func import grad
 
 import torchpmap as tp
 from torchpmap import P
+from torchpmap._frontend.shard_map import first_axis_devices
 from torchpmap._placement import devices as _devices
 
 jax = pytest.importorskip("jax")
@@ -262,6 +263,46 @@ def test_jit_compiles_the_program(cpu_devices, n_devices):
         warnings.simplefilter("error", tp.JitFallbackWarning)
         out = f(x, w)
     torch.testing.assert_close(torch.as_tensor(out), x @ w, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- results on their devices
+
+
+@pytest.mark.parametrize("n_devices", [2, 8])
+@pytest.mark.parametrize(
+    "out_spec, split_dim",
+    [(P("batch", "model"), 0), (P(("batch", "model")), 0), (P(None, "batch"), 1), (P(("model", "batch")), None),
+     (P("model", None), None)],
+    ids=["batch-model", "batch-major", "dim-1", "model-major", "no-batch"],
+)
+def test_results_stay_on_the_first_axis_devices_where_the_spec_keeps_their_blocks_together(
+    cpu_devices, n_devices, out_spec, split_dim
+):
+    """Each device's blocks are consecutive along the dim that the first mesh axis
+    (major) splits: the result is a ShardedTensor split there, on those devices, equal
+    to one device's result, differentiable; otherwise (another axis major, or the first
+    axis not named) it is gathered."""
+    x = torch.arange(32.0).reshape(8, 4)
+    spec = P(*out_spec) if len(out_spec) == 2 else P(out_spec[0], None)
+
+    def program(x):  # varies along the axes its spec names (and only those)
+        return x * 2 + sum(10.0**k * tp.axis_index(a) for k, a in enumerate(spec.axes()))
+
+    cpu_devices(1)
+    one = torch.as_tensor(tp.shard_map(program, mesh=tp.make_mesh(SHAPE, NAMES), in_specs=spec, out_specs=spec)(x))
+    cpu_devices(n_devices)
+    mesh = tp.make_mesh(SHAPE, NAMES)
+    f = tp.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
+    leaf = x.clone().requires_grad_()
+    got = f(leaf)
+    if split_dim is None:
+        assert not isinstance(got, tp.ShardedTensor)
+    else:
+        assert isinstance(got, tp.ShardedTensor) and got.shard_dim == split_dim
+        assert got.devices() == list(first_axis_devices(mesh))
+    torch.testing.assert_close(torch.as_tensor(got).detach().cpu(), one, rtol=0, atol=0)
+    (got * torch.arange(32.0).reshape(8, 4)).sum().backward()
+    torch.testing.assert_close(leaf.grad, 2 * torch.arange(32.0).reshape(8, 4))
 
 
 # --------------------------------------------------------------------------- check_vma

@@ -40,7 +40,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -55,9 +55,6 @@ from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.log import logger
 from torchpmap._state.torch_private import TorchDispatchMode
-
-if TYPE_CHECKING:  # compiled_devices imports this module
-    from torchpmap._engines.compiled_devices import DeviceSlicePrograms
 
 # Fake-tensor traces in threads that exit crashed torch 2.11 later: register what the
 # first trace would, from the importing thread (see the entry's docstring).
@@ -147,6 +144,14 @@ def _innermost(signature: Hashable) -> Hashable:
     return signature
 
 
+class DeviceSlices(Protocol):
+    """What :class:`ProgramCache` keeps for a signature compiled across the devices of one
+    process: :class:`torchpmap._engines.compiled_devices.DeviceSlicePrograms` (which
+    imports this module, so the cache names it by what it reads)."""
+
+    output_layout: OutputLayout
+
+
 class ProgramCache:
     """The compiled programs of one mapped function, by input signature.
 
@@ -165,7 +170,7 @@ class ProgramCache:
         self._warned = False
         # several devices in one process: (signature, devices) -> the compiled device slices
         # (see torchpmap._engines.compiled_devices); None: that signature runs eagerly
-        self.device_slices: dict[Hashable, DeviceSlicePrograms | None] = {}
+        self.device_slices: dict[Hashable, DeviceSlices | None] = {}
 
     def __len__(self) -> int:
         return len(self._programs)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from torchpmap._engines import graph_rewrites, multi_device, segments, thread_ops, vectorized
-from torchpmap._engines.compiled import TRACING, ProgramCache, distinct, graph_inputs, trace_graph
+from torchpmap._engines.compiled import TRACING, DeviceSlices, ProgramCache, distinct, graph_inputs, trace_graph
 from torchpmap._engines.engine_warnings import JitFallbackWarning
 from torchpmap._engines.mapped_call import MappedCall, OutputLayout
 from torchpmap._engines.multi_device import check_outputs_agree, device_thread, run_threads, runs_directly
@@ -113,7 +113,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 _UNTRACED: Any = object()  # a signature not seen yet
 
 
-def _slices_of(call: MappedCall) -> dict[Hashable, DeviceSlicePrograms | None]:
+def _slices_of(call: MappedCall) -> dict[Hashable, DeviceSlices | None]:
     """The device slices that ``call``'s function keeps, by (signature, devices): a
     :class:`DeviceSlicePrograms`, or None for a signature that runs eagerly."""
     cache = call.programs

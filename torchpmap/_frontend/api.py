@@ -209,7 +209,10 @@ def shard_map(
     ``fun`` sees its blocks with their rank kept (an ``(8, 4)`` tensor split 4 ways is a
     ``(2, 4)`` block) and calls collectives by mesh axis name. Its results are put
     together by ``out_specs``: blocks are concatenated along the dims a spec names; an
-    axis a spec leaves out means the result is the same on every position along it.
+    axis a spec leaves out means the result is the same on every position along it. In
+    one process, a result whose spec splits a dim over the first mesh axis (its major
+    axis there) stays on that axis' devices, a :class:`~torchpmap.ShardedTensor`; other
+    results are gathered on the first device.
 
     Args:
         fun: a function of the blocks (of each positional argument's leaves).

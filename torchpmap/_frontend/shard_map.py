@@ -314,14 +314,38 @@ class ShardMapped:
                 "a spec has at most one entry per dim"
             )
         order: list[int] = []
-        merged: list[int] = []
+        for d in range(rank):
+            order += [named.index(a) for a in spec.axes_of(d)] + [len(named) + d]
+
+        def merge(blocks: torch.Tensor) -> torch.Tensor:
+            sizes = [
+                blocks.shape[len(named) + d] * math.prod(blocks.shape[named.index(a)] for a in spec.axes_of(d))
+                for d in range(rank)
+            ]
+            return blocks.permute(order).reshape(sizes)
+
+        split = self._stays_split(x, spec, named, rank)
+        if split is not None:  # each device's blocks are consecutive along `split`: they stay there
+            return x.map_shards(merge, split)
+        return merge(torch.as_tensor(x))
+
+    def _stays_split(self, x: Any, spec: PartitionSpec, named: list[Hashable], rank: int) -> int | None:
+        """The output dim along which ``x``'s devices' blocks lie one after another (so the
+        result can stay split over them as they are), or None (it is gathered).
+
+        ``x`` is split over the devices along its first stacked dim, the first mesh axis
+        (consecutive positions per device). Its blocks stay where they are when that axis
+        is the major axis of the output dim it is merged into (``P('data')``,
+        ``P(('data', 'model'))``); under ``P(('model', 'data'))`` a device's blocks
+        interleave with the others' along the dim, and the result is gathered."""
+        first = self.opts.mesh.axis_names[0]
+        if not isinstance(x, ShardedTensor) or x.shard_dim != 0 or not named or named[0] != first:
+            return None
         for d in range(rank):
             axes = spec.axes_of(d)
-            order += [named.index(a) for a in axes] + [len(named) + d]
-            merged.append(x.shape[len(named) + d] * math.prod(x.shape[named.index(a)] for a in axes))
-        if isinstance(x, ShardedTensor):
-            x = torch.as_tensor(x)
-        return x.permute(order).reshape(merged)
+            if first in axes:
+                return d if axes[0] == first else None
+        return None
 
 
 def first_axis_devices(mesh: AnyMesh) -> tuple[Any, ...]:

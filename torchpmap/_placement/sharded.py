@@ -145,19 +145,19 @@ class ShardedTensor(torch.Tensor):
         """Like ``torch.movedim``: moves dims of every shard, keeping the sharding."""
         order = list(range(self.dim()))
         order.insert(destination % self.dim(), order.pop(source % self.dim()))
-        return self._per_shard(lambda t: t.movedim(source, destination), order.index(self.shard_dim))
+        return self.map_shards(lambda t: t.movedim(source, destination), order.index(self.shard_dim))
 
     def unsqueeze(self, dim: int) -> ShardedTensor:
         """Like ``torch.unsqueeze``, keeping the sharding (no data moves)."""
         dim = dim % (self.dim() + 1)
-        return self._per_shard(lambda t: t.unsqueeze(dim), self.shard_dim + (dim <= self.shard_dim))
+        return self.map_shards(lambda t: t.unsqueeze(dim), self.shard_dim + (dim <= self.shard_dim))
 
     def select(self, dim: int, index: int) -> Any:  # type: ignore[override]
         """Like ``torch.select``; along another dim than the sharded one, no data moves."""
         dim = dim % self.dim()
         if dim == self.shard_dim:
             return self[(slice(None),) * dim + (index,)]
-        return self._per_shard(lambda t: t.select(dim, index), self.shard_dim - (dim < self.shard_dim))
+        return self.map_shards(lambda t: t.select(dim, index), self.shard_dim - (dim < self.shard_dim))
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         first = index[0] if isinstance(index, tuple) and index else index
@@ -184,7 +184,11 @@ class ShardedTensor(torch.Tensor):
     def __iter__(self) -> Any:
         return (self[i] for i in range(len(self)))
 
-    def _per_shard(self, view: Callable[[torch.Tensor], torch.Tensor], dim: int) -> ShardedTensor:
+    def map_shards(self, view: Callable[[torch.Tensor], torch.Tensor], dim: int) -> ShardedTensor:
+        """``view`` of every shard, on its own device, as a ShardedTensor split along
+        ``dim`` (the caller says where the split lands): differentiable, no gather. For
+        ops that act on each shard's rows alone (a permutation of the other dims, a
+        reshape merging the split dim with dims after it)."""
         return ShardedTensor([(s.device, view(p)) for s, p in zip(self.shards, _pieces(self))], dim)
 
     # ------------------------------------------------------------------ Python protocols
