@@ -136,22 +136,28 @@ def test_module_is_emptied_and_gather_params_writes_back_values_the_next_step_ta
     assert not torch.equal(model[2].bias, torch.zeros(3))
 
 
-def test_grad_scaler_in_one_process_as_the_replicated_step(placement):
+def scaled_runs(placement, make_opt, **kw) -> list[dict]:
+    """The weights after 3 steps under a GradScaler: replicated on one device, then sharded."""
     runs = []
     for sharded in (False, True):
         model = mlp()
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         x, y = data()
         step = data_parallel_step(
-            model, F.mse_loss, torch.optim.Adam(model.parameters(), lr=0.01), grad_scaler=scaler,
-            shard_params=sharded, devices=None if sharded else placement[:1],
+            model, F.mse_loss, make_opt(model.parameters()), grad_scaler=scaler, shard_params=sharded,
+            devices=None if sharded else placement[:1], **kw,
         )
         for _ in range(3):
             step(shard((x, y), N))
         if sharded:
             step.gather_params()
         runs.append(weights(model))
-    assert_same_weights(runs[1], runs[0])
+    return runs
+
+
+def test_grad_scaler_in_one_process_as_the_replicated_step(placement):
+    replicated, sharded = scaled_runs(placement, lambda ps: torch.optim.Adam(ps, lr=0.01))
+    assert_same_weights(sharded, replicated)
 
 
 def plain_clipped_steps(model, make_opt, steps: int, max_norm: float) -> dict:
@@ -178,22 +184,10 @@ def test_max_grad_norm_clips_as_clip_grad_norm_does(placement, sharded, jit):
 
 
 def test_max_grad_norm_under_a_grad_scaler_clips_the_unscaled_gradient(placement):
-    runs = []
-    for sharded in (False, True):
-        model = mlp()
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        x, y = data()
-        step = data_parallel_step(
-            model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), grad_scaler=scaler, max_grad_norm=0.05,
-            shard_params=sharded, devices=None if sharded else placement[:1],
-        )
-        for _ in range(3):
-            step(shard((x, y), N))
-        if sharded:
-            step.gather_params()
-        runs.append(weights(model))
-    assert_same_weights(runs[0], plain_clipped_steps(mlp(), lambda ps: torch.optim.SGD(ps, lr=0.1), 3, 0.05))
-    assert_same_weights(runs[1], runs[0])
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    replicated, sharded = scaled_runs(placement, sgd, max_grad_norm=0.05)
+    assert_same_weights(replicated, plain_clipped_steps(mlp(), sgd, 3, 0.05))
+    assert_same_weights(sharded, replicated)
 
 
 @pytest.mark.parametrize("value", [0, -1.0, True, "1"])
