@@ -79,12 +79,10 @@ def _entering(enter: Callable[[Any], Any]) -> Callable[[Any], Any]:
     @functools.wraps(enter)
     def __enter__(self: Any) -> Any:
         result = enter(self)
-        if getattr(self, "_enabled", False) and batching_rules.torchpmap_levels():
-            mode = _MixedPrecision()
+        mode = _MixedPrecision() if getattr(self, "_enabled", False) and batching_rules.torchpmap_levels() else None
+        if mode is not None:
             mode.__enter__()
-            self.__dict__.setdefault("_torchpmap_modes", []).append(mode)
-        else:
-            self.__dict__.setdefault("_torchpmap_modes", []).append(None)
+        self.__dict__.setdefault("_torchpmap_modes", []).append(mode)  # None too: __exit__ pops one per __enter__
         return result
 
     return __enter__
