@@ -7,11 +7,15 @@ import sys
 from collections.abc import Callable, Mapping
 
 #: Test files run with CUDA as the device (the issue's list: equivalence, API, sharded, multi-device; then
-#: what was added on the CPU since the last GPU session: the RNN and value-read rules, the sharded step).
+#: what was added on the CPU since the last GPU session: the sharded step, autocast under the map, shard_map).
 TEST_FILES = (
     "tests/test_device_equivalence.py", "tests/test_api.py", "tests/test_sharded.py", "tests/test_multi_device.py",
-    "tests/test_recurrent_rules.py", "tests/test_sharded_step.py", "tests/test_autocast_policy.py",
+    "tests/test_sharded_step.py", "tests/test_autocast_policy.py", "tests/test_shard_map.py",
 )
+#: The RNN and value-read rules' tests, a part of their own: their compiled steps unroll the
+#: sequence, and Triton compiles them for minutes on an H200 (196 s of the 286 s that all the
+#: test files took in one part).
+RNN_TEST_FILES = ("tests/test_recurrent_rules.py",)
 #: Test files that run on CUDA and CPU devices together.
 MIXED_TEST_FILES = ("tests/test_api.py", "tests/test_multi_device.py")
 
@@ -67,6 +71,24 @@ def _tests_env(ctx: Context) -> Mapping[str, str | None]:
 
 
 PARTS: list[Part] = [
+    Part(
+        "tests-rnn",
+        "RNN-rule tests (GRU, LSTM, RNN; value reads; Hugging Face padding masks), CUDA as the device",
+        _pytest(RNN_TEST_FILES, "tests-rnn.xml",
+                ("tests/test_recurrent_rules.py::test_weights_per_instance_run_one_call_each",)),
+        env=_tests_env,
+        timeout=300,
+        junit="tests-rnn.xml",
+    ),
+    Part(
+        "tests",
+        "device-equivalence, API, sharded, multi-device, sharded-step, autocast and shard_map tests, "
+        "CUDA as the device",
+        _pytest(TEST_FILES, "tests.xml", ("tests/test_sharded.py",)),
+        env=_tests_env,
+        timeout=240,
+        junit="tests.xml",
+    ),
     Part("host-sync", "no host synchronisation in a warmed step: one device, gloo (2 processes), NCCL",
          _program("host_sync"), cuda_only=True, timeout=300),
     Part("step", "data_parallel_step against plain PyTorch: eager, compiled, bf16, fp16 + GradScaler",
@@ -74,14 +96,6 @@ PARTS: list[Part] = [
     Part("jit", "pmap(jit=True) against eager: values and gradients", _program("jit_check"), timeout=240),
     Part("attention", "scaled_dot_product_attention under the map on each kernel, gradients outside and inside",
          _program("attention_check"), timeout=240),
-    Part(
-        "tests",
-        "device-equivalence, API, sharded, multi-device, RNN-rule, sharded-step and autocast tests, CUDA as the device",
-        _pytest(TEST_FILES, "tests.xml", ("tests/test_sharded.py",)),
-        env=_tests_env,
-        timeout=240,
-        junit="tests.xml",
-    ),
     Part(
         "tests-mixed",
         "API and multi-device tests on CUDA and CPU devices together (cuda:0 and 3 CPU devices)",
