@@ -10,6 +10,7 @@ agree; so must the placements.
 from __future__ import annotations
 
 import functools
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -303,6 +304,66 @@ def test_results_stay_on_the_first_axis_devices_where_the_spec_keeps_their_block
     torch.testing.assert_close(torch.as_tensor(got).detach().cpu(), one, rtol=0, atol=0)
     (got * torch.arange(32.0).reshape(8, 4)).sum().backward()
     torch.testing.assert_close(leaf.grad, 2 * torch.arange(32.0).reshape(8, 4))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("n_devices", [2, 8])
+def test_a_result_that_stays_on_its_devices_is_taken_there_by_the_next_shard_map(
+    cpu_devices, monkeypatch, n_devices, jit
+):
+    """Layer by layer: a ShardedTensor that one shard_map left on the first axis' devices
+    goes into the next one where it is (no shard is copied to another device), with one
+    device's values and gradients; one split elsewhere is gathered and split again."""
+    from torchpmap._placement import sharded
+
+    x, w1, w2 = torch.randn(8, 6), torch.randn(6, 4), torch.randn(4, 3)
+
+    def network(mesh, x, w1, w2, middle, jit=False):
+        first = tp.shard_map(
+            lambda x, w: torch.tanh(x @ w), mesh=mesh, in_specs=(P("batch"), P()), out_specs=middle, jit=jit
+        )
+        second = tp.shard_map(
+            lambda h, w: tp.psum(h @ w - h.sum(), "model"), mesh=mesh, in_specs=(P(("batch", "model")), P()),
+            out_specs=P("batch"), jit=jit,
+        )
+        h = first(x, w1)
+        return h, second(h, w2)
+
+    # P(('model', 'batch')) interleaves the devices' blocks: that result is gathered, and split again
+    middles = {"stays": P("batch"), "gathered": P(("model", "batch"))}
+    cpu_devices(1)
+    want = {}
+    for name, middle in middles.items():
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        out = torch.as_tensor(network(tp.make_mesh(SHAPE, NAMES), *leaves, middle)[1])
+        out.sum().backward()
+        want[name] = out.detach(), [t.grad for t in leaves]
+
+    cpu_devices(n_devices)
+    mesh = tp.make_mesh(SHAPE, NAMES)
+    gathers = []
+    concatenated = sharded._concatenated
+    monkeypatch.setattr(sharded, "_concatenated", lambda st, device: gathers.append(device) or concatenated(st, device))
+    for name, middle in middles.items():
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        gathers.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tp.JitFallbackWarning)
+            h, got = network(mesh, *leaves, middle, jit)
+        assert isinstance(h, tp.ShardedTensor) == (name == "stays")
+        assert isinstance(got, tp.ShardedTensor) and got.devices() == list(first_axis_devices(mesh))
+        assert (gathers == []) == (name == "stays"), gathers
+        torch.testing.assert_close(torch.as_tensor(got).detach().cpu(), want[name][0], rtol=1e-6, atol=1e-6)
+        arrived = []
+        h.register_hook(arrived.append)
+        loss = got.sum()  # an op on the whole value: it gathers, as any torch op on a ShardedTensor
+        gathers.clear()
+        loss.backward()
+        if name == "stays":  # the gradient of a result left on its devices stays on them too
+            assert isinstance(arrived[0], tp.ShardedTensor) and arrived[0].devices() == h.devices()
+            assert gathers == [], gathers
+        for leaf, grad_one in zip(leaves, want[name][1]):
+            torch.testing.assert_close(leaf.grad, grad_one, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- check_vma

@@ -208,8 +208,6 @@ class ShardMapped:
             if spec is not None and isinstance(leaf, (torch.Tensor, ShardedTensor)) and len(spec) > leaf.dim():
                 raise self._rank_error(spec, leaf, label)
             return _Blocked(leaf, frozenset(), label)
-        if isinstance(leaf, ShardedTensor):
-            leaf = torch.as_tensor(leaf)
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"shard_map: {label} is {type(leaf).__name__}, not a tensor, but its in_spec {spec!r} splits it over "
@@ -229,8 +227,39 @@ class ShardMapped:
             block_dims.append(len(shape))
             shape.append(n // k)
         named = [a for a in self.opts.mesh.axis_names if a in where]
-        value = leaf.reshape(shape).permute([where[a] for a in named] + block_dims)
+        order = [where[a] for a in named] + block_dims
+        in_place = self._taken_in_place(leaf, spec, shape, where, order)
+        if in_place is not None:
+            return _Blocked(in_place, frozenset(named), label)
+        value = leaf.reshape(shape).permute(order)
         return _Blocked(value, frozenset(named), label)
+
+    def _taken_in_place(
+        self, leaf: Any, spec: PartitionSpec, shape: list[int], where: dict[Hashable, int], order: list[int]
+    ) -> ShardedTensor | None:
+        """A ShardedTensor argument's blocks, each shard's on its own device (no gather), or
+        None where its shards are not where the mesh would put them.
+
+        The reverse of :meth:`_stays_split`: ``leaf`` (a previous shard_map's or pmap's
+        result) is split along dim ``d`` over the first mesh axis' devices, in their order,
+        in equal consecutive shards, and the in_spec splits ``d`` with the first mesh axis
+        as its major axis. Then each device's shard holds exactly the blocks of that
+        device's first-axis positions, and its blocks are the same view of the shard as
+        of the whole (with its share of the first axis' positions)."""
+        if not isinstance(leaf, ShardedTensor) or any(isinstance(s.tensor, ShardedTensor) for s in leaf.shards):
+            return None
+        mesh = self.opts.mesh
+        first = mesh.axis_names[0]
+        d = leaf.shard_dim
+        axes = spec.axes_of(d)
+        devices = list(first_axis_devices(mesh))
+        if not axes or axes[0] != first or leaf.devices() != devices or mesh.shape[first] % len(devices):
+            return None
+        if any(s.tensor.shape[d] * len(devices) != leaf.shape[d] for s in leaf.shards):
+            return None
+        local = list(shape)
+        local[where[first]] = mesh.shape[first] // len(devices)
+        return leaf.map_shards(lambda shard: shard.reshape(local).permute(order), 0)
 
     @staticmethod
     def _rank_error(spec: PartitionSpec, leaf: Any, label: str) -> ValueError:

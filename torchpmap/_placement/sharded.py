@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -473,9 +473,20 @@ class _Assemble(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        pieces = grad.split(ctx.sizes, ctx.dim)
+        if _split_alike(grad, ctx.dim, ctx.sizes):  # a sharded gradient: each shard's piece is where it is
+            pieces: Sequence[torch.Tensor] = [s.tensor for s in cast(ShardedTensor, grad).shards]
+        else:
+            pieces = grad.split(ctx.sizes, ctx.dim)
         grads = [p.to(d) if need else None for p, d, need in zip(pieces, ctx.devices, ctx.needs_input_grad[2:])]
         return (None, None, *grads)
+
+
+def _split_alike(t: torch.Tensor, dim: int, sizes: list[int]) -> bool:
+    """Whether ``t`` is a ShardedTensor of plain shards of these sizes along ``dim``."""
+    return (
+        isinstance(t, ShardedTensor) and t.shard_dim == dim and [s.tensor.shape[dim] for s in t.shards] == sizes
+        and not any(isinstance(s.tensor, ShardedTensor) for s in t.shards)
+    )
 
 
 class _Gather(torch.autograd.Function):
@@ -497,10 +508,20 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, st: ShardedTensor) -> tuple:
         ctx.dim, ctx.device = st.shard_dim, st.device
+        ctx.shard_devices = None if any(isinstance(s.tensor, ShardedTensor) for s in st.shards) else [
+            (s.device, s.tensor.device) for s in st.shards
+        ]
         return tuple(_detached(s.tensor) for s in st.shards)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> torch.Tensor:  # materialized: zeros where unused
+        # the shards' gradients stay on their devices (a ShardedTensor) where they arrived there
+        placed = ctx.shard_devices is not None and all(
+            isinstance(g, torch.Tensor) and not isinstance(g, ShardedTensor) and g.device == where
+            for g, (_, where) in zip(grads, ctx.shard_devices)
+        )
+        if placed:
+            return _wrap([Shard(d, g) for g, (d, _) in zip(grads, ctx.shard_devices)], ctx.dim)
         return torch.cat([g.to(ctx.device) for g in grads], ctx.dim)
 
 
