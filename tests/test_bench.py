@@ -234,3 +234,18 @@ def test_sharded_columns_train_the_model_ddp_trains() -> None:
     )
     assert set(result["columns"]) == {"ddp", "torchpmap.fsdp", "fsdp2"}
     assert result["max_param_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_tensor_parallel_columns_train_the_model_one_process_trains() -> None:
+    """The tensor-parallel row: torchpmap's shard_map step (hidden layer split over 2
+    processes, the gradient inside the map) and DTensor's parallelize_module take the same
+    SGD steps as the whole model in one process."""
+    from torchpmap.bench.tensor_parallel import run_tp_comparison
+
+    result = run_tp_comparison(2, 3, warmup=1, batch=16, sizes=(8, 16, 5), timeout=120)
+    assert set(result["columns"]) == {"torchpmap.tp", "dtensor.tp", "single"}
+    assert all(c["ms"] > 0 for c in result["columns"].values())
+    assert result["max_param_diff"] < 1e-5  # every column against the first (torchpmap.tp)
+    with pytest.raises(ValueError, match="must divide the hidden size"):
+        run_tp_comparison(3, 1, sizes=(8, 16, 5))

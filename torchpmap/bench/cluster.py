@@ -21,6 +21,11 @@ processes then run :func:`torchpmap.bench.ddp.run_ddp_comparison`'s columns inte
   parameter before the forward, the gradients reduce-scattered), and ``fsdp2``: PyTorch's
   ``fully_shard`` on each linear layer and the model (gathered layer by layer, prefetched).
 
+Then a tensor-parallel MLP step (:mod:`torchpmap.bench.tensor_parallel`), its hidden layer
+split over the hosts: ``torchpmap.tp`` (shard_map on a torch ``DeviceMesh``, the gradient
+taken inside), ``dtensor.tp`` (``parallelize_module`` with ``ColwiseParallel`` and
+``RowwiseParallel``) and ``single`` (the whole model on each host, no exchange).
+
 It needs root and iproute2 (``ip``, ``tc``); without them it says why and does nothing.
 Everything it creates is named ``tp<pid>...`` and removed on exit, also after an error.
 The hosts share this machine's cores, so with 3 hosts on 2 cores the compute of one
@@ -47,6 +52,7 @@ import torch
 
 from torchpmap.bench.ddp import COLUMNS, run_ddp_comparison
 from torchpmap.bench.launch import Host
+from torchpmap.bench.tensor_parallel import run_tp_comparison
 
 #: The model of the issue that asked for this: compute and exchange of the same order at 1 Gbit/s.
 SIZES = (1024, 1024, 10)
@@ -175,6 +181,33 @@ def measure(hosts: int, rate: str, steps: int, warmup: int, timeout: float) -> d
     return result
 
 
+def measure_tp(hosts: int, rate: str, steps: int, warmup: int, timeout: float) -> dict[str, Any]:
+    """One row of the tensor-parallel table: its columns on ``hosts`` hosts at ``rate``."""
+    with SimulatedCluster(hosts, rate) as cluster:
+        result = run_tp_comparison(
+            hosts, steps, warmup=warmup, timeout=timeout, hosts=cluster.host, master_addr=cluster.address(0)
+        )
+    result.update(hosts=hosts, rate=rate)
+    return result
+
+
+def tp_table(results: Sequence[dict[str, Any]]) -> str:
+    """The tensor-parallel results as a Markdown table."""
+    lines = [
+        "| hosts | link | torchpmap shard_map TP | DTensor TP | one host, whole model | shard_map / DTensor "
+        "| one host / DTensor | largest parameter difference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        c = r["columns"]
+        lines.append(
+            f"| {r['hosts']} | {r['rate']} | {c['torchpmap.tp']['ms']:.1f} ms | {c['dtensor.tp']['ms']:.1f} ms | "
+            f"{c['single']['ms']:.1f} ms | {c['torchpmap.tp']['ratio_to_dtensor']:.2f} | "
+            f"{c['single']['ratio_to_dtensor']:.2f} | {r['max_param_diff']:.1e} |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: Sequence[dict[str, Any]]) -> str:
     """The results as a Markdown table."""
     lines = [
@@ -205,31 +238,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", default="bench-results/cluster.json")
+    parser.add_argument("--no-tp", action="store_true", help="leave out the tensor-parallel rows")
+    parser.add_argument("--no-dp", action="store_true", help="leave out the data-parallel rows")
     args = parser.parse_args(argv)
     reason = why_unavailable()
     if reason is not None:
         print(f"bench-cluster skipped: {reason}")
         return 0
-    results = []
+    results: list[dict[str, Any]] = []
+    tp_results: list[dict[str, Any]] = []
     for hosts in args.hosts:
         for rate in args.rates:
-            print(f"[cluster] {hosts} hosts at {rate} ...", flush=True)
-            results.append(measure(hosts, rate, args.steps, args.warmup, args.timeout))
-            print(table(results[-1:]).splitlines()[-1], flush=True)
+            if not args.no_dp:
+                print(f"[cluster] data parallel, {hosts} hosts at {rate} ...", flush=True)
+                results.append(measure(hosts, rate, args.steps, args.warmup, args.timeout))
+                print(table(results[-1:]).splitlines()[-1], flush=True)
+            if not args.no_tp:
+                print(f"[cluster] tensor parallel, {hosts} hosts at {rate} ...", flush=True)
+                tp_results.append(measure_tp(hosts, rate, args.steps, args.warmup, args.timeout))
+                print(tp_table(tp_results[-1:]).splitlines()[-1], flush=True)
     meta = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "model": results[0]["model"] if results else None,
+        "tp_model": tp_results[0]["model"] if tp_results else None,
         "batch_per_host": BATCH_PER_HOST,
         "steps": args.steps,
     }
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    print()
-    print(table(results))
-    print(f"\n{meta['model']}, {BATCH_PER_HOST} samples per host; medians of {args.steps} steps; JSON: {args.json}")
+        json.dump({"meta": meta, "results": results, "tensor_parallel": tp_results}, f, indent=1)
+    if results:
+        print()
+        print(table(results))
+        print(f"\n{meta['model']}, {BATCH_PER_HOST} samples per host; medians of {args.steps} steps")
+    if tp_results:
+        print()
+        print(tp_table(tp_results))
+        print(f"\n{meta['tp_model']}, the same {tp_results[0]['batch']} samples on every host; medians of "
+              f"{args.steps} steps")
+    print(f"JSON: {args.json}")
     return 0
 
 
