@@ -914,6 +914,50 @@ def scenario_sharded_step(rank: int, nproc: int, clipped: bool = False) -> dict:
     }
 
 
+class Dot(torch.nn.Module):
+    """``(w * x).sum(-1)``: the gradient of its weight's element k is the batch's mean of
+    feature k, so an inf in one feature reaches one element (one row) of the gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 8))
+
+    def forward(self, x):
+        return (self.w * x).sum(-1)
+
+
+def scaled_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four global batches of 8 samples; the third has an inf in feature 7 of sample 1
+    (process 0's data), whose gradient lands only in the last flat row (process 1's)."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 8, generator=g), torch.zeros(8)) for _ in range(4)]
+    batches[2][0][1, 7] = float("inf")
+    return batches
+
+
+def train_scaled(rank: int, nproc: int, shard_params: bool, n: int) -> dict:
+    """SGD under a GradScaler on :class:`Dot`: the weights and the scale after each batch
+    of :func:`scaled_batches` (this process' samples, in ``n`` instances)."""
+    from torchpmap.training import data_parallel_step, shard
+
+    model = Dot()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    step = data_parallel_step(model, lambda out, y: out.mean(), opt, grad_scaler=scaler, shard_params=shard_params)
+    weights, scales = [], []
+    for x, y in scaled_batches():
+        step(shard((local(x, rank, nproc), local(y, rank, nproc)), n=n))
+        if shard_params:
+            step.gather_params()
+        weights.append(model.w.detach().clone())
+        scales.append(scaler.get_scale())
+    return {"weights": torch.stack(weights), "scales": scales}
+
+
+def scenario_sharded_step_scaled(rank: int, nproc: int) -> dict:
+    return train_scaled(rank, nproc, shard_params=True, n=2)
+
+
 def scenario_sharded_step_clipped(rank: int, nproc: int) -> dict:
     return scenario_sharded_step(rank, nproc, clipped=True)
 

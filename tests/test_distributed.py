@@ -603,6 +603,22 @@ def test_a_clipped_sharded_step_on_two_processes_clips_by_the_whole_gradients_no
 
 
 @pytest.mark.slow
+def test_a_sharded_step_under_a_grad_scaler_skips_on_every_process_together(tmp_path):
+    """GradScaler with shard_params across 2 processes: an inf that reaches only process
+    1's rows of the gradient skips the step on both processes, and both back off the
+    scale, as one process' replicated step does; the finite steps train its weights."""
+    per_rank, _ = _ranks_finished("sharded_step_scaled", 2, tmp_path, timeout=60)
+    with _on_one_device():
+        reference = progs.train_scaled(0, 1, shard_params=False, n=4)
+    assert reference["scales"] == [1024.0, 1024.0, 512.0, 512.0]  # the third batch is skipped
+    assert torch.equal(reference["weights"][2], reference["weights"][1])
+    for r in range(2):
+        assert per_rank[r]["scales"] == reference["scales"], (r, per_rank[r]["scales"])
+        _assert_same(f"weights of rank {r} vs one process", per_rank[r]["weights"], reference["weights"],
+                     bitwise=False)
+
+
+@pytest.mark.slow
 def test_sharded_step_on_two_processes_trains_one_process_model(tmp_path):
     """data_parallel_step(shard_params=True) on 2 processes of 2 instances each: the
     weights (gathered after 3 AdamW steps), losses and metrics of the replicated step

@@ -610,15 +610,15 @@ def data_parallel_step(
       ``model.state_dict()``; the next call takes them, with any change, back into its
       rows. ``step.bytes_per_device()`` counts what each device holds;
     * the optimizer is moved onto the rows (each parameter replaced in its param groups
-      by its per-device pieces, existing state split likewise): schedulers and, in one
-      process, ``grad_scaler`` work unchanged, and ``optimizer.state_dict()`` is the
+      by its per-device pieces, existing state split likewise): schedulers and
+      ``grad_scaler`` work unchanged (across processes, an inf or NaN in any process'
+      rows skips the step on every process), and ``optimizer.state_dict()`` is the
       sharded state. Only optimizers whose update is elementwise step correctly on
       rows: exactly ``SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``Adadelta``, ``Adamax``,
       ``ASGD``, ``NAdam``, ``RAdam``, ``RMSprop`` and ``Rprop``; any other (``LBFGS``, a
       subclass) is refused with a ``TypeError``;
     * an optimizer is required (the step applies the split gradients itself); clip
-      with ``max_grad_norm``; ``grad_scaler`` across processes is refused, and every
-      batch must have the first call's number of instances.
+      with ``max_grad_norm``; every batch must have the first call's number of instances.
 
     Example:
         >>> import torch

@@ -48,16 +48,19 @@ Tensors = dict[str, torch.Tensor]
 #: (loss, aux, the buffers after the forward)`` (``data_parallel_step``'s ``run_model``).
 RunModel = Callable[[Tensors, Tensors, Tensors, Tensors, Any], tuple[torch.Tensor, PyTree, Tensors]]
 
-#: The step's result for the gradients, loss, buffer changes, counters, aux, and the
-#: squared L2 norm of the whole averaged gradient (None unless the step clips).
-StepOut = tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree, torch.Tensor | None]
+#: The step's result for the gradients, loss, buffer changes, counters, aux, the squared
+#: L2 norm of the whole averaged gradient (None unless the step clips) and the number of
+#: its elements that are inf or NaN, over every instance (None unless the step counts them).
+StepOut = tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree, torch.Tensor | None, torch.Tensor | None]
 
 
 def sharded_instance_step(
-    run_model: RunModel, params: ShardedParams, axis_name: Hashable, has_aux: bool, clips: bool = False
+    run_model: RunModel, params: ShardedParams, axis_name: Hashable, has_aux: bool, clips: bool = False,
+    counts_nonfinite: bool = False,
 ) -> Callable[..., StepOut]:
     """One instance's step on its rows: gather, loss, gradient of the rows, means (and,
-    when the step ``clips``, the psum over the instances of its rows' squared norms)."""
+    when the step ``clips``, the psum over the instances of its rows' squared norms; when
+    it ``counts_nonfinite``, the psum of its rows' inf and NaN elements)."""
     layouts = params.layouts
 
     def instance_step(
@@ -85,7 +88,11 @@ def sharded_instance_step(
         if clips:  # the rows partition the gradient (the padding is zero): their squares sum to its norm's
             mine = sum((g.float().pow(2).sum() for g in grads.values()), torch.zeros((), device=loss.device))
             squared_norm = psum(mine, axis_name)
-        return grads, loss, buffer_change, counters, aux, squared_norm
+        nonfinite = None
+        if counts_nonfinite:  # every process must agree on GradScaler's skip (see ShardedStep._agree_on_skip)
+            bad = sum(((~torch.isfinite(g)).sum() for g in grads.values()), torch.zeros((), device=loss.device))
+            nonfinite = psum(bad.float(), axis_name)
+        return grads, loss, buffer_change, counters, aux, squared_norm, nonfinite
 
     return instance_step
 
@@ -133,14 +140,16 @@ class ShardedStep:
     def __call__(self, batch: PyTree) -> Any:
         batch, n = self._prepare(batch)
         params = self._params(n)
+        scaled = self.grad_scaler is not None and self.grad_scaler.is_enabled()
         if self._step is None:
             self._step = pmap(
                 sharded_instance_step(
-                    self._run_model, params, self.axis_name, self.has_aux, clips=self.max_grad_norm is not None
+                    self._run_model, params, self.axis_name, self.has_aux, clips=self.max_grad_norm is not None,
+                    counts_nonfinite=scaled and _devices.process_count() > 1,
                 ),
                 axis_name=self.axis_name,
                 in_axes=(0, None, 0, None, 0, None),
-                out_axes=(0, None, None, None, None, None),
+                out_axes=(0, None, None, None, None, None, None),
                 devices=self._devices,
                 jit=self._jit,
                 randomness=self._randomness,
@@ -150,15 +159,18 @@ class ShardedStep:
         floating, other = self._split_buffers()
         per_instance = {k: b.unsqueeze(0).expand(n, *b.shape) for k, b in floating.items()}
         scale = None
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+        if scaled:
+            assert self.grad_scaler is not None
             device = next(iter(params.pieces.values()))[0].tensor.device
             scale = self.grad_scaler.scale(torch.ones((), device=device))
-        grads, loss, buffer_change, counters, aux, squared_norm = self._step(
+        grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
             params.values(), frozen, per_instance, other, batch, scale
         )
         with torch.no_grad():
             params.set_grads(grads)
             self._write_buffers(buffer_change, counters, floating)
+            if nonfinite is not None:
+                self._agree_on_skip(params, nonfinite)
         if squared_norm is not None:
             self._clip(params, squared_norm, scale)
         if self.grad_scaler is not None:
@@ -169,6 +181,22 @@ class ShardedStep:
         if self.has_aux:
             return loss.detach(), pytree.tree_map(lambda a: a.detach(), aux)
         return loss.detach()
+
+    @staticmethod
+    def _agree_on_skip(params: ShardedParams, nonfinite: torch.Tensor) -> None:
+        """Across processes, each process' GradScaler sees only its own rows' gradients:
+        an inf in a row of one process would skip the step there and not elsewhere. When
+        any instance's rows hold an inf or NaN (``nonfinite``, summed over all of them),
+        one gradient element on this process is made inf too, so that every process'
+        GradScaler skips the step and backs off its scale, as one process' would. It adds
+        0 otherwise (no host synchronisation)."""
+        for shards in params.pieces.values():
+            for piece in shards:
+                grad = piece.tensor.grad
+                if grad is not None and grad.numel():
+                    poison = torch.where(nonfinite.to(grad.device) > 0, float("inf"), 0.0).to(grad.dtype)
+                    grad.view(-1)[:1].add_(poison)
+                    return
 
     def _clip(self, params: ShardedParams, squared_norm: torch.Tensor, scale: torch.Tensor | None) -> None:
         """``torch.nn.utils.clip_grad_norm_``'s update on the rows: each row's gradient
@@ -191,12 +219,6 @@ class ShardedStep:
         0's are copied everywhere), taken from the module again after gather_params."""
         if self.params is None:
             self._start()
-            if self.grad_scaler is not None and self.grad_scaler.is_enabled() and _devices.process_count() > 1:
-                raise ValueError(
-                    "data_parallel_step(shard_params=..., grad_scaler=...): across processes each process sees only "
-                    "its own shards' gradients, so GradScaler would skip the step on some processes and not on "
-                    "others. Leave grad_scaler out (bfloat16 autocast needs none), or leave shard_params out."
-                )
             names = [k for k, p in self.model.named_parameters() if p.requires_grad]
             params = ShardedParams.split(self.model, names, n, self.axis_name, self._devices)
             params.move_optimizer(self.optimizer)
