@@ -958,6 +958,26 @@ def scenario_sharded_step_scaled(rank: int, nproc: int) -> dict:
     return train_scaled(rank, nproc, shard_params=True, n=2)
 
 
+def scenario_sharded_step_checkpoint(rank: int, nproc: int) -> dict:
+    """data_parallel_step(shard_params=True) with AdamW for 2 steps on every process (2
+    instances each), then the weights and the whole optimizer state saved with
+    torch.distributed.checkpoint by every process; the test resumes them in one."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchpmap.training import data_parallel_step, shard
+
+    x, y = (local(t, rank, nproc) for t in same_answers_data())
+    model = WithSpare(seed=100)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    step = data_parallel_step(model, metrics_loss, opt, has_aux=True, shard_params=True)
+    for _ in range(2):
+        step(shard((x, y), n=2))
+    optim = step.optimizer_state_dict()
+    step.gather_params()
+    dcp.save({"model": model.state_dict(), "optim": optim}, checkpoint_id=os.environ["TEST_CHECKPOINT"])
+    return {"bytes": sum(step.bytes_per_device().values())}
+
+
 def scenario_sharded_step_clipped(rank: int, nproc: int) -> dict:
     return scenario_sharded_step(rank, nproc, clipped=True)
 

@@ -619,6 +619,44 @@ def test_a_sharded_step_under_a_grad_scaler_skips_on_every_process_together(tmp_
 
 
 @pytest.mark.slow
+def test_a_sharded_steps_checkpoint_from_two_processes_resumes_in_one(tmp_path):
+    """The weights and ``step.optimizer_state_dict()`` of a sharded AdamW step on 2
+    processes, saved with torch.distributed.checkpoint, load in one process (torch's
+    get/set_optimizer_state_dict) and train on as one process' replicated step does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from torchpmap.training import data_parallel_step, shard
+
+    where = tmp_path / "checkpoint"
+    _ranks_finished("sharded_step_checkpoint", 2, tmp_path, timeout=60, env={"TEST_CHECKPOINT": str(where)})
+    x, y = progs.same_answers_data()
+
+    def fresh():
+        model = progs.WithSpare(seed=5)  # other weights: the checkpoint must replace them
+        return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+    with _on_one_device():
+        ref, ref_opt = fresh()
+        ref.load_state_dict(progs.WithSpare(seed=100).state_dict())
+        ref_step = data_parallel_step(ref, progs.metrics_loss, ref_opt, has_aux=True)
+        for _ in range(3):
+            ref_step(shard((x, y), n=4))
+        model, opt = fresh()
+        loaded = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+        # the template holds state for every parameter (torch initializes it), the checkpoint none
+        # for the layer the loss never reaches, as the replicated step's optimizer
+        partial = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load(loaded, checkpoint_id=str(where), no_dist=True, planner=partial)
+        model.load_state_dict(loaded["model"])
+        set_optimizer_state_dict(model, opt, loaded["optim"])
+        data_parallel_step(model, progs.metrics_loss, opt, has_aux=True)(shard((x, y), n=4))
+    _assert_same("weights resumed in one process vs one process' 3 steps", model.state_dict(), ref.state_dict(),
+                 bitwise=False)
+
+
+@pytest.mark.slow
 def test_sharded_step_on_two_processes_trains_one_process_model(tmp_path):
     """data_parallel_step(shard_params=True) on 2 processes of 2 instances each: the
     weights (gathered after 3 AdamW steps), losses and metrics of the replicated step

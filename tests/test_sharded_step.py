@@ -287,3 +287,46 @@ def test_a_checkpoint_of_gathered_weights_and_sharded_optimizer_state_resumes_ex
     resumed.gather_params()
     for k, v in model.state_dict().items():
         assert torch.equal(resumed_model.state_dict()[k], v), k
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum-wd"])
+def test_the_optimizer_state_comes_back_whole_and_resumes_on_another_split(placement, name):
+    """``step.optimizer_state_dict()`` is the replicated step's optimizer state in
+    ``get_optimizer_state_dict``'s format; loaded with ``set_optimizer_state_dict`` into a
+    new optimizer, a sharded step over another number of instances carries on as the
+    replicated step does."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    x, y = data()
+    ref = mlp()
+    ref_opt = OPTIMIZERS[name](ref.parameters())
+    ref_step = data_parallel_step(ref, F.mse_loss, ref_opt, devices=placement[:1])
+    for _ in range(2):
+        ref_step(shard((x, y), N))
+    want = get_optimizer_state_dict(ref, ref_opt)
+
+    model = mlp()
+    step = data_parallel_step(model, F.mse_loss, OPTIMIZERS[name](model.parameters()), shard_params=True)
+    for _ in range(2):
+        step(shard((x, y), N))
+    got = step.optimizer_state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for k, entries in want["state"].items():
+        assert list(got["state"][k]) == list(entries), k
+        for key, value in entries.items():
+            torch.testing.assert_close(
+                got["state"][k][key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=k, key=key: f"{k}/{key}: {m}"
+            )
+
+    # resume: the weights and the whole state into a new model and optimizer, split in 2 rows
+    step.gather_params()
+    resumed = mlp(seed=9)
+    resumed.load_state_dict(model.state_dict())
+    opt = OPTIMIZERS[name](resumed.parameters())
+    set_optimizer_state_dict(resumed, opt, got)
+    again = data_parallel_step(resumed, F.mse_loss, opt, shard_params=True)
+    again(shard((x, y), 2))
+    ref_step(shard((x, y), N))  # the mean of equal-sized means: the same gradient with 2 or 4 instances
+    again.gather_params()
+    assert_same_weights(weights(resumed), weights(ref))

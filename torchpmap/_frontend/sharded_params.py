@@ -145,19 +145,74 @@ class ShardedParams:
     def gather_into_module(self, axis_name: Hashable, devices: Sequence[DeviceLike] | None) -> None:
         """Writes every parameter's whole value into the module (across processes, by
         an ``all_gather`` over ``axis_name``)."""
+        whole = self.gather_rows({k: [Shard(s.device, s.tensor) for s in shards] for k, shards in self.pieces.items()},
+                                 axis_name, devices)
+        with torch.no_grad():
+            for k, value in whole.items():
+                p = self.model.get_parameter(k)
+                p.data = value.to(p.device).clone()
+        self.released = False
+
+    def gather_rows(
+        self, rows: dict[str, list[Shard]], axis_name: Hashable, devices: Sequence[DeviceLike] | None
+    ) -> dict[str, torch.Tensor]:
+        """Per parameter name, the whole tensor (the parameter's shape, on its device)
+        whose rows are ``rows[name]``: one piece per device, as :attr:`pieces` (the
+        parameter's own rows, or an optimizer state of their shape). Across processes an
+        ``all_gather`` over ``axis_name`` that every process runs."""
         with torch.no_grad():
             if _devices.process_count() == 1:
                 flat = {
                     k: torch.cat([s.tensor.detach().to(self._home(k)) for s in shards]).reshape(-1)
-                    for k, shards in self.pieces.items()
+                    for k, shards in rows.items()
                 }
             else:
                 gather = pmap(_gathered(axis_name), axis_name=axis_name, in_axes=0, out_axes=None, devices=devices)
-                flat = gather(self.values())
-            for k, value in flat.items():
-                p = self.model.get_parameter(k)
-                p.data = self.layouts[k].unflatten(value).to(p.device).clone()
-        self.released = False
+                flat = gather({k: _assembled([Shard(s.device, s.tensor.detach()) for s in shards])
+                               for k, shards in rows.items()})
+            return {k: self.layouts[k].unflatten(v).to(self._home(k)) for k, v in flat.items()}
+
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, axis_name: Hashable, devices: Sequence[DeviceLike] | None
+    ) -> dict[str, Any]:
+        """``optimizer``'s state as if it had stepped the model's own parameters: the
+        format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``
+        (parameters named by their fully qualified names, whole tensors), the pieces'
+        state tensors gathered as :meth:`gather_rows` gathers parameters."""
+        piece_of = {id(piece.tensor): (k, i) for k, shards in self.pieces.items() for i, piece in enumerate(shards)}
+        name_of = {id(p): k for k, p in self.model.named_parameters()}
+        groups = []
+        for group in optimizer.param_groups:
+            names = []
+            for p in group["params"]:
+                hit = piece_of.get(id(p))
+                if hit is None:
+                    names.append(name_of[id(p)])
+                elif hit[1] == 0:
+                    names.append(hit[0])
+            groups.append({**{key: v for key, v in group.items() if key != "params"}, "params": names})
+        state: dict[str, dict[str, Any]] = {}
+        by_key: dict[str, dict[str, list[Shard]]] = {}  # state key -> parameter -> its pieces' tensors
+        for k, shards in self.pieces.items():
+            held = [optimizer.state.get(piece.tensor, {}) for piece in shards]
+            if not held[0]:
+                continue
+            state[k] = {}
+            for key, value in held[0].items():
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shards[0].tensor.shape):
+                    by_key.setdefault(key, {})[k] = [Shard(s.device, h[key]) for s, h in zip(shards, held)]
+                    state[k][key] = None  # filled below, in the optimizer's key order
+                else:
+                    state[k][key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        for key, rows in by_key.items():
+            for k, whole in self.gather_rows(rows, axis_name, devices).items():
+                state[k][key] = whole
+        for p, value in optimizer.state.items():  # parameters the step does not shard
+            if id(p) in name_of:
+                state[name_of[id(p)]] = {
+                    key: v.detach().clone() if isinstance(v, torch.Tensor) else v for key, v in value.items()
+                }
+        return {"state": state, "param_groups": groups}
 
     def _home(self, name: str) -> torch.device:
         return self.model.get_parameter(name).device

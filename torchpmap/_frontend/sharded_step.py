@@ -248,6 +248,21 @@ class ShardedStep:
         if self.params is not None and self.params.released:
             self.params.gather_into_module(self.axis_name, self._devices)
 
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, whole, as the replicated step's optimizer would hold it:
+        the format of PyTorch's ``get_optimizer_state_dict(model, optimizer)`` (state and
+        param groups keyed by the parameters' fully qualified names), so that it saves
+        with ``torch.distributed.checkpoint`` or ``torch.save`` and loads, with
+        ``set_optimizer_state_dict(model, optimizer, ...)``, into an optimizer of the
+        model on any number of devices and processes, sharded or not; a new sharded step
+        splits it into its own rows at its first call. Across processes every process
+        calls it (an ``all_gather`` of the rows)."""
+        if self.params is None:  # before the first call the optimizer holds the model's own parameters
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.model, self.optimizer)
+        return self.params.optimizer_state_dict(self.optimizer, self.axis_name, self._devices)
+
     def bytes_per_device(self) -> dict[Device, int]:
         """Per device, the bytes of the trained parameters' shards, their gradients and
         the optimizer's state for them (empty before the first call)."""
