@@ -366,6 +366,34 @@ def test_a_result_that_stays_on_its_devices_is_taken_there_by_the_next_shard_map
             torch.testing.assert_close(leaf.grad, grad_one, rtol=1e-5, atol=1e-5)
 
 
+CHAIN_SPECS = [P("batch"), P(None, "batch"), P(("batch", "model")), P(("model", "batch")), P("batch", "model"),
+               P("model", "batch"), P(), P("model"), P(None, ("batch", "model"))]
+
+
+@pytest.mark.parametrize("n_devices", [2, 8])
+def test_every_pair_of_specs_in_a_chain_gives_one_devices_bits(cpu_devices, n_devices):
+    """Two shard_maps in a row, for every pair of 9 specs (results that stay on their
+    devices and go into the next map where they are, and those gathered and split again):
+    bitwise one device's values (check_vma off, so that every pair runs)."""
+
+    def chain(mesh, s1, s2):
+        f1 = tp.shard_map(lambda v: v * 2 + tp.axis_index("batch") * 100 + tp.axis_index("model") * 1000,
+                          mesh=mesh, in_specs=s1, out_specs=s1, check_vma=False)
+        f2 = tp.shard_map(lambda v: v + tp.axis_index("batch") * 7 + tp.axis_index("model") * 3,
+                          mesh=mesh, in_specs=s2, out_specs=s2, check_vma=False)
+        return torch.as_tensor(f2(f1(x))).cpu()
+
+    x = torch.arange(16 * 8, dtype=torch.float64).reshape(16, 8)
+    cpu_devices(1)
+    one_mesh = tp.make_mesh(SHAPE, NAMES)
+    want = {(str(a), str(b)): chain(one_mesh, a, b) for a in CHAIN_SPECS for b in CHAIN_SPECS}
+    cpu_devices(n_devices)
+    mesh = tp.make_mesh(SHAPE, NAMES)
+    for a in CHAIN_SPECS:
+        for b in CHAIN_SPECS:
+            assert torch.equal(chain(mesh, a, b), want[(str(a), str(b))]), (a, b)
+
+
 # --------------------------------------------------------------------------- check_vma
 
 
