@@ -39,17 +39,14 @@ import copy
 import datetime
 import gc
 import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 
-from torchpmap.bench.launch import Host, launch
+from torchpmap.bench.interleaved import run_workers, summary, time_columns, write_report
+from torchpmap.bench.launch import Host
 
 #: The default model: an MLP ``features -> hidden -> hidden -> classes`` with cross-entropy.
 FEATURES, HIDDEN, CLASSES = 64, 256, 10
@@ -115,21 +112,13 @@ def run_ddp_comparison(
         raise ValueError(f"run_ddp_comparison: nproc must be at least 2, got {nproc}")
     if batch_per_process % instances_per_process:
         raise ValueError("run_ddp_comparison: batch_per_process must be divisible by instances_per_process")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.json")
-        os.chmod(tmp, 0o777)  # a worker in another namespace runs as the same user; harmless here
-        argv = [
-            "-m", "torchpmap.bench.ddp", "--worker", report, "--steps", str(steps), "--warmup", str(warmup),
-            "--batch-per-process", str(batch_per_process), "--instances-per-process", str(instances_per_process),
-            "--lr", str(lr), "--timeout", str(timeout), "--columns", ",".join(chosen),
-            "--sizes", ",".join(map(str, sizes)),
-        ]
-        finished = launch(argv, nproc, timeout=timeout, hosts=hosts, master_addr=master_addr)
-        if any(f.returncode != 0 for f in finished) or not os.path.exists(report):
-            logs = "\n".join(f"--- rank {f.rank} (exit code {f.returncode})\n{f.output[-4000:]}" for f in finished)
-            raise RuntimeError(f"run_ddp_comparison: a process failed\n{logs}")
-        with open(report) as f:
-            result = json.load(f)
+    args = [
+        "--steps", str(steps), "--warmup", str(warmup), "--batch-per-process", str(batch_per_process),
+        "--instances-per-process", str(instances_per_process), "--lr", str(lr), "--timeout", str(timeout),
+        "--columns", ",".join(chosen), "--sizes", ",".join(map(str, sizes)),
+    ]
+    result = run_workers("torchpmap.bench.ddp", args, nproc, timeout=timeout, hosts=hosts, master_addr=master_addr,
+                         what="run_ddp_comparison")
     first = next((c for c in chosen if c.startswith("torchpmap")), None)
     if first is not None and "ddp" in chosen:  # the keys of the two-column comparison
         result.update(
@@ -149,13 +138,6 @@ def _model(sizes: tuple[int, int, int]) -> torch.nn.Module:
         torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
         torch.nn.Linear(hidden, classes),
     )
-
-
-def _iqr(samples: list[float]) -> float:
-    if len(samples) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    return q3 - q1
 
 
 def _worker(
@@ -272,35 +254,19 @@ def _worker(
     }
     columns = {name: builders[name]() for name in names}
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     g = torch.Generator().manual_seed(1)
-    times: dict[str, list[float]] = {k: [] for k in columns}
-    loss = None
     features, _, classes = sizes
-    for rep in range(warmup + steps):
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
         # the global batch of this repetition, the same in every process; each takes its share
         x = torch.randn(nproc * batch_per_process, features, generator=g)
         y = torch.randint(0, classes, (nproc * batch_per_process,), generator=g)
         mine = slice(rank * batch_per_process, (rank + 1) * batch_per_process)
-        x, y = x[mine].to(device), y[mine].to(device)
-        order = list(columns)[rep % len(columns):] + list(columns)[: rep % len(columns)]
-        for name in order:
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            out = columns[name](x, y)
-            sync()
-            if rep >= warmup:
-                times[name].append(time.perf_counter() - start)
-            if name.startswith("torchpmap"):
-                loss = float(out)
-    # a step lasts as long as its slowest process
-    stacked = torch.tensor([times[name] for name in columns], dtype=torch.float64, device=device)
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
-    seconds = dict(zip(columns, stacked.tolist()))
+        return x[mine].to(device), y[mine].to(device)
+
+    seconds, loss = time_columns(
+        columns, batch, warmup=warmup, steps=steps, device=device, keeps_loss=lambda name: name.startswith("torchpmap")
+    )
     for gather in gather_at_end.values():
         gather()
 
@@ -317,16 +283,7 @@ def _worker(
         default=0.0,
     )
     if rank == 0:
-        ms = lambda v: [round(t * 1e3, 4) for t in v]  # noqa: E731
-        per_column = {}
-        for name, samples in seconds.items():
-            per_column[name] = {
-                "ms": statistics.median(samples) * 1e3,
-                "iqr_ms": _iqr(samples) * 1e3,
-                "all_ms": ms(samples),
-            }
-            if "ddp" in seconds:
-                per_column[name]["ratio_to_ddp"] = statistics.median(a / b for a, b in zip(samples, seconds["ddp"]))
+        per_column = summary(seconds, "ddp", "ratio_to_ddp")
         result = {
             "nproc": nproc,
             "steps": steps,
@@ -341,9 +298,7 @@ def _worker(
             "max_param_diff": diff,
             "loss": loss,
         }
-        with open(report + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(report + ".tmp", report)
+        write_report(report, result)
     # DistributedDataParallel sits in reference cycles: collect it while its process group
     # lives, or the interpreter's exit may destroy its reducer after the group and abort
     # the process (see torchpmap/bench/workloads/multiprocess.py).

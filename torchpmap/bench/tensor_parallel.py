@@ -29,18 +29,14 @@ import argparse
 import copy
 import datetime
 import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 
-from torchpmap.bench.ddp import _iqr
-from torchpmap.bench.launch import Host, launch
+from torchpmap.bench.interleaved import run_workers, summary, time_columns, write_report
+from torchpmap.bench.launch import Host
 
 #: The default MLP: features -> hidden -> classes, the hidden layer split over the processes
 #: (3072: 2, 3 or 4 of them).
@@ -92,20 +88,12 @@ def run_tp_comparison(
         raise ValueError(f"run_tp_comparison: nproc must be at least 2, got {nproc}")
     if sizes[1] % nproc:
         raise ValueError(f"run_tp_comparison: nproc ({nproc}) must divide the hidden size ({sizes[1]})")
-    with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.json")
-        os.chmod(tmp, 0o777)  # a worker in another namespace runs as the same user
-        argv = [
-            "-m", "torchpmap.bench.tensor_parallel", "--worker", report, "--steps", str(steps), "--warmup",
-            str(warmup), "--batch", str(batch), "--lr", str(lr), "--timeout", str(timeout),
-            "--columns", ",".join(columns), "--sizes", ",".join(map(str, sizes)),
-        ]
-        finished = launch(argv, nproc, timeout=timeout, hosts=hosts, master_addr=master_addr)
-        if any(f.returncode != 0 for f in finished) or not os.path.exists(report):
-            logs = "\n".join(f"--- rank {f.rank} (exit code {f.returncode})\n{f.output[-4000:]}" for f in finished)
-            raise RuntimeError(f"run_tp_comparison: a process failed\n{logs}")
-        with open(report) as f:
-            return cast("dict[str, Any]", json.load(f))
+    args = [
+        "--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch), "--lr", str(lr), "--timeout",
+        str(timeout), "--columns", ",".join(columns), "--sizes", ",".join(map(str, sizes)),
+    ]
+    return run_workers("torchpmap.bench.tensor_parallel", args, nproc, timeout=timeout, hosts=hosts,
+                       master_addr=master_addr, what="run_tp_comparison")
 
 
 # --------------------------------------------------------------------------- inside each process
@@ -121,7 +109,7 @@ _NAMES = {"w1": "0.weight", "b1": "0.bias", "w2": "2.weight", "b2": "2.bias"}
 
 
 def _worker(
-    report: str, steps: int, warmup: int, batch: int, lr: float, timeout: float, names: Sequence[str],
+    report: str, steps: int, warmup: int, batch_size: int, lr: float, timeout: float, names: Sequence[str],
     sizes: tuple[int, int, int],
 ) -> None:
     import torch.distributed as dist
@@ -192,46 +180,21 @@ def _worker(
                 "single": lambda: module_column("single")}
     columns = {name: builders[name]() for name in names}
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     g = torch.Generator().manual_seed(1)
-    times: dict[str, list[float]] = {k: [] for k in columns}
-    loss = None
     features, _, classes = sizes
-    for rep in range(warmup + steps):
-        x = torch.randn(batch, features, generator=g).to(device)  # the same batch in every process
-        y = torch.randint(0, classes, (batch,), generator=g).to(device)
-        order = list(columns)[rep % len(columns):] + list(columns)[: rep % len(columns)]
-        for name in order:
-            dist.barrier()
-            sync()
-            start = time.perf_counter()
-            out = columns[name](x, y)
-            sync()
-            if rep >= warmup:
-                times[name].append(time.perf_counter() - start)
-            if name == "torchpmap.tp":
-                loss = float(out)
-    stacked = torch.tensor([times[name] for name in columns], dtype=torch.float64, device=device)
-    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest process
-    seconds = dict(zip(columns, stacked.tolist()))
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:  # the same batch in every process
+        return (torch.randn(batch_size, features, generator=g).to(device),
+                torch.randint(0, classes, (batch_size,), generator=g).to(device))
+
+    seconds, loss = time_columns(
+        columns, batch, warmup=warmup, steps=steps, device=device, keeps_loss=lambda name: name == "torchpmap.tp"
+    )
     params = {name: full[name]() for name in columns}
     first, *others = list(params.values())
     diff = max(((first[k] - other[k]).abs().max().item() for other in others for k in first), default=0.0)
     if rank == 0:
-        per_column: dict[str, dict[str, Any]] = {}
-        for name, samples in seconds.items():
-            per_column[name] = {
-                "ms": statistics.median(samples) * 1e3,
-                "iqr_ms": _iqr(samples) * 1e3,
-                "all_ms": [round(t * 1e3, 4) for t in samples],
-            }
-            if "dtensor.tp" in seconds:
-                per_column[name]["ratio_to_dtensor"] = statistics.median(
-                    a / b for a, b in zip(samples, seconds["dtensor.tp"])
-                )
+        per_column = summary(seconds, "dtensor.tp", "ratio_to_dtensor")
         result = {
             "nproc": nproc,
             "steps": steps,
@@ -240,14 +203,12 @@ def _worker(
             "device": str(device),
             "model": f"MLP {sizes[0]}-{sizes[1]}-{sizes[2]} (hidden split over {nproc} processes), cross-entropy, "
                      f"SGD(lr={lr})",
-            "batch": batch,
+            "batch": batch_size,
             "columns": per_column,
             "max_param_diff": diff,
             "loss": loss,
         }
-        with open(report + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(report + ".tmp", report)
+        write_report(report, result)
     tpd.shutdown()
 
 
