@@ -97,6 +97,14 @@ PARTS: list[Part] = [
     Part("attention", "scaled_dot_product_attention under the map on each kernel, gradients outside and inside",
          _program("attention_check"), timeout=240),
     Part(
+        "shard-map",
+        "shard_map's notebook programs on the GPU, and on the GPU and a CPU device together, against a CPU device",
+        _program("shard_map_check"),
+        env=lambda ctx: {"TORCHPMAP_NUM_CPU_DEVICES": None if ctx.cuda else "2",
+                         "TORCHPMAP_EXTRA_CPU_DEVICES": "1" if ctx.cuda else None},
+        timeout=180,
+    ),
+    Part(
         "tests-mixed",
         "API and multi-device tests on CUDA and CPU devices together (cuda:0 and 3 CPU devices)",
         _pytest(MIXED_TEST_FILES, "tests-mixed.xml", MIXED_TEST_FILES),
