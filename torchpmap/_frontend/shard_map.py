@@ -35,7 +35,7 @@ from torchpmap._frontend.tree_prefix import broadcast_prefix
 from torchpmap._placement import dtensor as _dtensor
 from torchpmap._placement.mesh import AbstractMesh, Mesh, ProcessMesh
 from torchpmap._placement.partition_spec import PartitionSpec
-from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor, has_nested_shards
 from torchpmap._state.faults import OutputVaries
 from torchpmap._state.torch_private import pytree
 
@@ -246,7 +246,7 @@ class ShardMapped:
         as its major axis. Then each device's shard holds exactly the blocks of that
         device's first-axis positions, and its blocks are the same view of the shard as
         of the whole (with its share of the first axis' positions)."""
-        if not isinstance(leaf, ShardedTensor) or any(isinstance(s.tensor, ShardedTensor) for s in leaf.shards):
+        if not isinstance(leaf, ShardedTensor) or has_nested_shards(leaf):
             return None
         mesh = self.opts.mesh
         first = mesh.axis_names[0]

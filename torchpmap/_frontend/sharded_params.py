@@ -145,8 +145,7 @@ class ShardedParams:
     def gather_into_module(self, axis_name: Hashable, devices: Sequence[DeviceLike] | None) -> None:
         """Writes every parameter's whole value into the module (across processes, by
         an ``all_gather`` over ``axis_name``)."""
-        whole = self.gather_rows({k: [Shard(s.device, s.tensor) for s in shards] for k, shards in self.pieces.items()},
-                                 axis_name, devices)
+        whole = self.gather_rows(self.pieces, axis_name, devices)
         with torch.no_grad():
             for k, value in whole.items():
                 p = self.model.get_parameter(k)
@@ -168,8 +167,7 @@ class ShardedParams:
                 }
             else:
                 gather = pmap(_gathered(axis_name), axis_name=axis_name, in_axes=0, out_axes=None, devices=devices)
-                flat = gather({k: _assembled([Shard(s.device, s.tensor.detach()) for s in shards])
-                               for k, shards in rows.items()})
+                flat = gather({k: _detached(shards) for k, shards in rows.items()})
             return {k: self.layouts[k].unflatten(v).to(self._home(k)) for k, v in flat.items()}
 
     def optimizer_state_dict(
@@ -240,9 +238,7 @@ class ShardedParams:
     def values(self) -> dict[str, torch.Tensor]:
         """Per parameter, its ``(n, s)`` rows as the pmap takes them: a ShardedTensor
         over the pieces (a plain tensor on one device), detached."""
-        return {
-            k: _assembled([Shard(s.device, s.tensor.detach()) for s in shards]) for k, shards in self.pieces.items()
-        }
+        return {k: _detached(shards) for k, shards in self.pieces.items()}
 
     def set_grads(self, grads: dict[str, torch.Tensor]) -> None:
         """Each piece's ``.grad``: its rows of ``grads`` (the step's sharded gradients);
@@ -296,3 +292,8 @@ def _pieces_of(value: torch.Tensor) -> list[Shard]:
 
 def _assembled(shards: list[Shard]) -> torch.Tensor:
     return shards[0].tensor if len(shards) == 1 else ShardedTensor(shards)
+
+
+def _detached(shards: list[Shard]) -> torch.Tensor:
+    """The pieces, detached, as the pmap takes them (:func:`_assembled`)."""
+    return _assembled([Shard(s.device, s.tensor.detach()) for s in shards])

@@ -485,8 +485,13 @@ def _split_alike(t: torch.Tensor, dim: int, sizes: list[int]) -> bool:
     """Whether ``t`` is a ShardedTensor of plain shards of these sizes along ``dim``."""
     return (
         isinstance(t, ShardedTensor) and t.shard_dim == dim and [s.tensor.shape[dim] for s in t.shards] == sizes
-        and not any(isinstance(s.tensor, ShardedTensor) for s in t.shards)
+        and not has_nested_shards(t)
     )
+
+
+def has_nested_shards(st: ShardedTensor) -> bool:
+    """Whether a shard of ``st`` is itself a ShardedTensor (a nested mesh map's result)."""
+    return any(isinstance(s.tensor, ShardedTensor) for s in st.shards)
 
 
 class _Gather(torch.autograd.Function):
@@ -508,9 +513,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, st: ShardedTensor) -> tuple:
         ctx.dim, ctx.device = st.shard_dim, st.device
-        ctx.shard_devices = None if any(isinstance(s.tensor, ShardedTensor) for s in st.shards) else [
-            (s.device, s.tensor.device) for s in st.shards
-        ]
+        ctx.shard_devices = None if has_nested_shards(st) else [(s.device, s.tensor.device) for s in st.shards]
         return tuple(_detached(s.tensor) for s in st.shards)
 
     @staticmethod

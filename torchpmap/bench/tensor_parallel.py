@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import torch
 
+from torchpmap._placement.dtensor import placements_for
 from torchpmap.bench.interleaved import run_workers, summary, time_columns, write_report
 from torchpmap.bench.launch import Host
 
@@ -114,7 +115,7 @@ def _worker(
 ) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import torchpmap as tp
@@ -128,14 +129,12 @@ def _worker(
     initial = _model(sizes).to(device)
     P = tp.P
     specs = {"w1": P("model"), "b1": P("model"), "w2": P(None, "model"), "b2": P()}
-    placements: dict[str, list[Placement]] = {
-        "w1": [Shard(0)], "b1": [Shard(0)], "w2": [Shard(1)], "b2": [Replicate()]
-    }
     full: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}  # each column's full parameters, at the end
 
     def torchpmap_column() -> Callable[[torch.Tensor, torch.Tensor], Any]:
         state = {
-            k: distribute_tensor(initial.get_parameter(name).detach().clone(), mesh.device_mesh, placements[k])
+            k: distribute_tensor(initial.get_parameter(name).detach().clone(), mesh.device_mesh,
+                                 placements_for(specs[k], mesh, "tensor_parallel"))
             for k, name in _NAMES.items()
         }
 
@@ -158,7 +157,6 @@ def _worker(
         return run
 
     def module_column(name: str) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-
         module: torch.nn.Module = copy.deepcopy(initial)
         if name == "dtensor.tp":
             module = parallelize_module(module, mesh.device_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
