@@ -148,10 +148,8 @@ def fsdp_and_tp(B, x, w):
 
 def invariant_gradients(B, x, w):
     """Gradients of a replicated weight through psums of it (implicitly varied first) and
-    of its product with the split batch: each position's contribution counted once.
-    JAX varies the weight implicitly where it meets the split batch; torchpmap asks for
-    that pvary explicitly (torch.func's gradient is per position: without it the
-    gradient varies, and check_vma refuses an out_spec that says otherwise)."""
+    of its product with the split batch, varied explicitly: each position's contribution
+    counted once."""
     def block(x, w):
         def loss(w):
             return B.psum((w ** 2).sum(), "model") + B.psum((x @ B.pvary(w, "batch")).sum(), "batch")
@@ -159,6 +157,52 @@ def invariant_gradients(B, x, w):
         return B.grad(loss)(w)
 
     return B.shard_map(block, in_specs=(B.P("batch", None), B.P()), out_specs=B.P())(x, w)
+
+
+def implicit_pvary(B, x, w):
+    """The same without the pvary: JAX varies the weight where it meets the split batch
+    (torchpmap too, see torchpmap._frontend.implicit_pvary). Its invariant uses (the psum
+    over "model") add their gradient once, its varying ones the psum of theirs."""
+    def block(x, w):
+        def loss(w):
+            return B.psum((w ** 2).sum(), "model") + B.psum((x @ w).sum(), "batch")
+
+        return B.grad(loss)(w)
+
+    return B.shard_map(block, in_specs=(B.P("batch", None), B.P()), out_specs=B.P())(x, w)
+
+
+def replicated_step(B, x, w1, w2):
+    """A Megatron MLP's gradients taken inside the map, of a loss that varies along
+    "batch" (no pmean): each weight is replicated over "batch", so its gradient is the
+    sum of the positions' (pvary's transpose), split over "model" as the weight is; x's
+    gradient stays per position."""
+    def block(x, w1, w2):
+        def loss(x, w1, w2):
+            return (B.psum(B.tanh(x @ w1) @ w2, "model") ** 2).mean()
+
+        return B.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+
+    specs = (B.P("batch", None), B.P(None, "model"), B.P("model", None))
+    return B.shard_map(block, in_specs=specs, out_specs=specs)(x, w1, w2)
+
+
+def vjp_inside(B, x, w, ct):
+    """A vjp inside the map with a cotangent split like the output: the gradient of the
+    weight (replicated over "batch") is summed over "batch"; stacked with an out_spec that
+    names "batch", every block is that sum (not one position's part)."""
+    def f(x, w):
+        return B.psum(x @ w, "model")
+
+    def block(x, w, ct):
+        if B.xp is torch:
+            _, pullback = torch.func.vjp(f, x, w)
+        else:
+            _, pullback = jax.vjp(f, x, w)
+        return pullback(ct)
+
+    specs = (B.P("batch", "model"), B.P("model", None), B.P("batch", None))
+    return B.shard_map(block, in_specs=specs, out_specs=(B.P("batch", "model"), B.P("model", "batch")))(x, w, ct)
 
 
 PROGRAMS = {
@@ -170,6 +214,9 @@ PROGRAMS = {
     "fsdp_step": (fsdp_step, [(8, 4), (4, 8)]),
     "fsdp_and_tp": (fsdp_and_tp, [(8, 16), (16, 8)]),
     "invariant_gradients": (invariant_gradients, [(8, 4), (4,)]),
+    "implicit_pvary": (implicit_pvary, [(8, 4), (4,)]),
+    "replicated_step": (replicated_step, [(8, 4), (4, 6), (6, 4)]),
+    "vjp_inside": (vjp_inside, [(8, 4), (4, 3), (8, 3)]),
 }
 
 
@@ -416,16 +463,18 @@ def test_an_output_that_varies_along_an_axis_its_spec_leaves_out_raises():
         tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P())(w)
     out = tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P("model"))(w)
     torch.testing.assert_close(out, torch.cat([w, w]))
-    # a gradient inside the map is per position: of a replicated weight used with the split
-    # batch it varies, unless the weight is varied first (JAX does that implicitly)
-    def per_position(x, w):
+    # a gradient inside the map of a replicated weight used with the split batch is JAX's:
+    # the weight is varied implicitly where it meets the batch, and pvary's transpose sums
+    # the positions' parts, so the gradient is the same on every position, as the weight
+    def implicit(x, w):
         return grad(lambda w: tp.psum((x @ w).sum(), "batch"))(w)
 
-    with pytest.raises(ValueError, match="varies along a mesh axis"):
-        tp.shard_map(per_position, mesh=mesh, in_specs=(P("batch"), P()), out_specs=P())(x, w)
-    summed = tp.shard_map(lambda x, w: grad(lambda w: tp.psum((x @ tp.pvary(w, "batch")).sum(), "batch"))(w),
-                          mesh=mesh, in_specs=(P("batch"), P()), out_specs=P())(x, w)
-    torch.testing.assert_close(summed, x.sum(0))
+    def explicit(x, w):
+        return grad(lambda w: tp.psum((x @ tp.pvary(w, "batch")).sum(), "batch"))(w)
+
+    for program in (implicit, explicit):
+        summed = tp.shard_map(program, mesh=mesh, in_specs=(P("batch"), P()), out_specs=P())(x, w)
+        torch.testing.assert_close(summed, x.sum(0))
 
 
 def test_pvary_transposes_to_psum():

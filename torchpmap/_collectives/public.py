@@ -21,6 +21,7 @@ import torch
 from torchpmap._collectives.binding import bind_many
 from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter, Pvary
 from torchpmap._state import axis_env as _axis_env
+from torchpmap._state import context as _context
 from torchpmap._state.axis_env import AxisFrame
 from torchpmap._state.compile_guard import refuse_under_compile
 from torchpmap._state.torch_private import pytree
@@ -43,10 +44,14 @@ Leaves = Sequence[torch.Tensor]
 def _tree_apply(what: str, x: Any, fn: Callable[[list[torch.Tensor]], Leaves]) -> Any:
     """``fn`` on all the leaves of ``x`` at once (as tensors), rebuilt into ``x``'s structure."""
     refuse_under_compile(what)
-    if isinstance(x, torch.Tensor):  # the common case, without pytree's flatten and unflatten
-        return fn([x])[0]
-    leaves, spec = pytree.tree_flatten(x)
-    return pytree.tree_unflatten(fn([_leaf_tensor(leaf, what) for leaf in leaves]), spec)
+    inside = _context.in_collective.set(True)  # shard_map's implicit pvary leaves the collective's own ops alone
+    try:
+        if isinstance(x, torch.Tensor):  # the common case, without pytree's flatten and unflatten
+            return fn([x])[0]
+        leaves, spec = pytree.tree_flatten(x)
+        return pytree.tree_unflatten(fn([_leaf_tensor(leaf, what) for leaf in leaves]), spec)
+    finally:
+        _context.in_collective.reset(inside)
 
 
 def _frames(axis_name: AxisNames, what: str) -> list[AxisFrame]:

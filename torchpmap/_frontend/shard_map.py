@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from torchpmap._frontend.call import MapOptions, MappedFunction
+from torchpmap._frontend.implicit_pvary import implicit_pvary
 from torchpmap._frontend.tree_prefix import broadcast_prefix
 from torchpmap._placement import dtensor as _dtensor
 from torchpmap._placement.mesh import AbstractMesh, Mesh, ProcessMesh
@@ -275,7 +276,10 @@ class ShardMapped:
         fun, mesh, out_specs = self.fun, self.opts.mesh, self.opts.out_specs
 
         def blocks(*leaves: Any) -> Any:
-            return fun(*pytree.tree_unflatten(list(leaves), tree))
+            if not self.opts.check_vma:
+                return fun(*pytree.tree_unflatten(list(leaves), tree))
+            with implicit_pvary(mesh.axis_names):  # JAX's gradients inside the map (see implicit_pvary)
+                return fun(*pytree.tree_unflatten(list(leaves), tree))
 
         mapped: Callable = blocks
         names = mesh.axis_names

@@ -142,6 +142,26 @@ def functorch_value(t: torch.Tensor, vmap_level: int | None = None) -> tuple[tor
     return t, dim
 
 
+def functorch_levels(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(batched, tracked)``: the vmap levels at which ``t`` is batched, and the levels
+    of the other torch.func wrappers around it (grad, jvp), outermost first.
+
+    For: shard_map's implicit ``pvary`` (:mod:`torchpmap._frontend.implicit_pvary`): an
+    op that mixes a differentiated value the same on every position of a mesh axis with
+    one that varies along it (JAX inserts ``pvary`` there; its transpose is ``psum``).
+    The mesh axis' vmap level says which values vary; the grad level, which are
+    differentiated inside the map.
+    Public replacement: none (``torch.func`` does not say at which levels a tensor is
+    wrapped). Checked: torch 2.11.0, 2.13.0, 2.14.1 (the pieces of :func:`functorch_value`
+    and :data:`vmap_level_of`)."""
+    batched: list[int] = []
+    tracked: list[int] = []
+    while _is_wrapped(t):
+        (batched if _is_batched(t) else tracked).append(vmap_level_of(t))
+        t = _get_unwrapped(t)
+    return tuple(batched), tuple(tracked)
+
+
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is a torch.func wrapper (batched or grad-tracking): a tensor with no
     storage of its own, whose ``data_ptr()`` raises.
