@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
+from torchpmap._frontend import shard_map_backward as _backward
 from torchpmap._frontend.call import MapOptions, MappedFunction
 from torchpmap._frontend.implicit_pvary import implicit_pvary
 from torchpmap._frontend.tree_prefix import broadcast_prefix
@@ -148,8 +149,16 @@ class ShardMapped:
                 f"shard_map: keyword arguments ({', '.join(kwargs)}) are not supported: in_specs describes the "
                 "positional arguments. Pass them positionally, with a spec each."
             )
+        if isinstance(self.opts.mesh, ProcessMesh) and self.opts.check_vma:
+            leaves, tree = pytree.tree_flatten(args)
+            if _backward.wants_gradient(leaves):  # .backward() from outside: a vjp inside (see shard_map_backward)
+                return _backward.call(self, args, leaves, tree, self._in_spec_leaves(args))
+        return self.run(args)
+
+    def run(self, args: tuple) -> Any:
+        """The call itself: blocks in, the nested maps, blocks out."""
         leaves, tree = pytree.tree_flatten(args)
-        specs = [spec for spec, _ in broadcast_prefix(self.opts.in_specs, args, "shard_map in_specs", is_leaf=is_spec)]
+        specs = self._in_spec_leaves(args)
         labels = _leaf_labels(args)
         blocked = [self._block(leaf, spec, label) for leaf, spec, label in zip(leaves, specs, labels)]
         key = (tree, tuple(b.axes for b in blocked))
@@ -161,6 +170,20 @@ class ShardMapped:
         except OutputVaries as varies:
             raise self._varies(varies) from None
         return self._unblock_all(stacked)
+
+    def remapped(self, fun: Callable[..., Any], in_specs: Specs, out_specs: Specs) -> ShardMapped:
+        """A shard_map of ``fun`` over the same mesh, under check_vma, eager (the vjp of
+        :mod:`~torchpmap._frontend.shard_map_backward`)."""
+        opts = dataclasses.replace(self.opts, in_specs=in_specs, out_specs=out_specs, check_vma=True, jit=False)
+        return ShardMapped(fun, opts)
+
+    def _in_spec_leaves(self, args: tuple) -> list[PartitionSpec | None]:
+        """The in spec of each argument leaf."""
+        return [spec for spec, _ in broadcast_prefix(self.opts.in_specs, args, "shard_map in_specs", is_leaf=is_spec)]
+
+    def out_spec_leaves(self, results: Any) -> list[tuple[PartitionSpec | None, Any]]:
+        """Each result leaf's out spec, with the leaf."""
+        return list(broadcast_prefix(self.opts.out_specs, results, "shard_map out_specs", is_leaf=is_spec))
 
     # ------------------------------------------------------------------ blocks in
 

@@ -71,7 +71,8 @@ def local_block(x: Any, spec: PartitionSpec | None, mesh: ProcessMesh, what: str
 
 class _NoGradientOutside(torch.autograd.Function):
     """Passes a shard_map result across processes through, and refuses ``.backward()``
-    through it (see :func:`as_dtensor`)."""
+    through it: only under ``check_vma=False`` (with it, shard_map differentiates the
+    call as a whole, see :mod:`torchpmap._frontend.shard_map_backward`)."""
 
     @staticmethod
     def forward(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -84,10 +85,10 @@ class _NoGradientOutside(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         raise NotImplementedError(
-            f"{ctx.what}: .backward() through a shard_map result across processes is not supported yet: every "
-            "process holds its own copy of a replicated result, and summing their gradients would count it once "
-            "per copy. Take gradients inside the map (torch.func.grad in the function given to shard_map), as "
-            "JAX programs do; they follow JAX's check_vma rules."
+            f"{ctx.what}: .backward() through a shard_map result across processes needs check_vma=True: the "
+            "gradient is then taken inside the map, where check_vma's rules count a replicated result's "
+            "cotangent once (without them, every process' copy would be counted). Pass check_vma=True, or take "
+            "gradients inside the map yourself (torch.func.grad in the function given to shard_map)."
         )
 
 
