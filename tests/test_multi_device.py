@@ -500,3 +500,60 @@ def test_device_slices_that_disagree_on_shapes_or_dtypes(cpu_devices):
         r"returns torch.float32 with shape \(3,\)",
     ):
         tp.pmap(lambda v: v if _devices.current_default()[0].id == 0 else torch.cat([v, v[:1]]))(torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+@pytest.mark.filterwarnings("ignore:torch.func.vmap cannot run:torchpmap.VectorizationFallbackWarning")  # _neg_view
+def test_lazily_conjugated_results_keep_their_sign_on_every_placement(cpu_devices, n_devices):
+    """``v.conj()`` is a view with a conjugate bit (``z.conj().imag`` one with a negative
+    bit): a result on several devices computed with the bit dropped (sums, copies,
+    comparisons took the unconjugated values) while printing right."""
+    cpu_devices(n_devices)
+    w = torch.tensor([1 + 1j, 2 + 2j, 3 + 3j, 4 + 4j])
+    for f in (lambda v: v.conj(), lambda v: v.conj().reshape(1), lambda v: v.conj().imag):
+        got = tp.pmap(f)(w)
+        want = torch.stack([f(v) for v in w])
+        assert torch.equal(got.sum(), want.sum()) and torch.equal(got.clone(), want) and bool((got == want).all())
+        assert torch.equal(tp.pmap(lambda v: v * 1)(got), want)  # fed into another map
+    x = torch.tensor([[1 + 1j, 2 + 2j]] * 4)
+    got = tp.pmap(lambda v, w: v + w.conj(), in_axes=(0, None))(x, x[0])
+    assert torch.equal(got.clone(), x + x[0].conj())
+
+
+COLLECTIVES_OF_ONE_ARGUMENT = {
+    "all_gather": lambda v: tp.all_gather(v, "i"),
+    "all_gather_tiled": lambda v: tp.all_gather(v, "i", tiled=True),
+    "all_to_all": lambda v: tp.all_to_all(v, "i", 0, 0),
+    "pswapaxes": lambda v: tp.pswapaxes(v, "i", 0),
+    "pvary": lambda v: tp.pvary(v, "i"),
+    "psum": lambda v: tp.psum(v, "i"),
+    "ppermute": lambda v: tp.ppermute(v, "i", [(k, (k + 1) % 4) for k in range(4)]),
+}
+
+
+@pytest.mark.parametrize("n_devices", [1, 4])
+@pytest.mark.parametrize("name", sorted(COLLECTIVES_OF_ONE_ARGUMENT))
+def test_a_collectives_result_is_its_own_memory_on_every_placement(cpu_devices, name, n_devices):
+    """As across devices (where the values travel): writing into a collective's result
+    changes neither the argument nor the caller's tensor, and writing into the argument
+    after the collective does not change its result. On one device all_gather,
+    all_to_all, pswapaxes and pvary returned views of the argument."""
+    cpu_devices(n_devices)
+    op = COLLECTIVES_OF_ONE_ARGUMENT[name]
+    original = torch.arange(16.0).reshape(4, 4)
+    want = tp.pmap(op, axis_name="i")(original.clone())
+
+    def write_result(v):
+        r = op(v)
+        r.mul_(0)
+        return v * 1
+
+    x = original.clone()
+    assert torch.equal(tp.pmap(write_result, axis_name="i")(x), original) and torch.equal(x, original)
+
+    def write_argument(v):
+        r = op(v)
+        v.add_(100)
+        return r
+
+    assert torch.equal(torch.as_tensor(tp.pmap(write_argument, axis_name="i")(original.clone())), torch.as_tensor(want))

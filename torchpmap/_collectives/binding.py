@@ -60,6 +60,10 @@ class Primitive:
     keeps_invariant = False
     #: Computed on this slice's own instances: no exchange with the other slices.
     local = False
+    #: ``compute`` may return a view of its input (a reordering of the instances' values):
+    #: where no exchange copies them, the result is copied, so that writing into it (or
+    #: into the argument afterwards) acts as on another placement, where it is new memory.
+    views_input = False
 
     @property
     def reduces(self) -> bool:
@@ -254,7 +258,8 @@ def _run_at_owner(
             kind.invariant = d is None
     if frame.exchange is None or all(p.local for p in prims):
         return [
-            p.compute_unbatched(x) if d is None else p.compute(x.movedim(d, 0)) for p, x, d in zip(prims, xs, x_dims)
+            _fresh(p, p.compute_unbatched(x) if d is None else p.compute(x.movedim(d, 0)))
+            for p, x, d in zip(prims, xs, x_dims)
         ]
     kept = [k for k, (p, d) in enumerate(zip(prims, x_dims)) if d is None and p.keeps_invariant]
     if kept:  # invariant values that stay as they are: no exchange for them (the same on every slice)
@@ -290,7 +295,7 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     """
     exchange = prims[0].frame.exchange
     if exchange is None:
-        return [p.compute(X) for p, X in zip(prims, Xs)]
+        return [_fresh(p, p.compute(X)) for p, X in zip(prims, Xs)]
     if exchange.reduces_locally and all(p.reduces for p in prims):
         # even a slice of one instance sends compute's result: its dtype (psum of bools
         # sends int64) must not depend on the local size, and the bits are those of one process
@@ -303,6 +308,11 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
         return [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
     everyone = exchange.all_gather_with_grad(Xs, _describe(prims))
     return [_own_part(p, *p.compute(E.flatten(0, 1))) for p, E in zip(prims, everyone)]
+
+
+def _fresh(prim: Primitive, result: tuple[torch.Tensor, int | None]) -> tuple[torch.Tensor, int | None]:
+    """``result`` in memory of its own where ``prim`` may return a view of its input."""
+    return (result[0].clone(), result[1]) if prim.views_input else result
 
 
 def _describe(prims: Sequence[Primitive]) -> str:

@@ -117,6 +117,7 @@ class Pvary(Primitive):
 
     kind: InputKind = dataclasses.field(default_factory=InputKind)
     name = "pvary"
+    views_input = True
     local = True
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
@@ -201,6 +202,7 @@ class AllGather(Primitive):
     tiled: bool = False
     groups: Groups = None
     name = "all_gather"
+    views_input = True
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         at = self.lead + self.axis
@@ -303,6 +305,7 @@ class AllToAll(Primitive):
     concat_axis: int = 0
     tiled: bool = False
     name = "all_to_all"
+    views_input = True
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         n, split = X.shape[0], self.dim(self.split_axis)

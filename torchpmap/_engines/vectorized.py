@@ -32,6 +32,10 @@ def place(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
+def _own_view(t: Any) -> Any:
+    return t.view_as(t) if type(t) is torch.Tensor else t
+
+
 def run(
     call: MappedCall,
     *,
@@ -48,7 +52,10 @@ def run(
     ``seed``: the call seed of ``randomness="per_instance"`` (drawn here when None).
     """
     device = call.devices[0].torch_device if call.devices else None
-    mapped = [place(t, device) for t in call.mapped]
+    # each mapped argument goes in as a view of the caller's tensor, as a slice does on
+    # several devices: an in-place change of its metadata (t_, unsqueeze_, resize_) then
+    # changes the instances' view, not the caller's tensor (values written still reach it)
+    mapped = [_own_view(place(t, device)) for t in call.mapped]
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else (mapped[0].device if mapped else None)
     # the axis token is an extra vmap input (see torchpmap._collectives.binding); an unnamed axis needs

@@ -279,6 +279,9 @@ def _checked_shards(shards: Any, dim: Any) -> tuple[list[Shard], int]:
                 f"ShardedTensor: shard {k} has shape {tuple(t.shape)}, shard 0 has {tuple(first.shape)}; the shards "
                 f"may differ only along dim {dim}, the one they are concatenated along"
             )
+    # a lazily conjugated or negated view (v.conj()) holds its sign in a bit that the
+    # wrapper's ops do not carry: resolve it here (no copy for a plain tensor)
+    pairs = [Shard(d, t.resolve_conj().resolve_neg()) for d, t in pairs]
     return pairs, dim
 
 
