@@ -55,6 +55,15 @@ def _ring(mesh: Any, jit: bool) -> Callable[..., Any]:
                         in_specs=P("data", "model"), out_specs=P("data", "model"))
 
 
+def _replicated_gradient(mesh: Any, jit: bool) -> Callable[..., Any]:
+    """A gradient inside the map of a weight replicated over ``data``, used with the split
+    batch (implicit pvary: summed over ``data``) and invariantly (a psum over ``model``)."""
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return grad(lambda w: tp.psum((w ** 2).sum(), "model") + ((x @ w) ** 2).mean())(w)
+
+    return tp.shard_map(block, mesh=mesh, jit=jit, in_specs=(P("data", None), P()), out_specs=P())
+
+
 def _chained(mesh: Any) -> Callable[..., Any]:
     """A second shard_map that takes the product's result (split over ``data``) as it is."""
     return tp.shard_map(lambda h: tp.psum(h.sum(1, keepdim=True), "model") * h, mesh=mesh,
@@ -62,12 +71,15 @@ def _chained(mesh: Any) -> Callable[..., Any]:
 
 
 def _arguments(name: str, g: torch.Generator) -> list[torch.Tensor]:
-    shapes = {"matmul": [(8, 8), (8, 6)], "fsdp": [(8, 8), (8, 8)], "tensor-parallel": [(8, 8), (8, 16), (16, 6)],
-              "ring": [(8, 4)]}[name]
-    return [torch.randn(*s, generator=g) for s in shapes]
+    shapes: dict[str, list[tuple[int, ...]]] = {
+        "matmul": [(8, 8), (8, 6)], "fsdp": [(8, 8), (8, 8)], "tensor-parallel": [(8, 8), (8, 16), (16, 6)],
+        "ring": [(8, 4)], "replicated-gradient": [(8, 6), (6,)],
+    }
+    return [torch.randn(*s, generator=g) for s in shapes[name]]
 
 
-PROGRAMS: dict[str, Program] = {"matmul": _matmul, "fsdp": _fsdp, "tensor-parallel": _tensor_parallel, "ring": _ring}
+PROGRAMS: dict[str, Program] = {"matmul": _matmul, "fsdp": _fsdp, "tensor-parallel": _tensor_parallel, "ring": _ring,
+                                 "replicated-gradient": _replicated_gradient}
 
 
 def _run(program: Program, mesh: Any, args: list[torch.Tensor], jit: bool = False) -> tuple[list, list]:
