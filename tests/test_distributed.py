@@ -490,20 +490,30 @@ def test_shard_map_on_a_process_mesh_gives_one_process_numbers(tmp_path):
     programs in one process (the positions vectorized on one device); results are
     DTensors with the out specs' placements; gradients taken inside the map follow
     check_vma (the FSDP step)."""
-    finished, results = _run("shard_map", 4, tmp_path, timeout=60)
+    results = _shard_map_processes_agree_with_one_device(
+        "shard_map", progs.shard_map_programs, ("plain", "dtensor_as_spec", "dtensor_redistributed"), tmp_path
+    )
+    for res in results.values():
+        assert res["placements"] == [("Shard", 0), ("Replicate", None)] and res["local_shape"] == (4, 6), res
+
+
+def _shard_map_processes_agree_with_one_device(scenario, programs, hows, tmp_path) -> dict:
+    """Runs ``scenario`` on a 2 x 2 mesh of processes; each process' ``res[how][name]``
+    must equal ``programs(one-device mesh, data)[name]``. Returns every process' results."""
+    finished, results = _run(scenario, 4, tmp_path, timeout=60)
     logs = _logs(finished)
     assert all(f.returncode == 0 for f in finished), logs
     one_device = tp.make_mesh(*progs.SHARD_MAP_MESH, devices=tp.local_devices()[:1])
-    reference = progs.shard_map_programs(one_device, progs.shard_map_data())
+    reference = programs(one_device, progs.shard_map_data())
     for r in range(4):
         res = results[r]
         assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
-        for how in ("plain", "dtensor_as_spec", "dtensor_redistributed"):
+        for how in hows:
             for name, want in reference.items():
                 torch.testing.assert_close(
                     res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}"
                 )
-        assert res["placements"] == [("Shard", 0), ("Replicate", None)] and res["local_shape"] == (4, 6), res
+    return results
 
 
 @pytest.mark.slow
@@ -513,19 +523,9 @@ def test_backward_through_shard_map_results_on_a_process_mesh_gives_one_process_
     argument's gradient equals the one-process gradient, for a result split over "data",
     a replicated one (its cotangent counted once, not once per process) and a weight
     used both invariantly and with the split batch."""
-    finished, results = _run("shard_map_backward", 4, tmp_path, timeout=60)
-    logs = _logs(finished)
-    assert all(f.returncode == 0 for f in finished), logs
-    one_device = tp.make_mesh(*progs.SHARD_MAP_MESH, devices=tp.local_devices()[:1])
-    reference = progs.shard_map_backward_programs(one_device, progs.shard_map_data())
-    for r in range(4):
-        res = results[r]
-        assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
-        for how in ("plain", "dtensor"):
-            for name, want in reference.items():
-                torch.testing.assert_close(
-                    res[how][name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{how} {name}: {m}"
-                )
+    _shard_map_processes_agree_with_one_device(
+        "shard_map_backward", progs.shard_map_backward_programs, ("plain", "dtensor"), tmp_path
+    )
 
 
 # loading in a process without a process group is what this test does on purpose; DCP says so
