@@ -557,3 +557,43 @@ def test_a_collectives_result_is_its_own_memory_on_every_placement(cpu_devices, 
         return r
 
     assert torch.equal(torch.as_tensor(tp.pmap(write_argument, axis_name="i")(original.clone())), torch.as_tensor(want))
+
+
+_RAISES_THREE_DEEP = """
+import torch, torchpmap as tp
+
+def f(a):
+    raise RuntimeError("boom")
+
+mesh = tp.make_mesh((2, 2, 2), ("x", "y", "z"))
+for debug in (False, True):
+    try:
+        if debug:
+            with tp.disable_vectorization():
+                tp.shard_map(f, mesh=mesh, in_specs=tp.P("x"), out_specs=tp.P())(torch.randn(8, 3))
+        else:
+            tp.shard_map(f, mesh=mesh, in_specs=tp.P("x"), out_specs=tp.P())(torch.randn(8, 3))
+    except RuntimeError as e:
+        print("raised", debug, e)
+try:
+    tp.pmap(tp.pmap(tp.pmap(f, axis_name="k"), axis_name="j"), axis_name="i")(torch.randn(2, 2, 2, 3))
+except RuntimeError as e:
+    print("raised nested", e)
+"""
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_an_error_three_maps_deep_reaches_the_caller(n_devices):
+    """An error raised in a function mapped three levels deep (a 3-D mesh, nested pmaps),
+    vectorized and one instance at a time, reaches the caller. It hung: the enclosing
+    instance threads' second run (naming the instance) nested a third inside them, and
+    two device threads' random-stream modes in one thread took one lock twice."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHPMAP_NUM_CPU_DEVICES": str(n_devices)}
+    done = subprocess.run([sys.executable, "-c", _RAISES_THREE_DEEP], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["raised False boom", "raised True boom", "raised nested boom"], done.stdout

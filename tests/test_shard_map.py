@@ -205,6 +205,19 @@ def vjp_inside(B, x, w, ct):
     return B.shard_map(block, in_specs=specs, out_specs=(B.P("batch", "model"), B.P("model", "batch")))(x, w, ct)
 
 
+def ppermute_across_axes(B, x, w):
+    """ppermute over two axes named against the mesh order: JAX numbers the positions
+    with the mesh's axes in mesh order ("batch" major), not the tuple's (axis_index of
+    the tuple follows the tuple)."""
+    shift = [(j, (j + 3) % 8) for j in range(8)]
+
+    def block(x):
+        me = x + 10 * B.axis_index("batch") + B.axis_index("model")
+        return B.ppermute(me, ("model", "batch"), shift) + B.ppermute(me * 2, ("model", "batch"), [(1, 0), (6, 5)])
+
+    return B.shard_map(block, in_specs=B.P("batch", "model"), out_specs=B.P("batch", "model"))(x)
+
+
 PROGRAMS = {
     "matmul_psum": (matmul_psum, [(8, 4), (4, 3)]),
     "all_gather": (gathered, [(8, 3), (1,)]),
@@ -217,6 +230,7 @@ PROGRAMS = {
     "implicit_pvary": (implicit_pvary, [(8, 4), (4,)]),
     "replicated_step": (replicated_step, [(8, 4), (4, 6), (6, 4)]),
     "vjp_inside": (vjp_inside, [(8, 4), (4, 3), (8, 3)]),
+    "ppermute_across_axes": (ppermute_across_axes, [(8, 4), (1,)]),
 }
 
 
@@ -251,7 +265,7 @@ def test_the_notebook_programs_give_jax_numbers_on_every_placement(cpu_devices, 
     _assert_close(got, _jax_result(name), f"{name} on {n_devices} devices")
 
 
-GRADIENT_PROGRAMS = ["matmul_psum", "reduce_scatter", "megatron_mlp", "all_gather"]
+GRADIENT_PROGRAMS = ["matmul_psum", "reduce_scatter", "megatron_mlp", "all_gather", "ppermute_across_axes"]
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from torchpmap._engines import (
 from torchpmap._engines.engine_warnings import JitFallbackWarning, VectorizationFallbackWarning
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._state import axis_env as _axis_env
+from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import vectorization_disabled
 from torchpmap._state.faults import ExchangeMismatch, PeerFailed, SizeMismatch
@@ -84,7 +85,11 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     except Exception as failure:
         why = _cannot_vectorize(failure)
         outermost = not any(f.vectorized for f in _axis_env.current_frames())
-        if why is None and outermost and _names_no_instance(failure):
+        # inside an instance thread, an enclosing map is running its instances one at a
+        # time already (naming them): a second such run nested in it would wait for the
+        # baton that the enclosing instance holds
+        named_outside = _context.instance_thread.get() is not None
+        if why is None and outermost and not named_outside and _names_no_instance(failure):
             _raise_naming_the_instance(call, failure)
         if why is None or call.vmap_fallback is None or not outermost:
             raise

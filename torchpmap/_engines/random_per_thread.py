@@ -32,6 +32,7 @@ _DRAWING_OPS = frozenset(
 _RANDOM_OPS = _DRAWING_OPS | {"lstm", "gru", "rnn_tanh", "rnn_relu", "scaled_dot_product_attention",
                               "multi_head_attention_forward"}
 _lock = threading.Lock()
+_drawing = threading.local()  # .now: this thread is drawing from a device thread's stream
 
 
 def call_seed(randomness: str) -> int | None:
@@ -68,16 +69,20 @@ class _DeviceThreadMode(TorchFunctionMode):
                 f"{self.what}: called random operation {name} while in randomness error mode (randomness='error'); "
                 "pass randomness='different', 'same' or 'per_instance' to draw random numbers"
             )
-        if self.seed is None or name not in _RANDOM_OPS:
+        if self.seed is None or name not in _RANDOM_OPS or getattr(_drawing, "now", False):
+            # (a mode of an enclosing device thread sees the op that an inner one draws:
+            # the innermost stream is the one that draws)
             return func(*args, **(kwargs or {}))
         with _lock:
             streams = self._streams()
             saved = [g.get_state() for g in self.generators]
             for g, state in zip(self.generators, streams):
                 g.set_state(state)
+            _drawing.now = True
             try:
                 return func(*args, **(kwargs or {}))
             finally:
+                _drawing.now = False
                 self.states = [g.get_state() for g in self.generators]
                 for g, state in zip(self.generators, saved):
                     g.set_state(state)
