@@ -330,3 +330,40 @@ def test_the_optimizer_state_comes_back_whole_and_resumes_on_another_split(place
     ref_step(shard((x, y), N))  # the mean of equal-sized means: the same gradient with 2 or 4 instances
     again.gather_params()
     assert_same_weights(weights(resumed), weights(ref))
+
+
+def test_per_instance_dropout_gives_the_same_weights_sharded_and_replicated(placement):
+    """randomness="per_instance" draws the same numbers on every placement: the sharded
+    step's own placement of the rows drew from the caller's generator on several devices
+    (a map with randomness "different"), which moved every instance's dropout mask."""
+    def dropout_mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Dropout(0.5), torch.nn.Linear(10, 3))
+
+    runs = {}
+    for sharded in (False, True):
+        torch.manual_seed(123)
+        runs[sharded] = train(dropout_mlp(), OPTIMIZERS["adamw"], 3, shard_params=sharded, randomness="per_instance")[1]
+    assert_same_weights(runs[True], runs[False])
+
+
+def test_max_grad_norm_of_a_float64_model_is_computed_in_float64(placement):
+    """clip_grad_norm_ keeps a float64 gradient's precision; the sharded step summed the
+    rows' squares in float32 (1e-9 off)."""
+    sgd = OPTIMIZERS["sgd-momentum-wd"]
+    x, y = (t.double() for t in data())
+    plain = mlp().double()
+    opt = sgd(plain.parameters())
+    for _ in range(3):
+        opt.zero_grad()
+        torch.stack([F.mse_loss(plain(xs), ys) for xs, ys in zip(x.chunk(N), y.chunk(N))]).mean().backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)
+        opt.step()
+    want = weights(plain)
+    model = mlp().double()
+    step = data_parallel_step(model, F.mse_loss, sgd(model.parameters()), shard_params=True, max_grad_norm=0.05)
+    for _ in range(3):
+        step(shard((x, y), N))
+    step.gather_params()
+    for k, v in weights(model).items():
+        torch.testing.assert_close(v, want[k], rtol=1e-13, atol=1e-15, msg=lambda m, k=k: f"{k}: {m}")

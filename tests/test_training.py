@@ -720,3 +720,35 @@ def test_one_device_eager_step_makes_no_per_instance_weight_gradient():
     with Watch():
         step(shard((x, y), n=8))
     assert stacked == []
+
+
+def test_a_loss_that_calls_the_model_again_is_differentiated_through_both_calls(placement):
+    """A loss_fn with a term of its own through the model (a consistency term): plain
+    PyTorch differentiates both calls; the second call ran outside the step's tensors and
+    its gradient was lost without an error. Replicated and sharded, 1 and 4 devices."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    def loss_for(model):
+        return lambda out, batch: F.cross_entropy(out, batch[1]) + model(batch[0] * 2).pow(2).mean()
+
+    plain = make()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.stack([loss_for(plain)(plain(xs), (xs, ys)) for xs, ys in zip(x.chunk(4), y.chunk(4))]).mean().backward()
+        opt.step()
+    for sharded in (False, True):
+        model = make()
+        step = data_parallel_step(model, loss_for(model), torch.optim.SGD(model.parameters(), lr=0.1),
+                                  model_inputs=lambda batch: batch[0], shard_params=sharded)
+        for _ in range(2):
+            step(shard((x, y), n=4))
+        if sharded:
+            step.gather_params()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

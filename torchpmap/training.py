@@ -436,12 +436,19 @@ def _split_buffers(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return floating, other
 
 
-def _functional_call(model: torch.nn.Module, tensors: dict[str, torch.Tensor], inputs: Any) -> Any:
-    """``model(**inputs)`` for a dict (a tokenizer's batch), else ``model(inputs)``, with
-    ``tensors`` in place of the model's own."""
-    if isinstance(inputs, Mapping):
-        return functional_call(model, tensors, (), dict(inputs))
-    return functional_call(model, tensors, (inputs,))
+class _ModelAndLoss(torch.nn.Module):
+    """The model and the loss as one module, for ``functional_call``: ``model(**inputs)``
+    for a dict (a tokenizer's batch), else ``model(inputs)``, then ``loss_fn(output,
+    seen_by_loss)``, all with the step's tensors in place of the model's own."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any]):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, inputs: Any, seen_by_loss: Any) -> Any:
+        output = self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
+        return self.loss_fn(output, seen_by_loss)
 
 
 def _pair(batch: Any) -> tuple[Any, Any]:
@@ -560,7 +567,8 @@ def data_parallel_step(
             step always uses the current values.
         loss_fn: ``loss_fn(model_output, targets) -> scalar``, e.g.
             ``torch.nn.functional.cross_entropy`` (``loss_fn(model_output, batch)`` with
-            ``model_inputs``). Use a mean over the examples.
+            ``model_inputs``). Use a mean over the examples. It may call ``model`` again
+            (a consistency term): that call is differentiated too, as in plain PyTorch.
         optimizer: a ``torch.optim`` optimizer over ``model``'s parameters, or None to
             only accumulate the averaged gradients into ``p.grad``.
         model_inputs: ``model_inputs(batch) -> inputs`` for a batch that is not an
@@ -659,6 +667,7 @@ def data_parallel_step(
     _check_max_grad_norm(max_grad_norm, optimizer)
 
     stateful = recurrent.modules_needing_state(model)
+    with_loss = _ModelAndLoss(model, loss_fn)
 
     def run_model(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
@@ -669,9 +678,12 @@ def data_parallel_step(
         batched like their input (see torchpmap._engines.recurrent)."""
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
         state = {k: v.clone() for k, v in {**floating, **other}.items()}
+        tensors = {f"model.{k}": v for k, v in {**params, **frozen, **state}.items()}
         with recurrent.zero_states_supplied(stateful):
-            output = _functional_call(model, {**params, **frozen, **state}, inputs)
-        loss, aux = _loss_and_aux(loss_fn(output, seen_by_loss), has_aux)
+            # the loss runs with the model's tensors swapped in too: a loss_fn that calls
+            # the model again (a consistency term) is differentiated through both calls
+            out = functional_call(with_loss, tensors, (inputs, seen_by_loss))
+        loss, aux = _loss_and_aux(out, has_aux)
         return loss, aux, state
 
     def instance_step(

@@ -67,7 +67,7 @@ class ShardedParams:
         first = _devices.process_index() * count
         layouts = {k: FlatLayout(model.get_parameter(k).shape, total) for k in names}
         rows = {k: layouts[k].rows(model.get_parameter(k), first, count) for k in names}
-        placed = pmap(_copy, axis_name=axis_name, in_axes=0, out_axes=0, devices=devices)(rows)
+        placed = pmap(_copy, axis_name=axis_name, in_axes=0, out_axes=0, devices=devices, randomness="error")(rows)
         pieces = {k: _pieces_of(v) for k, v in placed.items()}
         for shards in pieces.values():
             for s in shards:
@@ -166,7 +166,8 @@ class ShardedParams:
                     for k, shards in rows.items()
                 }
             else:
-                gather = pmap(_gathered(axis_name), axis_name=axis_name, in_axes=0, out_axes=None, devices=devices)
+                gather = pmap(_gathered(axis_name), axis_name=axis_name, in_axes=0, out_axes=None, devices=devices,
+                            randomness="error")
                 flat = gather({k: _detached(shards) for k, shards in rows.items()})
             return {k: self.layouts[k].unflatten(v).to(self._home(k)) for k, v in flat.items()}
 

@@ -86,7 +86,10 @@ def sharded_instance_step(
             loss, buffer_change = pmean((loss, buffer_change), axis_name)
         squared_norm = None
         if clips:  # the rows partition the gradient (the padding is zero): their squares sum to its norm's
-            mine = sum((g.float().pow(2).sum() for g in grads.values()), torch.zeros((), device=loss.device))
+            # in float32 at least, float64 where a gradient is (clip_grad_norm_ keeps its precision)
+            wide = torch.float64 if any(g.dtype == torch.float64 for g in grads.values()) else torch.float32
+            zero = torch.zeros((), device=loss.device, dtype=wide)
+            mine = sum((g.to(wide).pow(2).sum() for g in grads.values()), zero)
             squared_norm = psum(mine, axis_name)
         nonfinite = None
         if counts_nonfinite:  # every process must agree on GradScaler's skip (see ShardedStep._agree_on_skip)
