@@ -342,9 +342,9 @@ def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -
     """Sends values along the axis: for each ``(source, destination)`` pair in ``perm``,
     instance ``destination`` receives the value of instance ``source``. Instances that
     are no destination receive zeros. The transpose is ``ppermute`` with the pairs reversed.
-    Over a tuple of axes, the positions are numbered with the axes in mesh order (the
-    outermost map's axis major) whatever the tuple's order, as JAX's ``ppermute`` numbers
-    them (``axis_index`` of the tuple follows the tuple's order, in JAX too).
+    Over a tuple of axes the positions are numbered in the tuple's order (the first axis
+    major), as ``axis_index`` of the tuple; inside a ``shard_map``, over axes of its mesh,
+    in mesh order whatever the tuple's order, as JAX's ``shard_map`` numbers them.
 
     Example:
         >>> import torch, torchpmap
@@ -359,11 +359,13 @@ def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -
     source = [-1] * _total_size(frames)
     for s, d in pairs:
         source[d] = s
-    # over several axes JAX numbers the positions with the axes in mesh order (the
-    # outermost map's axis major), whatever the order of the tuple: so does torchpmap
-    nesting = {id(f): k for k, f in enumerate(_axis_env.current_frames())}
-    in_mesh_order = tuple(f.name for f in sorted(frames, key=lambda f: nesting[id(f)]))
-    return _tree_apply("ppermute", x, lambda ts: _receive_from(ts, in_mesh_order, source))
+    # over several axes of a shard_map's mesh, JAX numbers the positions with the axes in
+    # mesh order, whatever the order of the tuple (its vmap and pmap, in the tuple's order)
+    names = _axis_env.normalize_names(axis_name, "ppermute")
+    mesh = _context.shard_map_axes.get()
+    if all(n in mesh for n in names):
+        names = tuple(sorted(names, key=mesh.index))
+    return _tree_apply("ppermute", x, lambda ts: _receive_from(ts, names, source))
 
 
 def _receive_from(ts: list[torch.Tensor], axis_name: AxisNames, source: list[int]) -> Leaves:

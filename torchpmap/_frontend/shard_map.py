@@ -38,6 +38,7 @@ from torchpmap._placement import dtensor as _dtensor
 from torchpmap._placement.mesh import AbstractMesh, Mesh, ProcessMesh
 from torchpmap._placement.partition_spec import PartitionSpec
 from torchpmap._placement.sharded import ShardedTensor, has_nested_shards
+from torchpmap._state import context as _context
 from torchpmap._state.faults import OutputVaries
 from torchpmap._state.torch_private import pytree
 
@@ -299,10 +300,14 @@ class ShardMapped:
         fun, mesh, out_specs = self.fun, self.opts.mesh, self.opts.out_specs
 
         def blocks(*leaves: Any) -> Any:
-            if not self.opts.check_vma:
-                return fun(*pytree.tree_unflatten(list(leaves), tree))
-            with implicit_pvary(mesh.axis_names):  # JAX's gradients inside the map (see implicit_pvary)
-                return fun(*pytree.tree_unflatten(list(leaves), tree))
+            axes = _context.shard_map_axes.set(tuple(mesh.axis_names))  # ppermute numbers positions in mesh order
+            try:
+                if not self.opts.check_vma:
+                    return fun(*pytree.tree_unflatten(list(leaves), tree))
+                with implicit_pvary(mesh.axis_names):  # JAX's gradients inside the map (see implicit_pvary)
+                    return fun(*pytree.tree_unflatten(list(leaves), tree))
+            finally:
+                _context.shard_map_axes.reset(axes)
 
         mapped: Callable = blocks
         names = mesh.axis_names

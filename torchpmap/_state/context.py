@@ -58,6 +58,8 @@ module_watch: contextvars.ContextVar[Any | None] = contextvars.ContextVar("torch
 process_axes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_process_axes", default=())
 #: True while a program spanning processes is traced here (``pmap(jit=True)``).
 tracing_processes: contextvars.ContextVar[bool] = contextvars.ContextVar("torchpmap_tracing_processes", default=False)
+#: The mesh axes of the shard_map whose body runs here (mesh order), () outside shard_map bodies.
+shard_map_axes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_shard_map_axes", default=())
 #: True while a collective runs: shard_map's implicit pvary leaves its ops alone.
 in_collective: contextvars.ContextVar[bool] = contextvars.ContextVar("torchpmap_in_collective", default=False)
 #: ``disable_vectorization()`` in this context: True inside, None where no such block is open.
