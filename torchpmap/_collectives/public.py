@@ -361,7 +361,7 @@ def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -
         source[d] = s
     # over several axes of a shard_map's mesh, JAX numbers the positions with the axes in
     # mesh order, whatever the order of the tuple (its vmap and pmap, in the tuple's order)
-    names = _axis_env.normalize_names(axis_name, "ppermute")
+    names = tuple(f.name for f in frames)
     mesh = _context.shard_map_axes.get()
     if all(n in mesh for n in names):
         names = tuple(sorted(names, key=mesh.index))

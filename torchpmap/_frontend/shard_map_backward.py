@@ -117,14 +117,14 @@ class _AcrossProcesses(torch.autograd.Function):
             torch.set_rng_state(states[0])
             for d, state in zip(devices, states[1:]):
                 torch.cuda.set_rng_state(state, d)
-            grads = _pullback(plan, tensors, wanted)(tensors, cotangents)
+            grads = _pullback(plan, wanted)(tensors, cotangents)
         out: list[Any] = [None] * len(tensors)
         for k, g in zip(wanted, grads):
             out[k] = _like_input(g, tensors[k])
         return (None, *out)
 
 
-def _pullback(plan: _Call, tensors: Sequence[Any], wanted: list[int]) -> Callable[[Sequence[Any], Sequence[Any]], Any]:
+def _pullback(plan: _Call, wanted: list[int]) -> Callable[[Sequence[Any], Sequence[Any]], Any]:
     """The shard_map of ``f``'s vjp: (argument tensors, result cotangents) -> the wanted
     arguments' gradients, each split as its argument's in spec."""
     fun = plan.mapped.fun
