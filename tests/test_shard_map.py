@@ -206,14 +206,14 @@ def vjp_inside(B, x, w, ct):
 
 
 def ppermute_across_axes(B, x, w):
-    """ppermute over two axes named against the mesh order: JAX numbers the positions
-    with the mesh's axes in mesh order ("batch" major), not the tuple's (axis_index of
-    the tuple follows the tuple)."""
+    """ppermute over two mesh axes, named in mesh order: the positions are numbered with
+    "batch" major, as axis_index of the tuple numbers them (a tuple out of mesh order is
+    refused, by JAX too: see the test below)."""
     shift = [(j, (j + 3) % 8) for j in range(8)]
 
     def block(x):
         me = x + 10 * B.axis_index("batch") + B.axis_index("model")
-        return B.ppermute(me, ("model", "batch"), shift) + B.ppermute(me * 2, ("model", "batch"), [(1, 0), (6, 5)])
+        return B.ppermute(me, ("batch", "model"), shift) + B.ppermute(me * 2, ("batch", "model"), [(1, 0), (6, 5)])
 
     return B.shard_map(block, in_specs=B.P("batch", "model"), out_specs=B.P("batch", "model"))(x)
 
@@ -263,6 +263,28 @@ def test_the_notebook_programs_give_jax_numbers_on_every_placement(cpu_devices, 
     assert isinstance(B.mesh, tp.Mesh if n_devices == 8 else tp.AbstractMesh)
     got = program(B, *map(torch.from_numpy, _inputs(shapes)))
     _assert_close(got, _jax_result(name), f"{name} on {n_devices} devices")
+
+
+def test_ppermute_over_mesh_axes_out_of_mesh_order_is_refused_as_jax_refuses_it(cpu_devices):
+    """JAX's shard_map numbered the positions of ("model", "batch") in mesh order, which
+    reads as the tuple's order; JAX 0.11 refuses it (``jax_raise_on_ppermute_sort_diff``),
+    and so does torchpmap, on every placement. pmap's own tuples keep the tuple's order."""
+    x = torch.randn(8, 4)
+    for n in (1, 8):
+        cpu_devices(n)
+        B = torch_side()
+        out_of_order = B.shard_map(lambda x: B.ppermute(x, ("model", "batch"), [(0, 1)]),
+                                   in_specs=B.P("batch", "model"), out_specs=B.P("batch", "model"))
+        with pytest.raises(ValueError, match=r"out of mesh order.*axis_name=\('batch', 'model'\)"):
+            out_of_order(x)
+    if hasattr(jax.config, "jax_raise_on_ppermute_sort_diff"):  # JAX 0.11 and later
+        J = jax_side()
+        with pytest.raises(Exception, match="same order as the axis_names declared on the mesh"):
+            J.shard_map(lambda x: J.ppermute(x, ("model", "batch"), [(0, 1)]), in_specs=J.P("batch", "model"),
+                        out_specs=J.P("batch", "model"))(jnp.asarray(x.numpy()))
+    inner = tp.pmap(lambda x: tp.ppermute(x, ("j", "i"), [(1, 2)]), axis_name="j")  # position j * 2 + i
+    got = tp.pmap(inner, axis_name="i")(torch.arange(4.0).reshape(2, 2))
+    torch.testing.assert_close(got.cpu(), torch.tensor([[0.0, 2.0], [0.0, 0.0]]))
 
 
 GRADIENT_PROGRAMS = ["matmul_psum", "reduce_scatter", "megatron_mlp", "all_gather", "ppermute_across_axes"]
@@ -476,7 +498,7 @@ def test_an_output_that_varies_along_an_axis_its_spec_leaves_out_raises():
     with pytest.raises(ValueError, match="varies along a mesh axis"):
         tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P())(w)
     out = tp.shard_map(lambda w: tp.pvary(w, "model"), mesh=mesh, in_specs=P(), out_specs=P("model"))(w)
-    torch.testing.assert_close(out, torch.cat([w, w]))
+    torch.testing.assert_close(out.cpu(), torch.cat([w, w]))
     # a gradient inside the map of a replicated weight used with the split batch is JAX's:
     # the weight is varied implicitly where it meets the batch, and pvary's transpose sums
     # the positions' parts, so the gradient is the same on every position, as the weight
@@ -488,7 +510,7 @@ def test_an_output_that_varies_along_an_axis_its_spec_leaves_out_raises():
 
     for program in (implicit, explicit):
         summed = tp.shard_map(program, mesh=mesh, in_specs=(P("batch"), P()), out_specs=P())(x, w)
-        torch.testing.assert_close(summed, x.sum(0))
+        torch.testing.assert_close(summed.cpu(), x.sum(0))
 
 
 def test_pvary_transposes_to_psum():

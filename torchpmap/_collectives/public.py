@@ -13,7 +13,7 @@ math, but across devices or processes they travel in one exchange per axis.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
 import torch
@@ -343,8 +343,8 @@ def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -
     instance ``destination`` receives the value of instance ``source``. Instances that
     are no destination receive zeros. The transpose is ``ppermute`` with the pairs reversed.
     Over a tuple of axes the positions are numbered in the tuple's order (the first axis
-    major), as ``axis_index`` of the tuple; inside a ``shard_map``, over axes of its mesh,
-    in mesh order whatever the tuple's order, as JAX's ``shard_map`` numbers them.
+    major), as ``axis_index`` of the tuple; inside a ``shard_map``, a tuple of its mesh's
+    axes must name them in mesh order (JAX's ``shard_map`` refuses another order too).
 
     Example:
         >>> import torch, torchpmap
@@ -359,13 +359,27 @@ def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -
     source = [-1] * _total_size(frames)
     for s, d in pairs:
         source[d] = s
-    # over several axes of a shard_map's mesh, JAX numbers the positions with the axes in
-    # mesh order, whatever the order of the tuple (its vmap and pmap, in the tuple's order)
     names = tuple(f.name for f in frames)
-    mesh = _context.shard_map_axes.get()
-    if all(n in mesh for n in names):
-        names = tuple(sorted(names, key=mesh.index))
+    _check_mesh_order(names)
     return _tree_apply("ppermute", x, lambda ts: _receive_from(ts, names, source))
+
+
+def _check_mesh_order(names: tuple[Hashable, ...]) -> None:
+    """Inside a shard_map, a tuple of its mesh's axes must name them in mesh order: JAX's
+    shard_map numbers such a tuple's positions in mesh order whatever the tuple's order,
+    which reads as the tuple's order and gave wrong answers, so JAX refuses it (since 0.11;
+    its vmap and pmap number positions in the tuple's order, as torchpmap's pmap does)."""
+    mesh = _context.shard_map_axes.get()
+    if len(names) < 2 or not all(n in mesh for n in names):
+        return
+    ordered = tuple(sorted(names, key=mesh.index))
+    if ordered != names:
+        raise ValueError(
+            f"ppermute: inside a shard_map, axis_name={names!r} names the mesh's axes out of mesh order "
+            f"(the mesh is {mesh!r}). Name them in mesh order, axis_name={ordered!r}, and number the positions "
+            f"with {ordered[0]!r} major. JAX's shard_map refuses this too: it numbered such a tuple in mesh order, "
+            "whatever the order written."
+        )
 
 
 def _receive_from(ts: list[torch.Tensor], axis_name: AxisNames, source: list[int]) -> Leaves:

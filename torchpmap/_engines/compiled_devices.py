@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import warnings
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import torch
 
 from torchpmap._engines import graph_rewrites, multi_device, segments, thread_ops, vectorized
+from torchpmap._engines.baton import Baton
 from torchpmap._engines.compiled import TRACING, DeviceSlices, ProgramCache, distinct, graph_inputs, trace_graph
 from torchpmap._engines.engine_warnings import JitFallbackWarning
 from torchpmap._engines.mapped_call import MappedCall, OutputLayout
@@ -126,7 +126,7 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePro
     """Every device thread traces its slice (no thread waits for another: see
     :mod:`thread_ops`); each trace is cut at its exchanges, to be compiled at its first run."""
     k = call.size // len(devices)
-    rendezvous, seed = Rendezvous(config.collective_timeout, threading.RLock()), call_seed(call.randomness)
+    rendezvous, seed = Rendezvous(config.collective_timeout, Baton()), call_seed(call.randomness)
     direct = k == 1 and runs_directly(call)
     stand_in = thread_ops.TracedThreadExchange(len(devices))
     options = _cache_options(call)
@@ -189,7 +189,7 @@ def _check_compilable(graph: torch.fx.GraphModule) -> None:
 def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms) -> list[torch.Tensor]:
     """Each device thread runs its compiled slice; the exchanges meet at one rendezvous."""
     k = call.size // len(devices)
-    rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
+    rendezvous, group = Rendezvous(config.collective_timeout, Baton()), object()
     torch_devices = tuple(d.torch_device for d in devices)
     seed = call_seed(call.randomness)
 

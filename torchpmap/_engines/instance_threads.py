@@ -18,12 +18,12 @@ within the same nested call: the meeting key is (axis, call path, other coordina
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from torchpmap._engines import vectorized
+from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.multi_device import device_thread, run_threads
 from torchpmap._engines.random_per_thread import call_seed
@@ -79,7 +79,7 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
 
 
 def run(
-    call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: threading.RLock | None = None
+    call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: Baton | None = None
 ) -> list:
     """Runs ``call`` in ``count`` threads, ``call.size / count`` instances each."""
     axis = call.axis_name if call.axis_name is not None else object()  # an unnamed axis still has coordinates
@@ -87,7 +87,7 @@ def run(
     parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")
     frames: tuple[_axis_env.AxisFrame, ...]
     if parent is None:
-        rendezvous = Rendezvous(config.collective_timeout, baton or threading.RLock())
+        rendezvous = Rendezvous(config.collective_timeout, baton or Baton())
         path, coords, frames, outer_along = (object(),), {}, (), {}
         outer_level = private.current_vmap_level()
     else:
@@ -142,12 +142,25 @@ def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) ->
         return
     for k, path in call.must_be_unmapped().items():
         first = per_thread[0][k]
-        if any(not torch.equal(first, outs[k].to(first.device)) for outs in per_thread[1:]):
+        if any(not _same_value(first, outs[k]) for outs in per_thread[1:]):
             raise OutputVaries(
                 f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output differs between "
                 "instances. Give it an out axis (e.g. 0), or return a value that is the same for every instance.",
                 path,
             )
+
+
+def _same_value(first: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two threads' copies of a value the same on every instance agree: bitwise on
+    one kind of device; across kinds (a CUDA device and a CPU device compute one sum with
+    other roundings), within ``torch.testing.assert_close``'s default tolerance for the dtype."""
+    if first.device.type == other.device.type or not (first.is_floating_point() or first.is_complex()):
+        return torch.equal(first, other.to(first.device))
+    try:
+        torch.testing.assert_close(other.to(first.device), first, equal_nan=True)
+    except AssertionError:
+        return False
+    return True
 
 
 def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:

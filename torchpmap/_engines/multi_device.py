@@ -11,7 +11,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
@@ -19,6 +18,7 @@ from typing import Any, cast
 import torch
 
 from torchpmap._engines import module_guard, vectorized
+from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
 from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
@@ -56,7 +56,7 @@ def slice_label(d: int, k: int, device: Device) -> str:
 def run(call: MappedCall) -> list[torch.Tensor]:
     devices = list(cast("Sequence[Device]", call.devices))  # a pmap's
     k = call.size // len(devices)
-    rendezvous, group = Rendezvous(config.collective_timeout, threading.RLock()), object()
+    rendezvous, group = Rendezvous(config.collective_timeout, Baton()), object()
     torch_devices = tuple(d.torch_device for d in devices)
     seed = call_seed(call.randomness)
     direct = k == 1 and runs_directly(call)

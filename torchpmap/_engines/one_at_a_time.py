@@ -8,11 +8,10 @@ inside the function; the instances still meet at collectives.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from torchpmap._engines import instance_threads
+from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import Device
@@ -33,4 +32,4 @@ def run(call: MappedCall) -> list:
     return instance_threads.run(call, lambda coords: instance_devices, call.size, None, baton=_baton)
 
 
-_baton = threading.RLock()  # held by the instance thread that is running Python code
+_baton = Baton()  # held by the instance thread that is running Python code

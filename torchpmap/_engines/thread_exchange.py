@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchpmap._engines.baton import Baton
 from torchpmap._state.axis_env import Exchange
 from torchpmap._state.faults import PeerFailed
 
@@ -35,7 +36,7 @@ class _Slot:
 class Rendezvous:
     """The meeting points of one call; ``meet`` is called once per thread per collective."""
 
-    def __init__(self, timeout: float, baton: threading.RLock | None = None):
+    def __init__(self, timeout: float, baton: Baton | None = None):
         self.timeout = timeout
         self.baton = baton  # debug mode: only the holder runs; a waiting thread passes it on
         self._cond = threading.Condition()
@@ -94,12 +95,12 @@ class Rendezvous:
         if self.baton is None:
             self._cond.wait(seconds)
             return
-        self.baton.release()  # let another instance run up to this collective
+        held = self.baton.set_down()  # let another instance run up to this collective
         try:
             self._cond.wait(seconds)
         finally:
             self._cond.release()  # take the baton first, then the lock: the order every thread uses
-            self.baton.acquire()
+            self.baton.pick_up(held)
             self._cond.acquire()
 
     @contextlib.contextmanager
@@ -117,11 +118,11 @@ class Rendezvous:
         if self.baton is None:
             yield
             return
-        self.baton.release()
+        held = self.baton.set_down()
         try:
             yield
         finally:
-            self.baton.acquire()
+            self.baton.pick_up(held)
 
     def _raise_if_failed(self, what: str) -> None:
         if self.failure is not None:

@@ -300,7 +300,7 @@ class ShardMapped:
         fun, mesh, out_specs = self.fun, self.opts.mesh, self.opts.out_specs
 
         def blocks(*leaves: Any) -> Any:
-            axes = _context.shard_map_axes.set(tuple(mesh.axis_names))  # ppermute numbers positions in mesh order
+            axes = _context.shard_map_axes.set(tuple(mesh.axis_names))  # ppermute checks tuples' order by it
             try:
                 if not self.opts.check_vma:
                     return fun(*pytree.tree_unflatten(list(leaves), tree))

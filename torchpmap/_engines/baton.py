@@ -1,0 +1,79 @@
+"""The baton: the turn that the threads of one call take to run Python code.
+
+The device threads of a call (and the instance threads of debug mode) run one at a time:
+only the holder of the call's :class:`Baton` runs; a thread that waits at a collective,
+or for threads nested in it, sets the baton down so another can run, and picks it up
+again before it goes on (see :mod:`torchpmap._engines.multi_device`).
+
+A lock owned by a thread would do, but for one case: autograd runs the backward nodes
+of CUDA tensors in its own thread for the device, not in the thread that called
+``backward`` (or ``torch.func.grad``), which blocks until they are done. A collective's
+backward node that waits for the other devices then runs in autograd's thread, and must
+set down a baton that the blocked caller holds, for the caller. So this baton knows its
+holder and how many times the holder took it (it is reentrant for the holder), and
+:meth:`Baton.set_down` hands it on whoever calls it, giving the holder back exactly as it
+was on :meth:`Baton.pick_up`: a thread runs Python code here only as the holder or for
+the holder, so whoever sets it down acts for the holder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """Who held the baton when it was set down, and how many times: what ``pick_up`` restores."""
+
+    holder: int | None
+    depth: int
+
+
+class Baton:
+    """A reentrant turn that a thread acting for its holder may set down and pick up."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._holder: int | None = None
+        self._depth = 0
+
+    def acquire(self) -> None:
+        """Waits for the baton and takes it (again, if this thread holds it)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._holder == me:
+                self._depth += 1
+                return
+            self._cond.wait_for(lambda: self._holder is None)
+            self._holder, self._depth = me, 1
+
+    def release(self) -> None:
+        """Gives back one take of this thread's; the last one frees the baton."""
+        with self._cond:
+            if self._holder != threading.get_ident():
+                raise RuntimeError("torchpmap: a thread gave back a baton it does not hold (an engine bug)")
+            self._depth -= 1
+            if self._depth == 0:
+                self._holder = None
+                self._cond.notify()
+
+    def __enter__(self) -> Baton:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def set_down(self) -> Held:
+        """Frees the baton, all takes of it, for whichever thread holds it; returns them."""
+        with self._cond:
+            held = Held(self._holder, self._depth)
+            self._holder, self._depth = None, 0
+            self._cond.notify()
+            return held
+
+    def pick_up(self, held: Held) -> None:
+        """Waits for the baton and gives it back to ``held``'s holder, as it was."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._holder is None)
+            self._holder, self._depth = held.holder, held.depth
