@@ -303,3 +303,34 @@ def test_the_memory_efficient_forward_asks_for_the_log_sum_exp_under_vmap():
     q = torch.empty(4, 2, 2, 8, 16, device="meta", requires_grad=True)
     out, lse = vmap(lambda q: op(q, q, q, None, False, 0.0, True)[:2])(q)
     assert out.shape == (4, 2, 2, 8, 16) and lse.shape[:3] == (4, 2, 2) and lse.shape[3] >= 8
+
+
+def test_resize_of_a_batched_tensor_runs_each_instance_as_alone_on_every_placement(placement):
+    """vmap's own rule for ``resize_`` resized the tensor holding every instance: on one
+    device (vectorized) instance i got instance i - 1's elements, while on 4 devices (one
+    instance each, run directly) each kept its own. Now every placement gives a loop's."""
+
+    def shrink(x):
+        y = x.clone()
+        y.resize_(2)
+        return y * 10
+
+    x = torch.arange(12.0).reshape(4, 3)
+    want = torch.stack([shrink(row) for row in x])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        got = tp.pmap(shrink)(x)
+    torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
+    with pytest.raises(RuntimeError, match="resize_ of a tensor that differs between the instances"):
+        vmap(shrink)(x)
+
+
+def test_resize_of_a_tensor_the_same_for_every_instance_stays_vectorized():
+    def grow(x):
+        buffer = torch.zeros(1)
+        buffer.resize_(3)
+        return x + buffer.fill_(1.0)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tp.VectorizationFallbackWarning)
+        torch.testing.assert_close(tp.pmap(grow, devices=tp.devices()[:1])(torch.zeros(4, 3)), torch.ones(4, 3))

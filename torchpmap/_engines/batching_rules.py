@@ -40,6 +40,9 @@ Two more kinds of rule send fewer functions to one instance at a time:
   value (see :func:`_value_read`), which is what each instance would read run alone.
   This one replaces torch's rule; under a plain ``torch.func.vmap`` the read is still
   refused, as torch refuses it.
+
+And one rule refuses what vmap's own gets silently wrong: ``resize_`` of a batched tensor
+(see :func:`_install_resize`), so that the map runs its instances one at a time.
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ def install() -> None:
         warnings.warn(f"{problem} torchpmap's batching rules are off.", private.TorchPrivateWarning, stacklevel=2)
         return
     _install_value_reads(_library)
+    _install_resize(_library)
     _install_recurrent(_library)
     flash = private.cpu_flash_attention()
     if flash is None:
@@ -393,6 +397,35 @@ def _value_read(op: AtenOp) -> Callable[[torch.Tensor], object]:
         )
 
     return rule
+
+
+def _install_resize(library: torch.library.Library) -> None:
+    """Replaces vmap's rule for ``Tensor.resize_`` (``aten::resize_``), which is silently
+    wrong for a batched tensor: it resizes the tensor that holds every instance, so
+    instance ``i`` gets elements of instance ``i - 1`` (``x.clone().resize_(2)`` of rows
+    ``[0, 1, 2]``, ``[3, 4, 5]`` gave ``[0, 1]``, ``[2, 3]``, where each row run alone
+    keeps its own first two, ``[3, 4]``). A batched tensor's resize is refused as an op
+    without a rule, so the map runs its instances one at a time (each as run alone) with a
+    ``VectorizationFallbackWarning``; a tensor the same for every instance resizes as it
+    does outside the map."""
+    with warnings.catch_warnings():  # torch's own (wrong) rule is replaced on purpose (torch warns)
+        warnings.simplefilter("ignore")
+        library.impl(torch.ops.aten.resize_.default, _resize, "FuncTorchBatched")
+
+
+def _resize(
+    tensor: torch.Tensor, size: Sequence[int], memory_format: torch.memory_format | None = None
+) -> torch.Tensor:
+    level = private.current_vmap_level()
+    value, dim = private.unwrap_batched(tensor, level)
+    if dim is not None and dim >= 0:
+        raise RuntimeError(
+            "Batching rule not implemented for aten::resize_ of a tensor that differs between the instances "
+            "(vmap's own resizes the tensor holding them all, mixing the instances' elements)."
+        )
+    with private.batching_excluded():
+        value.resize_(size, memory_format=memory_format)
+    return tensor
 
 
 _levels = threading.local()
