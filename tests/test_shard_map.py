@@ -513,6 +513,44 @@ def test_an_output_that_varies_along_an_axis_its_spec_leaves_out_raises():
         torch.testing.assert_close(summed.cpu(), x.sum(0))
 
 
+THREE_D = {
+    "all_gather over (y, x)": (lambda C: lambda a: C.all_gather(a, ("y", "x"), tiled=True), ("x", "y"), ()),
+    "psum over (y, x)": (lambda C: lambda a: C.psum(a * a, ("y", "x")), ("x", "y"), ()),
+    "psum_scatter over (x, y)": (
+        lambda C: lambda a: C.psum_scatter(a * a, ("x", "y"), scatter_dimension=1, tiled=True), (), (None, ("x", "y"))),
+}
+
+
+@pytest.mark.parametrize(("name", "check_vma"), [(name, vma) for name in sorted(THREE_D) for vma in (False, True)
+                                                 if vma is False or not name.startswith("all_gather")])
+def test_backward_through_collectives_over_a_device_axis_and_vectorized_axes(cpu_devices, name, check_vma):
+    """A (2, 2, 2) mesh on 8 devices puts "x" on device threads, "y" and "z" vectorized on
+    them: a collective over a tuple with "x" in it ran through an autograd node that a
+    ``.backward()`` outside the map could not run (refused, where one device and JAX
+    compute it). Now 1 and 8 devices give JAX's values and gradients."""
+    body, in_axes, out_axes = THREE_D[name]
+    names = ("x", "y", "z")
+    a = _inputs([(4, 4)])[0]
+    weights = _inputs([(16, 4) if name.startswith("all_gather") else (4, 4)], seed=1)[0]
+    if name.startswith("psum_scatter"):
+        weights = _inputs([(4, 4)], seed=1)[0]
+    jmesh = jax.make_mesh((2, 2, 2), names, axis_types=(AxisType.Auto,) * 3)
+    jf = jax.shard_map(body(SimpleNamespace(all_gather=lax.all_gather, psum=lax.psum, psum_scatter=lax.psum_scatter)),
+                       mesh=jmesh, in_specs=JP(in_axes or None), out_specs=JP(*out_axes), check_vma=check_vma)
+    want_out = np.asarray(jf(jnp.asarray(a)))
+    weights = weights[: want_out.shape[0], : want_out.shape[1]]
+    want_grad = np.asarray(jax.grad(lambda a: (jf(a) * weights).sum())(jnp.asarray(a)))
+    for n in (1, 8):
+        devices = cpu_devices(n)
+        mesh = tp.make_mesh((2, 2, 2), names, devices=devices[:n])
+        f = tp.shard_map(body(tp), mesh=mesh, in_specs=P(in_axes or None), out_specs=P(*out_axes), check_vma=check_vma)
+        x = torch.from_numpy(a).requires_grad_()
+        out = torch.as_tensor(f(x)).cpu()
+        (out * torch.from_numpy(weights)).sum().backward()
+        np.testing.assert_allclose(out.detach().numpy(), want_out, rtol=2e-5, atol=2e-5, err_msg=f"{name} on {n}")
+        np.testing.assert_allclose(x.grad.numpy(), want_grad, rtol=2e-5, atol=2e-5, err_msg=f"{name} on {n}")
+
+
 def test_pvary_transposes_to_psum():
     """The gradient of a replicated value made varying sums every position's cotangent."""
     mesh = tp.make_mesh(SHAPE, NAMES, devices=tp.devices()[:1])

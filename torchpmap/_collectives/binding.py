@@ -128,7 +128,29 @@ def bind_many(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> Sequenc
         return _run_unvectorized(prims, xs)  # plain torch ops: outer autograd sees them directly
     if level is not None and frame.vectorized and private.vmap_level_of(frame.token) == level:
         return _run_at_innermost_owner(prims, xs, level)
+    if not frame.vectorized:
+        return _run_beneath_vmaps(prims, xs)
     return _apply(prims, frame.token, xs)
+
+
+def _run_beneath_vmaps(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A collective over an axis of device threads or processes (no vmap level of its own)
+    called inside the vmap levels of other axes: each level's batch dims become lead dims,
+    one level at a time, and the collective runs on the plain tensors, as ``_Bind``'s vmap
+    rule would, but without ``_Bind``. Autograd outside the map then records the exchange's
+    own nodes, whose backward meets no other thread (through ``_Bind``, a ``.backward()``
+    outside would reach a node that must meet the other threads' nodes, in one thread).
+    A grad or jvp level among them is left to ``_Bind``, as before."""
+    level = private.current_vmap_level()
+    if level is None:
+        return _run_unvectorized(prims, xs)
+    if private.vmap_randomness() is None:  # the innermost transform is a grad or jvp, not a vmap
+        return _apply(prims, prims[0].frame.token, xs)
+    unwrapped = [private.unwrap_batched(x, level) for x in xs]
+    led = [p if d is None else p.with_lead(p.lead + 1) for p, (_, d) in zip(prims, unwrapped)]
+    with private.pop_interpreter():
+        outs = _run_beneath_vmaps(led, [v if d is None else v.movedim(d, 0) for v, d in unwrapped])
+    return tuple(out if d is None else private.add_batch_dim(out, 0, level) for out, (_, d) in zip(outs, unwrapped))
 
 
 def _run_at_innermost_owner(
