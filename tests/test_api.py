@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import warnings
 
 import numpy as np
 import pytest
@@ -544,3 +545,53 @@ def test_a_first_call_under_inference_mode_does_not_spoil_later_autograd_calls()
     x = torch.ones(5, 5, requires_grad=True)
     f(x).sum().backward()
     assert x.grad is not None
+
+
+def test_none_under_a_mapped_in_axes_is_an_empty_subtree_as_in_jax(placement):
+    """JAX maps ``None`` as a subtree without leaves: an optional argument left out
+    (``f(x, mask=None)``), a None in a dict, a None keyword argument. torchpmap refused
+    them ("a NoneType, which has no axes") on every placement."""
+    import jax
+    import jax.numpy as jnp
+
+    def f(x, opt):
+        return x * 2 if opt is None else x + opt
+
+    x = torch.arange(4.0)
+    got = [
+        tp.pmap(f)(x, None),
+        tp.pmap(lambda d: d["x"] * 2 if d["m"] is None else d["x"])({"x": x, "m": None}),
+        tp.pmap(lambda a, c=None: a * 2 if c is None else a, in_axes=(0,))(x, c=None),
+        tp.pmap(f)(x, torch.ones(4)),  # the same function with a tensor there: mapped
+    ]
+    want = [jax.pmap(f)(jnp.arange(4.0), None)] * 3 + [jax.pmap(f)(jnp.arange(4.0), jnp.ones(4))]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(torch.as_tensor(g).cpu().numpy(), np.asarray(w))
+
+
+FALLS_BACK = {
+    "a boolean mask write": lambda x: _mask_write(x),
+    "tolist": lambda x: torch.tensor(x.tolist()) * 2,
+    ".data": lambda x: x.data * 2,
+    "requires_grad_": lambda x: x.clone().requires_grad_() * 2,
+}
+
+
+def _mask_write(x):
+    t = x.clone()
+    t[t > 1] = 0.0
+    return t
+
+
+@pytest.mark.parametrize("name", sorted(FALLS_BACK))
+def test_what_vmap_refuses_but_an_instance_alone_runs_falls_back_on_every_placement(placement, name):
+    """vmap refuses value-shaped indexing, reading an instance's memory, ``.data`` and
+    ``requires_grad_()``; each instance run alone (a device running one) computes them.
+    One device raised where 4 devices gave a result: it now runs them one at a time."""
+    f = FALLS_BACK[name]
+    x = torch.arange(4.0).reshape(4, 1) - 1
+    want = torch.stack([f(row) for row in x])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        got = tp.pmap(f)(x)
+    torch.testing.assert_close(torch.as_tensor(got).detach().cpu(), want.detach())

@@ -305,24 +305,36 @@ def test_the_memory_efficient_forward_asks_for_the_log_sum_exp_under_vmap():
     assert out.shape == (4, 2, 2, 8, 16) and lse.shape[:3] == (4, 2, 2) and lse.shape[3] >= 8
 
 
-def test_resize_of_a_batched_tensor_runs_each_instance_as_alone_on_every_placement(placement):
-    """vmap's own rule for ``resize_`` resized the tensor holding every instance: on one
-    device (vectorized) instance i got instance i - 1's elements, while on 4 devices (one
-    instance each, run directly) each kept its own. Now every placement gives a loop's."""
+METADATA_WRITES = {
+    "resize_": lambda t: t.resize_(2),
+    "resize_as_": lambda t: t.resize_as_(torch.zeros(2)),
+    "as_strided_": lambda t: t.as_strided_((1,), (1,)),
+    "set_": lambda t: t.set_(torch.zeros(2)),
+}
 
-    def shrink(x):
+
+@pytest.mark.parametrize("name", sorted(METADATA_WRITES))
+def test_metadata_writes_of_a_batched_tensor_run_each_instance_as_alone_on_every_placement(placement, name):
+    """vmap's own rule for ``resize_`` resized the tensor holding every instance (instance
+    i got instance i - 1's elements); ``resize_as_``, ``as_strided_`` and ``set_`` have no
+    rule, and vmap's fallback dropped them (the tensor kept its shape and values). On one
+    device (vectorized) that differed from 4 devices (one instance each, run directly).
+    Now every placement gives a loop's."""
+    write = METADATA_WRITES[name]
+
+    def f(x):
         y = x.clone()
-        y.resize_(2)
+        write(y)
         return y * 10
 
     x = torch.arange(12.0).reshape(4, 3)
-    want = torch.stack([shrink(row) for row in x])
+    want = torch.stack([f(row) for row in x])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
-        got = tp.pmap(shrink)(x)
+        got = tp.pmap(f)(x)
     torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
-    with pytest.raises(RuntimeError, match="resize_ of a tensor that differs between the instances"):
-        vmap(shrink)(x)
+    with pytest.raises(RuntimeError, match="of a tensor that differs between the instances"):
+        vmap(f)(x)
 
 
 def test_resize_of_a_tensor_the_same_for_every_instance_stays_vectorized():

@@ -41,8 +41,9 @@ Two more kinds of rule send fewer functions to one instance at a time:
   This one replaces torch's rule; under a plain ``torch.func.vmap`` the read is still
   refused, as torch refuses it.
 
-And one rule refuses what vmap's own gets silently wrong: ``resize_`` of a batched tensor
-(see :func:`_install_resize`), so that the map runs its instances one at a time.
+And rules refuse what vmap gets silently wrong: ``resize_``, ``resize_as_``,
+``as_strided_`` and ``set_`` of a batched tensor (see :func:`_install_metadata_writes`),
+so that the map runs its instances one at a time.
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def install() -> None:
         warnings.warn(f"{problem} torchpmap's batching rules are off.", private.TorchPrivateWarning, stacklevel=2)
         return
     _install_value_reads(_library)
-    _install_resize(_library)
+    _install_metadata_writes(_library)
     _install_recurrent(_library)
     flash = private.cpu_flash_attention()
     if flash is None:
@@ -399,33 +400,50 @@ def _value_read(op: AtenOp) -> Callable[[torch.Tensor], object]:
     return rule
 
 
-def _install_resize(library: torch.library.Library) -> None:
-    """Replaces vmap's rule for ``Tensor.resize_`` (``aten::resize_``), which is silently
-    wrong for a batched tensor: it resizes the tensor that holds every instance, so
-    instance ``i`` gets elements of instance ``i - 1`` (``x.clone().resize_(2)`` of rows
-    ``[0, 1, 2]``, ``[3, 4, 5]`` gave ``[0, 1]``, ``[2, 3]``, where each row run alone
-    keeps its own first two, ``[3, 4]``). A batched tensor's resize is refused as an op
-    without a rule, so the map runs its instances one at a time (each as run alone) with a
-    ``VectorizationFallbackWarning``; a tensor the same for every instance resizes as it
-    does outside the map."""
-    with warnings.catch_warnings():  # torch's own (wrong) rule is replaced on purpose (torch warns)
+#: In-place changes of a tensor's metadata (its size, strides or storage), which vmap
+#: gets silently wrong for a batched tensor (see :func:`_install_metadata_writes`).
+_METADATA_WRITES = ("resize_", "resize_as_", "as_strided_", "set_")
+
+
+def _install_metadata_writes(library: torch.library.Library) -> None:
+    """Rules for ``resize_``, ``resize_as_``, ``as_strided_`` and every ``set_``, which
+    vmap gets silently wrong for a batched tensor. Its rule for ``resize_`` resizes the
+    tensor that holds every instance, so instance ``i`` got elements of instance ``i - 1``
+    (``x.clone().resize_(2)`` of rows ``[0, 1, 2]``, ``[3, 4, 5]`` gave ``[0, 1]``,
+    ``[2, 3]``, where each row run alone keeps its own first two, ``[3, 4]``); the others
+    have no rule, and vmap's fallback applies them to per-instance slices it then drops,
+    so the tensor kept its shape and values. A batched tensor among their arguments is
+    now refused as an op without a rule, so the map runs its instances one at a time
+    (each as run alone) with a ``VectorizationFallbackWarning``; tensors the same for
+    every instance are changed as outside the map."""
+    with warnings.catch_warnings():  # torch's own (wrong) rule for resize_ is replaced on purpose (torch warns)
         warnings.simplefilter("ignore")
-        library.impl(torch.ops.aten.resize_.default, _resize, "FuncTorchBatched")
+        for name in _METADATA_WRITES:
+            packet = getattr(torch.ops.aten, name)
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                library.impl(op, _metadata_write(op), "FuncTorchBatched")
 
 
-def _resize(
-    tensor: torch.Tensor, size: Sequence[int], memory_format: torch.memory_format | None = None
-) -> torch.Tensor:
-    level = private.current_vmap_level()
-    value, dim = private.unwrap_batched(tensor, level)
-    if dim is not None and dim >= 0:
-        raise RuntimeError(
-            "Batching rule not implemented for aten::resize_ of a tensor that differs between the instances "
-            "(vmap's own resizes the tensor holding them all, mixing the instances' elements)."
-        )
-    with private.batching_excluded():
-        value.resize_(size, memory_format=memory_format)
-    return tensor
+def _metadata_write(op: AtenOp) -> Callable[..., torch.Tensor]:
+    def rule(*args: Any, **kwargs: Any) -> torch.Tensor:
+        level = private.current_vmap_level()
+        unwrapped = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                value, dim = private.unwrap_batched(arg, level)
+                if dim is not None and dim >= 0:
+                    raise RuntimeError(
+                        f"Batching rule not implemented for {op.name()} of a tensor that differs between the "
+                        "instances (vmap's own changes the tensor holding them all, or a slice of it it drops)."
+                    )
+                arg = value
+            unwrapped.append(arg)
+        with private.batching_excluded():
+            op(*unwrapped, **kwargs)
+        return args[0]
+
+    return rule
 
 
 _levels = threading.local()

@@ -25,6 +25,7 @@ from torchpmap._engines import (
     multi_device,
     multi_process,
     one_at_a_time,
+    rerun_guard,
     thread_ops,
     vectorized,
 )
@@ -39,11 +40,18 @@ from torchpmap._state.log import logger
 
 #: Messages of failures that say vmap cannot run a program, where running its instances
 #: one at a time can: data-dependent Python, ``.item()``, an op without a batching rule,
-#: and kernels whose backward mishandles a batched tensor (nn.GRU/RNN/LSTM's).
+#: kernels whose backward mishandles a batched tensor (nn.GRU/RNN/LSTM's), results whose
+#: shape depends on values (``t[t > 0] = 0``), reading an instance's memory (``tolist()``,
+#: ``numpy()``), ``.data`` and ``requires_grad_()``.
 _CANNOT_VECTORIZE = (
     "vmap: It looks like you're",  # calling .item(), or data-dependent control flow (each torch words it its own way)
     "Batching rule not implemented for",
     "doesn't match the broadcast shape",
+    "We do not support batching operators that can support dynamic shape",
+    "Cannot access data pointer of Tensor that doesn't have storage",
+    "`data` under vmap transform is not allowed",
+    "`.data` under vmap transform is not allowed",
+    "You are attempting to call Tensor.requires_grad_()",
 )
 
 
@@ -77,11 +85,13 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     if vectorization_disabled() or (call.vmap_fallback is not None and call.vmap_fallback.reason is not None):
         _log_engine(call, "one instance at a time")
         return one_at_a_time.run(call)
+    versions, saved = rerun_guard.versions(call), rerun_guard.copies(call)  # see rerun_guard
     try:
         if batching_fixes.needed():
             with batching_fixes.fixed():
-                return _run_vectorized(call)
-        return _run_vectorized(call)
+                outputs = _run_vectorized(call)
+        else:
+            outputs = _run_vectorized(call)
     except Exception as failure:
         why = _cannot_vectorize(failure)
         outermost = not any(f.vectorized for f in _axis_env.current_frames())
@@ -90,10 +100,15 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         # baton that the enclosing instance holds
         named_outside = _context.instance_thread.get() is not None
         if why is None and outermost and not named_outside and _names_no_instance(failure):
+            try:
+                rerun_guard.undo_writes(call, versions, saved, f"{type(failure).__name__}: {_first_line(failure)}")
+            except RuntimeError as stuck:
+                raise stuck from failure
             _raise_naming_the_instance(call, failure)
         if why is None or call.vmap_fallback is None or not outermost:
             raise
         call.vmap_fallback.reason = why
+        rerun_guard.undo_writes(call, versions, saved, why)
         logger.info(
             "pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on",
             call.axis_name,
@@ -107,6 +122,14 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             stacklevel=3,
         )
         return one_at_a_time.run(call)
+    fallback = call.vmap_fallback
+    if fallback is not None and not fallback.vectorized:
+        fallback.vectorized = True
+    return outputs
+
+
+def _first_line(failure: BaseException) -> str:
+    return (str(failure).strip().splitlines() or [""])[0]
 
 
 #: Failures of torchpmap's own machinery, which name what failed already (running the

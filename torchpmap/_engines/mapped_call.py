@@ -122,6 +122,9 @@ class VmapFallback:
     Attributes:
         reason: why ``torch.func.vmap`` could not run the function (its first failure),
             after which its instances run one at a time; None while vmap can run it.
+        vectorized: whether a call has once run vectorized (until then, a call keeps a
+            copy of its mapped arguments: see :mod:`torchpmap._engines.rerun_guard`).
     """
 
     reason: str | None = None
+    vectorized: bool = False

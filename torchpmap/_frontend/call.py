@@ -391,7 +391,7 @@ class MappedFunction:
                 isinstance(leaf, np.ndarray) or (isinstance(leaf, np.generic) and axis is not None)
             ):
                 leaf = leaves[k] = torch.as_tensor(leaf)
-            if axis is None:
+            if axis is None or leaf is None:  # None: an empty subtree, as in JAX (an optional argument not given)
                 continue
             mapped_slots.append(k)
             in_dims.append(self._mapped_dim(leaf, axis, label))

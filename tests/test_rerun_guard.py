@@ -1,0 +1,68 @@
+"""What a failed vectorized attempt wrote is undone before the instances run again
+(torchpmap._engines.rerun_guard), so that every placement writes once, as a loop does."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchpmap as tp
+
+
+def _loop(f, *args):
+    outs = [f(*(a[i] for a in args)) for i in range(args[0].shape[0])]
+    return torch.stack(outs)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        yield
+
+
+def test_a_write_before_the_fallback_is_made_once(placement):
+    """``x.add_(1)`` then ``.item()`` of values that differ: vmap fails after the write,
+    and the instances run again one at a time. On one device the caller's tensor got +2."""
+
+    def f(x):
+        x.add_(1)
+        return x * x.sum().item()
+
+    x, want_x = torch.arange(4.0), torch.arange(4.0)
+    want = _loop(f, want_x)
+    got = tp.pmap(f)(x)
+    torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
+    torch.testing.assert_close(x, want_x)
+
+
+def test_a_write_before_an_error_is_made_once(placement):
+    """The re-run that names the failing instance runs the function again too."""
+
+    def f(x):
+        x.add_(1)
+        if x.sum() > 2:
+            raise ValueError("too big")
+        return x
+
+    x = torch.arange(4.0)
+    with pytest.raises(ValueError, match="too big"):
+        tp.pmap(f)(x)
+    torch.testing.assert_close(x, torch.arange(4.0) + 1)
+
+
+def test_a_write_that_cannot_be_undone_stops_the_call():
+    """After a vectorized call, no copy is kept: a later call that fails after writing
+    raises instead of writing twice, and says what to do."""
+
+    def f(x):
+        x.add_(1)
+        return x * x.sum().item()
+
+    g = tp.pmap(f, devices=tp.devices()[:1])
+    g(torch.ones(4))  # every instance holds the same value: .item() reads it once, vectorized
+    x = torch.arange(4.0)
+    with pytest.raises(RuntimeError, match=r"mapped argument 0 \(shape \(4,\)\).*would write it twice"):
+        g(x)
+    torch.testing.assert_close(x, torch.arange(4.0) + 1)  # written once, by the vectorized run

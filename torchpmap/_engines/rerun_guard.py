@@ -1,0 +1,83 @@
+"""What a failed vectorized attempt wrote into the mapped arguments, undone before a re-run.
+
+When ``torch.func.vmap`` cannot run a function (``.item()`` of values that differ
+between instances, an op without a batching rule), the dispatcher runs its instances
+again, one at a time (:mod:`torchpmap._engines.dispatch`); it also re-runs them to name
+the instance behind an error. The function's Python code then runs a second time. If
+the vectorized attempt had already written in place into a mapped argument
+(``x.add_(1)`` before the ``.item()``), the re-run would write it again: on one device
+the caller's tensor got ``+2``, where each instance run alone, or a device running one
+instance, gives ``+1``.
+
+So before a call the dispatcher notes each mapped argument's version counter (every
+in-place write moves it; a few hundred nanoseconds a call), and until the mapped
+function has once run vectorized it keeps a copy of them too (the first call pays a copy
+of its mapped arguments; later calls nothing more). After a failed attempt,
+:func:`undo_writes` puts the written arguments back from that copy; without a
+copy (a function that ran vectorized before and fails now, on other values), or for an
+argument that requires grad (its autograd history now ends in the failed attempt's
+write), it raises instead of running the function again.
+"""
+from __future__ import annotations
+
+import torch
+
+from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._placement.sharded import ShardedTensor
+
+
+def versions(call: MappedCall) -> list[int]:
+    """The version counters of ``call``'s mapped arguments (-1 for an inference tensor,
+    which has none: a write into it is not seen)."""
+    try:
+        return [t._version for t in call.mapped]
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return [-1 if t.is_inference() else t._version for t in call.mapped]
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+def copies(call: MappedCall) -> list[torch.Tensor | None] | None:
+    """Copies of ``call``'s mapped arguments while its function has not run vectorized
+    yet (None after: no copies; an entry None: a ShardedTensor, not copied)."""
+    fallback = call.vmap_fallback
+    if fallback is None or fallback.vectorized:
+        return None
+    return [None if isinstance(t, ShardedTensor) else t.detach().clone() for t in call.mapped]
+
+
+def undo_writes(
+    call: MappedCall, before: list[int], saved: list[torch.Tensor | None] | None, why: str
+) -> None:
+    """Before the instances of ``call`` run again: puts back what its failed vectorized
+    attempt wrote into the mapped arguments (``before``: their version counters before
+    it, from :func:`versions`; ``saved``: :func:`copies`), or raises RuntimeError when
+    it cannot (``why``: what failed)."""
+    tensors = call.mapped
+    written = [k for k, (t, v) in enumerate(zip(tensors, before)) if _version(t) != v]
+    if not written:
+        return
+    kept = saved or [None] * len(tensors)
+    undo = {k: c for k in written if not tensors[k].requires_grad and (c := kept[k]) is not None}
+    if len(undo) == len(written):
+        with torch.no_grad():
+            for k, copy in undo.items():
+                tensors[k].copy_(copy)
+        return
+    k = next(k for k in written if k not in undo)
+    t = tensors[k]
+    if t.requires_grad:
+        cause = "it requires grad, so its autograd history now ends in that write"
+    elif saved is None:
+        cause = "the function has run vectorized before, so no copy of the arguments was kept"
+    else:
+        cause = "it is a ShardedTensor, of which no copy is kept"
+    raise RuntimeError(
+        f"pmap over axis {call.axis_name!r}: its vectorized run failed ({why}) after the function had written in "
+        f"place into mapped argument {k} (shape {tuple(t.shape)}), and that write cannot be undone ({cause}). "
+        "Running the instances again, one at a time, would write it twice, so the call stops here; the argument "
+        "holds the vectorized run's writes. Write into a clone of the argument inside the function "
+        "(x = x.clone()), or run it under torchpmap.disable_vectorization()."
+    )
