@@ -597,3 +597,18 @@ def test_an_error_three_maps_deep_reaches_the_caller(n_devices):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:3] == ["raised False boom", "raised True boom", "raised nested boom"], done.stdout
+
+
+def test_writing_into_a_returned_broadcast_argument_leaves_the_callers_tensor_alone(placement):
+    """An instance that returns its ``in_axes=None`` argument: on 4 devices (one instance
+    each, run directly) the result's shards were the caller's tensor itself, so writing
+    into the result changed it; on one device vmap's result is an expanded view, which
+    refuses the write, and a loop stacks copies. The caller's tensor now never changes."""
+    w = torch.ones(2)
+    out = tp.pmap(lambda x, w: (x * 1, w), in_axes=(0, None))(torch.zeros(4), w)[1]
+    try:
+        with torch.no_grad():
+            out.mul_(0)
+    except RuntimeError as refused:  # one device: torch refuses a write to an expanded view
+        assert "single memory location" in str(refused)
+    torch.testing.assert_close(w, torch.ones(2))

@@ -173,10 +173,27 @@ def run_one(
                 outputs = call.body(slices, broadcast)
     finally:
         _devices.set_current_default(previous)
+    shared = _roots(call.broadcast)
     return [
-        o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0)
+        o.unsqueeze(0)
+        if keep_sharded and isinstance(o, ShardedTensor)
+        else _unshared(as_local(o, here), shared).unsqueeze(0)
         for o in outputs
     ]
+
+
+def _roots(values: Sequence[Any]) -> set[int]:
+    """The ids of the tensors (their bases, for views) among ``values``."""
+    return {id(v if v._base is None else v._base) for v in values if isinstance(v, torch.Tensor)}
+
+
+def _unshared(out: torch.Tensor, shared: set[int]) -> torch.Tensor:
+    """``out``, copied where it is (a view of) an argument every instance sees: the caller's
+    tensor must not change when the result is written, as on one device, where vmap
+    returns such a result as an expanded view that refuses writes, and in a loop."""
+    if shared and id(out if out._base is None else out._base) in shared:
+        return out.clone()
+    return out
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}
