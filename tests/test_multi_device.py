@@ -4,6 +4,7 @@ The fixture ``cpu_devices`` switches the number of CPU devices for one test, so 
 tests exercise the multi-device engine whatever TORCHPMAP_NUM_CPU_DEVICES the run uses.
 """
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -612,3 +613,32 @@ def test_writing_into_a_returned_broadcast_argument_leaves_the_callers_tensor_al
     except RuntimeError as refused:  # one device: torch refuses a write to an expanded view
         assert "single memory location" in str(refused)
     torch.testing.assert_close(w, torch.ones(2))
+
+
+def test_mesh_axes_run_one_at_a_time_in_debug_mode_and_after_a_fallback(four_devices):
+    """On a 2 x 2 Mesh, debug mode and a function vmap cannot run (``.item()`` of values
+    that differ, a fallback the function remembers from a call without the mesh) raised
+    ZeroDivisionError: the one-at-a-time engine spread the instances over all the mesh's
+    devices. Each instance now runs on its mesh position's device, one at a time, with
+    the numbers of the map without a mesh; more instances than devices along an axis is
+    refused with a message (it is not run one at a time on a mesh yet)."""
+
+    def f(x):
+        return tp.psum(x * x.sum().item(), "j")
+
+    def nested(f):
+        return tp.pmap(tp.pmap(f, axis_name="j"), axis_name="i")
+
+    x = torch.arange(4.0).reshape(2, 2)
+    mesh = tp.Mesh(np.array(four_devices).reshape(2, 2), ("i", "j"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        want = torch.as_tensor(nested(f)(x)).cpu()
+        with mesh:
+            got = torch.as_tensor(nested(f)(x)).cpu()
+            with tp.disable_vectorization():
+                debug = torch.as_tensor(nested(lambda x: tp.psum(x * 2, "j"))(x)).cpu()
+                with pytest.raises(NotImplementedError, match="one instance per device"):
+                    nested(lambda x: x * 2)(torch.zeros(2, 4))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(debug, torch.as_tensor(nested(lambda x: tp.psum(x * 2, "j"))(x)).cpu())
