@@ -62,7 +62,7 @@ def _cannot_vectorize(failure: BaseException | None) -> str | None:
         seen.add(id(failure))
         text = str(failure)
         if isinstance(failure, RuntimeError) and any(m in text for m in _CANNOT_VECTORIZE):
-            return f"{type(failure).__name__}: {(text.strip().splitlines() or [''])[0]}"
+            return f"{type(failure).__name__}: {_first_line(failure)}"
         failure = failure.__cause__ or failure.__context__
     return None
 
@@ -129,6 +129,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 
 
 def _first_line(failure: BaseException) -> str:
+    """The first line of ``failure``'s message (how notes and warnings quote it)."""
     return (str(failure).strip().splitlines() or [""])[0]
 
 
@@ -160,7 +161,7 @@ def _raise_naming_the_instance(call: MappedCall, failure: Exception) -> None:
     (on this error path only). When every instance succeeds one at a time, vmap is what
     failed: ``failure`` is raised with a note saying so.
     """
-    first = (str(failure).strip().splitlines() or [""])[0]
+    first = _first_line(failure)
     try:
         one_at_a_time.run(call)
     except Exception as exact:

@@ -24,11 +24,7 @@ def run(call: MappedCall, mesh: _mesh.Mesh, baton: Baton | None = None) -> list:
             f"pmap over mesh axis {axis!r}: the mapped axis has size {call.size}, which is not a multiple of the "
             f"{count} devices along that mesh axis (mesh shape {mesh.shape})"
         )
-    if baton is None:
-        return instance_threads.run(
-            call, lambda coords: [mesh._device_at({**coords, axis: j}) for j in range(count)], count, mesh
-        )
-    if call.size != count:
+    if baton is not None and call.size != count:
         raise NotImplementedError(
             f"pmap over mesh axis {axis!r}: its {call.size} instances cannot run one at a time (debug mode, or a "
             f"function torch.func.vmap cannot run) on the {count} devices along that axis: one at a time, a mesh "

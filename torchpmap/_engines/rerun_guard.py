@@ -32,7 +32,7 @@ def versions(call: MappedCall) -> list[int]:
     try:
         return [t._version for t in call.mapped]
     except RuntimeError:  # "Inference tensors do not track version counter"
-        return [-1 if t.is_inference() else t._version for t in call.mapped]
+        return [_version(t) for t in call.mapped]
 
 
 def _version(t: torch.Tensor) -> int:

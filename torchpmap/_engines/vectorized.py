@@ -182,16 +182,21 @@ def run_one(
     ]
 
 
+def _root(t: torch.Tensor) -> int:
+    """The id of the tensor whose memory ``t`` is: its base for a view, else itself."""
+    return id(t if t._base is None else t._base)
+
+
 def _roots(values: Sequence[Any]) -> set[int]:
-    """The ids of the tensors (their bases, for views) among ``values``."""
-    return {id(v if v._base is None else v._base) for v in values if isinstance(v, torch.Tensor)}
+    """The :func:`_root` of every tensor among ``values``."""
+    return {_root(v) for v in values if isinstance(v, torch.Tensor)}
 
 
 def _unshared(out: torch.Tensor, shared: set[int]) -> torch.Tensor:
     """``out``, copied where it is (a view of) an argument every instance sees: the caller's
     tensor must not change when the result is written, as on one device, where vmap
     returns such a result as an expanded view that refuses writes, and in a loop."""
-    if shared and id(out if out._base is None else out._base) in shared:
+    if shared and _root(out) in shared:
         return out.clone()
     return out
 
