@@ -77,3 +77,47 @@ def test_inline_jit_calls_trace_once():
     assert len(traced) == 1
     for k, got in enumerate(results):
         torch.testing.assert_close(got, tp.pmap(step, axis_name="i")(x + k))
+
+
+def test_inline_lambdas_copy_their_arguments_on_the_first_call_only(monkeypatch, placement):
+    """A lambda written inline in a loop is a new function each time, with one code object.
+    Until that code has run vectorized, a call keeps a copy of its mapped arguments, to undo
+    a failed attempt's writes (torchpmap._engines.rerun_guard); once it has, no function of
+    that code copies again. A closure's fallback stays its own: another closure of the same
+    code that needs one still falls back and writes once."""
+    from torchpmap._engines import rerun_guard
+
+    kept = []
+    copies = rerun_guard.copies
+    monkeypatch.setattr(rerun_guard, "copies", lambda call: kept.append(copies(call)) or kept[-1])
+    x = torch.arange(8.0).reshape(4, 2)
+    inline = compile("lambda t: t * 2 + step", "<loop body>", "eval")  # a code object of this test run's own
+    for step in range(3):
+        got = tp.pmap(eval(inline, {"step": step}))(x)  # a new function each time, as written inline
+        torch.testing.assert_close(torch.as_tensor(got).cpu(), x * 2 + step)
+    assert [k is not None for k in kept] == [True, False, False]
+
+    def make(read):
+        def body(t):
+            t.add_(1)
+            return t * t.sum().item() if read else t * 2
+
+        return body
+
+    y = torch.arange(8.0).reshape(4, 2)
+    tp.pmap(make(False))(y.clone())  # this code has run vectorized now
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        # another closure of it fails vectorized after its write (on one device; 4
+        # devices run one instance each): no copy was kept, so it refuses to run the
+        # instances again rather than write twice. On every placement: written once.
+        try:
+            got = tp.pmap(make(True))(y)
+        except RuntimeError as e:
+            assert "cannot be undone" in str(e)
+        else:
+            want = torch.arange(8.0).reshape(4, 2) + 1
+            torch.testing.assert_close(torch.as_tensor(got).cpu(), want * want.sum(1, keepdim=True))
+    torch.testing.assert_close(y, torch.arange(8.0).reshape(4, 2) + 1)

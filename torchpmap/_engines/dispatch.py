@@ -123,8 +123,8 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         )
         return one_at_a_time.run(call)
     fallback = call.vmap_fallback
-    if fallback is not None and not fallback.vectorized:
-        fallback.vectorized = True
+    if fallback is not None and not fallback.ran.once:
+        fallback.ran.once = True
     return outputs
 
 

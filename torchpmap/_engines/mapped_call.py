@@ -115,6 +115,19 @@ class OutputLayout:
 
 
 @dataclasses.dataclass(eq=False)
+class RanVectorized:
+    """Whether a function's code has once run vectorized under a map: until then, a call
+    keeps a copy of its mapped arguments (see :mod:`torchpmap._engines.rerun_guard`).
+
+    One record is shared by every mapped function made of the same code object
+    (:mod:`torchpmap._frontend.function_cache`), so that ``pmap(lambda x: ...)(x)``
+    written inline in a loop, a new function each time, copies on its first call only.
+    """
+
+    once: bool = False
+
+
+@dataclasses.dataclass(eq=False)
 class VmapFallback:
     """Whether one mapped function's instances run one at a time, remembered between its
     calls (the engine choice in :mod:`torchpmap._engines.dispatch` records it).
@@ -122,9 +135,8 @@ class VmapFallback:
     Attributes:
         reason: why ``torch.func.vmap`` could not run the function (its first failure),
             after which its instances run one at a time; None while vmap can run it.
-        vectorized: whether a call has once run vectorized (until then, a call keeps a
-            copy of its mapped arguments: see :mod:`torchpmap._engines.rerun_guard`).
+        ran: whether the function's code has once run vectorized.
     """
 
     reason: str | None = None
-    vectorized: bool = False
+    ran: RanVectorized = dataclasses.field(default_factory=RanVectorized)

@@ -11,8 +11,9 @@ instance, gives ``+1``.
 
 So before a call the dispatcher notes each mapped argument's version counter (every
 in-place write moves it; a few hundred nanoseconds a call), and until the mapped
-function has once run vectorized it keeps a copy of them too (the first call pays a copy
-of its mapped arguments; later calls nothing more). After a failed attempt,
+function's code has once run vectorized it keeps a copy of them too (the first call pays a
+copy of its mapped arguments; later calls nothing more, and neither do the calls of a new
+function of the same code, such as a lambda written inline in a loop). After a failed attempt,
 :func:`undo_writes` puts the written arguments back from that copy; without a
 copy (a function that ran vectorized before and fails now, on other values), or for an
 argument that requires grad (its autograd history now ends in the failed attempt's
@@ -43,7 +44,7 @@ def copies(call: MappedCall) -> list[torch.Tensor | None] | None:
     """Copies of ``call``'s mapped arguments while its function has not run vectorized
     yet (None after: no copies; an entry None: a ShardedTensor, not copied)."""
     fallback = call.vmap_fallback
-    if fallback is None or fallback.vectorized:
+    if fallback is None or fallback.ran.once:
         return None
     return [None if isinstance(t, ShardedTensor) else t.detach().clone() for t in call.mapped]
 

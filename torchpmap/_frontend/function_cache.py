@@ -16,13 +16,23 @@ that is collected takes its entry with it. (The mapped function itself is new ea
 it holds the function, and a cache of it would keep every function alive.) Options that
 cannot be hashed (a ``jit`` dict, a list in ``in_axes``), and callables that cannot be
 weakly referenced, learn afresh each time, as before.
+
+One thing is shared more widely, by code object: whether the function has once run
+vectorized (:class:`~torchpmap._engines.mapped_call.RanVectorized`), after which a call
+keeps no copy of its mapped arguments (:mod:`torchpmap._engines.rerun_guard`). A lambda
+written inline in a loop, or a function defined in a mapped body, is a new function each
+time with the same code; without this, each of its calls copied its mapped arguments.
+The rest stays per function: a compiled program or a fallback of one closure says
+nothing of another's.
 """
 from __future__ import annotations
 
 import threading
+import types
 import weakref
 from collections.abc import Callable
 
+from torchpmap._engines.mapped_call import RanVectorized
 from torchpmap._frontend.call import MapOptions, MappedFunction
 
 #: what a mapped function learns on its calls; none of it refers to the function
@@ -31,6 +41,7 @@ _LEARNED = ("_layouts", "_out_layouts", "_vmap_fallback", "_programs")
 _PER_FUNCTION = 8
 
 _made: weakref.WeakKeyDictionary[Callable, dict[MapOptions, dict[str, object]]] = weakref.WeakKeyDictionary()
+_ran: weakref.WeakKeyDictionary[types.CodeType, RanVectorized] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -46,6 +57,9 @@ def mapped_function(fun: Callable, opts: MapOptions) -> MappedFunction:
             if learned is None:
                 if len(entries) >= _PER_FUNCTION:
                     entries.pop(next(iter(entries)))
+                code = getattr(fun, "__code__", None)
+                if isinstance(code, types.CodeType):
+                    made._vmap_fallback.ran = _ran.setdefault(code, made._vmap_fallback.ran)
                 entries[made.opts] = {name: getattr(made, name) for name in _LEARNED}
                 return made
     except TypeError:  # unhashable options, or a callable that cannot be weakly referenced
