@@ -162,3 +162,25 @@ def test_random_numbers_run_eagerly_with_a_warning(four_devices):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per signature
         f(torch.zeros(4))
+
+
+@pytest.mark.parametrize("size", [4, 8])
+def test_a_data_assignment_runs_eagerly_with_a_warning(four_devices, size):
+    """``t.data = ...`` swaps the tensor behind ``t`` without an op that a trace records:
+    compiled, one instance per device returned the old values (``t + 1``). It runs eagerly
+    now, with the loop's numbers, on every placement."""
+
+    def f(t):
+        t.data = t * 3
+        return t + 1
+
+    x = torch.arange(2.0 * size).reshape(size, 2)
+    want = torch.stack([f(row.clone()) for row in x])
+    for devices in (tp.devices(), tp.devices()[:1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # one device: vmap refuses .data, a VectorizationFallbackWarning too
+            got = tp.pmap(f, jit=True, devices=devices)(x.clone())
+        torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
+    if size == 4:  # with 2 instances per device, vmap's own refusal comes first
+        with pytest.warns(tp.JitFallbackWarning, match="cannot be traced"):
+            tp.pmap(f, jit=True)(x.clone())

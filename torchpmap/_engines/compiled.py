@@ -37,12 +37,14 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from torchpmap._engines import graph_rewrites, rnn_weights, vectorized
@@ -361,10 +363,11 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
         for k, t in zip(tensor_slots, tensors[n_mapped:]):
             broadcast[k] = t
         traced_call = dataclasses.replace(call, mapped=tensors[:n_mapped], broadcast=broadcast)
-        if not torch.is_grad_enabled():  # part of the signature: the program never runs with autograd
-            return engine(traced_call)
-        with _GradientAudit() as audit:
-            outputs = engine(traced_call)
+        with _NoDataAssignment():
+            if not torch.is_grad_enabled():  # part of the signature: the program never runs with autograd
+                return engine(traced_call)
+            with _GradientAudit() as audit:
+                outputs = engine(traced_call)
         return [audit.returned(t) for t in outputs]
 
     # An explicit decomposition table, even empty: without one, make_fx (torch >= 2.14) records
@@ -432,6 +435,27 @@ def distinct(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         seen.add(id(t))
         distinct.append(t)
     return distinct
+
+
+_DATA = inspect.getattr_static(torch.Tensor, "data")  # the ``Tensor.data`` descriptor
+
+
+class _NoDataAssignment(TorchFunctionMode):
+    """Refuses ``t.data = other`` while a program is traced, so that the call runs eagerly.
+
+    The assignment swaps the tensor behind ``t`` without a dispatcher op, so ``make_fx``
+    records nothing for it, and the compiled program would go on reading the old values:
+    on several devices, where each device runs its instance without vmap (which refuses
+    ``.data`` itself), ``jit=True`` returned ``t + 1`` for ``t.data = t * 3; return t + 1``.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", "") == "__set__":
+            raise RuntimeError(
+                "`tensor.data = ...` cannot be traced: the trace would not see the new values (use "
+                "tensor.copy_(...) under torch.no_grad(), or a new tensor)"
+            )
+        return func(*args, **(kwargs or {}))
 
 
 class _UntraceableGradient(RuntimeError):
