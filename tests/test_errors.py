@@ -338,6 +338,14 @@ def test_psum_scatter_size_mismatch():
         collective(lambda x: tp.psum_scatter(x, "i"), torch.ones(4, 3))
 
 
+def test_psum_scatter_of_booleans(placement):
+    """JAX refuses it ("add does not accept dtype bool"); a psum of booleans counts them."""
+    with raises(TypeError, "psum_scatter", "booleans", "(4, 4)", "x.int()"):
+        collective(lambda x: tp.psum_scatter(x, "i"), torch.ones(4, 4, 4, dtype=torch.bool))
+    counts = collective(lambda x: tp.psum_scatter(x.int(), "i"), torch.ones(4, 4, dtype=torch.bool))
+    torch.testing.assert_close(torch.as_tensor(counts).cpu(), torch.full((4,), 4, dtype=torch.int32))
+
+
 def test_psum_scatter_tiled_not_divisible():
     with raises(ValueError, "psum_scatter", "tiled=True", "(6,)", "size 6", "not divisible", "size 4"):
         collective(lambda x: tp.psum_scatter(x, "i", tiled=True), torch.ones(4, 6))

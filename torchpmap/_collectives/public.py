@@ -273,7 +273,8 @@ def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
     Without ``tiled`` the value's ``scatter_dimension`` must have the axis size and is
     removed: instance ``k`` receives ``psum(x)[k]`` along it. With ``tiled=True`` it must
     be divisible by the axis size and instance ``k`` receives the ``k``-th block. The
-    transpose is :func:`all_gather`.
+    transpose is :func:`all_gather`. Booleans are refused, as in JAX (``psum`` counts
+    them): cast them to an integer dtype first.
 
     Example:
         >>> import torch, torchpmap
@@ -285,6 +286,11 @@ def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
     n = _total_size(frames)
 
     def dimension(t: torch.Tensor) -> int:
+        if t.dtype == torch.bool:  # as JAX does; psum counts booleans
+            raise TypeError(
+                f"psum_scatter: cannot sum booleans (a value of shape {tuple(t.shape)}) over "
+                f"{_axis_phrase(frames)}. Cast them first: psum_scatter(x.int(), ...) counts the True values."
+            )
         if t.dim() == 0:
             raise ValueError(
                 f"psum_scatter: needs a value of rank at least 1 to scatter over {_axis_phrase(frames)}; got a scalar"
