@@ -575,15 +575,54 @@ def test_per_instance_with_jit_is_refused_when_the_pmap_is_made():
         tp.pmap(lambda v: v, randomness="per_instance", jit=True)
 
 
-def test_random_ops_torch_draws_in_cpp_under_per_instance(eight_devices):
+def test_a_fallback_draws_what_one_instance_per_device_draws(eight_devices):
+    """``randomness="per_instance"``: a function that vmap cannot run (``.item()`` of
+    values that differ) falls back after its vectorized attempt drew the call's seed. The
+    re-run draws from the same seed, so its first call gives what 8 devices (one instance
+    each, never vectorized) and ``disable_vectorization()`` give; it drew the next seed
+    before, and other numbers."""
+
+    def f(v):
+        if v.sum().item() > -100:
+            return v + torch.rand(3, dtype=v.dtype)
+        return v
+
+    x = _data(8, 3, seed=15)
+    results = []
+    for devices in (eight_devices[:1], eight_devices[:4], eight_devices, None):
+        torch.manual_seed(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+            if devices is None:
+                with tp.disable_vectorization():
+                    results.append(torch.as_tensor(tp.pmap(f, randomness="per_instance", devices=eight_devices[:1])(x)))
+            else:
+                results.append(torch.as_tensor(tp.pmap(f, randomness="per_instance", devices=devices)(x)).cpu())
+    for got, where in zip(results[1:], ("4 devices", "8 devices", "disable_vectorization()")):
+        assert_same(results[0], got, f"the first call's draws, 1 device and {where}")
+
+
+def test_random_ops_torch_draws_in_cpp_under_per_instance(eight_devices, monkeypatch):
     """Random ops the streams cannot rebuild: in a vectorized instance they hit the vmap
-    level's "error" randomness instead of drawing placement-dependent numbers; nn.LSTM
-    (no batching rule: its instances run one per thread) draws its dropout from each
-    instance's own stream, the same on every placement."""
+    level's "error" randomness instead of drawing placement-dependent numbers, and the
+    instances then run one at a time, each drawing from its own stream: the same numbers
+    on every placement, on the first call (whose failed attempt had drawn the call's seed
+    already) and after. nn.LSTM (no batching rule: its instances run one per thread)
+    draws its dropout from each instance's own stream too."""
     q = _data(8, 2, 4, 3, seed=14)
     sdpa = lambda v: torch.nn.functional.scaled_dot_product_attention(v, v, v, dropout_p=0.5)  # noqa: E731
-    with pytest.raises(RuntimeError, match="random"):
-        tp.pmap(sdpa, randomness="per_instance", devices=eight_devices[:1])(q)
+    results = []
+    for devices in (eight_devices[:1], eight_devices[:4], eight_devices):
+        if len(devices) == 8:  # one instance per device, run directly (the default), not through a vmap of one
+            monkeypatch.setattr(tp.config, "bitwise_placement", False)
+        torch.manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+            f = tp.pmap(sdpa, randomness="per_instance", devices=devices)
+            results.append(torch.cat([torch.as_tensor(f(q)).cpu(), torch.as_tensor(f(q)).cpu()]))
+    monkeypatch.setattr(tp.config, "bitwise_placement", True)
+    assert_same(*results[:2], "sdpa's dropout, 1 and 4 devices")
+    assert_same(results[0], results[2], "sdpa's dropout, 1 and 8 devices")
     lstm = torch.nn.LSTM(3, 4, num_layers=2, dropout=0.5).double().train()
     f = lambda v: lstm(v.reshape(1, 1, 3))[0]  # noqa: E731
     results = []

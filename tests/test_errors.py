@@ -7,6 +7,7 @@ raised from the device threads and re-raised in the caller).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -653,16 +654,26 @@ def test_the_instance_that_raises_is_named_with_its_device(placement):
         assert f"torchpmap: raised by instance 2 (on device {device})" in error.__notes__, error.__notes__
 
 
-def test_an_error_only_vectorization_raises_says_so(placement):
-    """When every instance succeeds one at a time, the vectorized run's error is raised
-    with a note saying that vmap failed, and how to run without it."""
+def test_an_error_only_vectorization_raises_falls_back(placement):
+    """When every instance succeeds one at a time, vmap is what failed: the call returns
+    what the instances computed (a loop's numbers, and those of a device running one
+    instance), and they run one at a time from then on, with a warning naming vmap's
+    error. Before, one device raised where 4 devices computed it: ``flip(0)`` of a 0-d
+    instance ("Dimension out of range" under vmap) is such a case."""
 
     def fails_when_batched(v):
         if torch._C._functorch.is_batchedtensor(v):  # a limit of vmap alone, not of the function
             raise RuntimeError("a failure of vmap alone")
         return v * 2
 
-    error = _error_of(lambda: tp.pmap(fails_when_batched, devices=placement[:1])(torch.ones(4)))
-    assert str(error) == "a failure of vmap alone"
-    assert any("every instance succeeds, so torch.func.vmap is what failed" in n and "disable_vectorization" in n
-               for n in error.__notes__), error.__notes__
+    f = tp.pmap(fails_when_batched, devices=placement[:1])
+    with pytest.warns(tp.VectorizationFallbackWarning, match="a failure of vmap alone"):
+        got = f(torch.arange(4.0))
+    torch.testing.assert_close(torch.as_tensor(got).cpu(), torch.arange(4.0) * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # remembered: no second attempt, no second warning
+        torch.testing.assert_close(torch.as_tensor(f(torch.ones(4))).cpu(), torch.full((4,), 2.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        flipped = tp.pmap(lambda t: t.flip(0))(torch.arange(8.0))
+    torch.testing.assert_close(torch.as_tensor(flipped).cpu(), torch.arange(8.0))

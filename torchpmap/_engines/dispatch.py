@@ -72,7 +72,8 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 
     ``body`` may not run at all: a compiled program of an earlier call with the same
     ``signature`` computes the outputs. When vmap cannot run the function (see
-    :data:`_CANNOT_VECTORIZE`), its instances run one at a time instead, from then on,
+    :data:`_CANNOT_VECTORIZE`, or any error of the vectorized run after which every
+    instance succeeds alone), its instances run one at a time instead, from then on,
     with a :class:`VectorizationFallbackWarning`: in a single process, at the outermost
     vectorized map only (an inner map's failure reaches the outer one, which falls back as
     a whole). The function's Python code then runs again: once for the failed attempt,
@@ -85,7 +86,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     if vectorization_disabled() or (call.vmap_fallback is not None and call.vmap_fallback.reason is not None):
         _log_engine(call, "one instance at a time")
         return one_at_a_time.run(call)
-    versions, saved = rerun_guard.versions(call), rerun_guard.copies(call)  # see rerun_guard
+    before = rerun_guard.note(call)  # see rerun_guard
     try:
         if batching_fixes.needed():
             with batching_fixes.fixed():
@@ -101,26 +102,16 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         named_outside = _context.instance_thread.get() is not None
         if why is None and outermost and not named_outside and _names_no_instance(failure):
             try:
-                rerun_guard.undo_writes(call, versions, saved, f"{type(failure).__name__}: {_first_line(failure)}")
+                rerun_guard.undo(call, before, f"{type(failure).__name__}: {_first_line(failure)}")
             except RuntimeError as stuck:
                 raise stuck from failure
-            _raise_naming_the_instance(call, failure)
+            outputs = _rerun_naming_the_instance(call, failure)
+            _remember_fallback(call, f"{type(failure).__name__}: {_first_line(failure)}")
+            return outputs
         if why is None or call.vmap_fallback is None or not outermost:
             raise
-        call.vmap_fallback.reason = why
-        rerun_guard.undo_writes(call, versions, saved, why)
-        logger.info(
-            "pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on",
-            call.axis_name,
-            why,
-        )
-        warnings.warn(
-            f"torch.func.vmap cannot run the function mapped over axis {call.axis_name!r} ({why}), so its instances "
-            "run one at a time from now on (same results, slower; with several devices they still meet at "
-            "collectives). Tensor ops instead of Python branches on values (torch.where) keep it vectorized.",
-            VectorizationFallbackWarning,
-            stacklevel=3,
-        )
+        rerun_guard.undo(call, before, why)
+        _remember_fallback(call, why)
         return one_at_a_time.run(call)
     fallback = call.vmap_fallback
     if fallback is not None and not fallback.ran.once:
@@ -150,35 +141,47 @@ def _names_no_instance(failure: BaseException) -> bool:
     return vectorized.raised_vectorized(failure) and not isinstance(failure, _OWN_FAILURES)
 
 
-def _raise_naming_the_instance(call: MappedCall, failure: Exception) -> None:
-    """Raises the error of the first instance that fails when they run one at a time,
-    with a note naming it and its device, as every other placement names it.
+def _remember_fallback(call: MappedCall, why: str) -> None:
+    """Records that vmap cannot run ``call``'s function (``why``), so that its instances
+    run one at a time from now on, and says so with a :class:`VectorizationFallbackWarning`."""
+    if call.vmap_fallback is not None:
+        call.vmap_fallback.reason = why
+    logger.info(
+        "pmap over axis %r: vmap cannot run it (%s); its instances run one at a time from now on",
+        call.axis_name,
+        why,
+    )
+    warnings.warn(
+        f"torch.func.vmap cannot run the function mapped over axis {call.axis_name!r} ({why}), so its instances "
+        "run one at a time from now on (same results, slower; with several devices they still meet at "
+        "collectives). Tensor ops instead of Python branches on values (torch.where) keep it vectorized.",
+        VectorizationFallbackWarning,
+        stacklevel=4,
+    )
+
+
+def _rerun_naming_the_instance(call: MappedCall, failure: Exception) -> list[torch.Tensor]:
+    """After ``failure`` of the vectorized run, runs the instances one at a time: raises
+    the error of the first instance that fails, with a note naming it and its device, as
+    every other placement names it; returns their outputs when every instance succeeds.
 
     Vectorized, an error is raised for all instances at once (often in vmap's own words:
     ``torch.vdot`` of 2-D tensors says "Got wrong shapes for dot" under vmap, "1D tensors
     expected" on a device that runs one instance). Run one at a time, the function raises
     torch's own error for the instance that fails. The function's Python code runs again
-    (on this error path only). When every instance succeeds one at a time, vmap is what
-    failed: ``failure`` is raised with a note saying so.
+    (on this path only). When every instance succeeds one at a time, vmap is what failed
+    (``flip(0)`` of a 0-d instance, a batching rule's own limit): the instances computed
+    what a loop, and a device running one instance, compute, and the caller falls back.
     """
-    first = _first_line(failure)
     try:
-        one_at_a_time.run(call)
+        return one_at_a_time.run(call)
     except Exception as exact:
         if hasattr(exact, "add_note"):
             exact.add_note(
                 f"torchpmap: found by running the instances one at a time, after their vectorized run raised "
-                f"{type(failure).__name__}: {first}"
+                f"{type(failure).__name__}: {_first_line(failure)}"
             )
         raise exact from None
-    where = ", ".join(map(str, call.devices)) if call.devices else "the inputs' device"
-    if hasattr(failure, "add_note"):
-        failure.add_note(
-            f"torchpmap: raised while instances 0..{call.size - 1} ran as one vectorized program (on {where}); run one "
-            "at a time, every instance succeeds, so torch.func.vmap is what failed: with "
-            "torchpmap.disable_vectorization() the function runs that way"
-        )
-    raise failure
 
 
 def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:

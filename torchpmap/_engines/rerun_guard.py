@@ -18,13 +18,52 @@ function of the same code, such as a lambda written inline in a loop). After a f
 copy (a function that ran vectorized before and fails now, on other values), or for an
 argument that requires grad (its autograd history now ends in the failed attempt's
 write), it raises instead of running the function again.
+
+With ``randomness="per_instance"`` the call's seed is one draw from the caller's
+generator, from which every instance's stream is made, so that every placement draws the
+same numbers. The failed attempt drew it already: the re-run would draw the next one, and
+the first call after a fallback gave other numbers than a device that runs its instance
+alone, or ``disable_vectorization()``. :func:`note` keeps the generator's state for such
+calls (half a microsecond), and :func:`undo` rewinds it before the re-run.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._placement.sharded import ShardedTensor
+
+
+@dataclasses.dataclass
+class Before:
+    """What :func:`undo` needs of the state before a vectorized attempt.
+
+    Attributes:
+        versions: the mapped arguments' version counters (:func:`versions`).
+        saved: copies of them while the function has not run vectorized (:func:`copies`).
+        generator: the caller's generator state, for ``randomness="per_instance"``.
+    """
+
+    versions: list[int]
+    saved: list[torch.Tensor | None] | None
+    generator: torch.Tensor | None
+
+
+def note(call: MappedCall) -> Before:
+    """The state of ``call``'s arguments (and generator) before its vectorized attempt."""
+    generator = torch.default_generator.get_state() if call.randomness == "per_instance" else None
+    return Before(versions(call), copies(call), generator)
+
+
+def undo(call: MappedCall, before: Before, why: str) -> None:
+    """Before the instances of ``call`` run again: puts back what its failed vectorized
+    attempt wrote into the mapped arguments, or raises RuntimeError when it cannot
+    (:func:`undo_writes`), and rewinds the caller's generator to where it was."""
+    undo_writes(call, before.versions, before.saved, why)
+    if before.generator is not None:
+        torch.default_generator.set_state(before.generator)
 
 
 def versions(call: MappedCall) -> list[int]:
