@@ -173,32 +173,9 @@ def run_one(
                 outputs = call.body(slices, broadcast)
     finally:
         _devices.set_current_default(previous)
-    shared = _roots(call.broadcast)
-    return [
-        o.unsqueeze(0)
-        if keep_sharded and isinstance(o, ShardedTensor)
-        else _unshared(as_local(o, here), shared).unsqueeze(0)
-        for o in outputs
-    ]
-
-
-def _root(t: torch.Tensor) -> int:
-    """The id of the tensor whose memory ``t`` is: its base for a view, else itself."""
-    return id(t if t._base is None else t._base)
-
-
-def _roots(values: Sequence[Any]) -> set[int]:
-    """The :func:`_root` of every tensor among ``values``."""
-    return {_root(v) for v in values if isinstance(v, torch.Tensor)}
-
-
-def _unshared(out: torch.Tensor, shared: set[int]) -> torch.Tensor:
-    """``out``, copied where it is (a view of) an argument every instance sees: the caller's
-    tensor must not change when the result is written, as on one device, where vmap
-    returns such a result as an expanded view that refuses writes, and in a loop."""
-    if shared and _root(out) in shared:
-        return out.clone()
-    return out
+    # a result that is (a view of) an argument is copied by the caller: see torchpmap._frontend.output_copies
+    return [o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0)
+            for o in outputs]
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}

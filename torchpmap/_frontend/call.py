@@ -19,7 +19,7 @@ import torch
 from torchpmap._engines import dispatch
 from torchpmap._engines.compiled import ProgramCache, signature_of
 from torchpmap._engines.mapped_call import MappedCall, OutputLayout, VmapFallback
-from torchpmap._frontend import aliasing
+from torchpmap._frontend import aliasing, output_copies
 from torchpmap._frontend.tree_prefix import as_index, broadcast_prefix, check_axis_spec, normalize_axis_spec
 from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
@@ -303,7 +303,7 @@ class MappedFunction:
                     raise
                 raise explained from error
             watched.check()
-        return self._stack_outputs(outputs, layout)
+        return self._stack_outputs(output_copies.unaliased(outputs, flat.leaves), layout)
 
     def _in_label(self, flat: _Flat, slot: int) -> tuple[str, Any]:
         axis, label = flat.layout[slot]

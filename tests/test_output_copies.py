@@ -1,0 +1,92 @@
+"""torchpmap._frontend.output_copies: a result never shares memory with an argument, on
+any placement, as a loop over the instances (``torch.stack``) and JAX's arrays do not."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchpmap as tp
+
+
+def _rows_then_read(t):
+    t.sum().item()  # values that differ between instances: vmap cannot run it, it falls back
+    return t[:1]
+
+
+PROGRAMS = {
+    "a view": (lambda t: t[:1], {}),
+    "the argument itself": (lambda t: t, {}),
+    "an in-place write's result": (lambda t: t.mul_(1), {}),
+    "a view, after a fallback": (_rows_then_read, {}),
+    "a view, compiled": (lambda t: t[:1], {"jit": True}),
+    "a transposed view": (lambda t: t.unsqueeze(0).t(), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_writing_into_a_result_leaves_the_argument_alone(placement, name):
+    fun, options = PROGRAMS[name]
+    x = torch.arange(12.0).reshape(4, 3)
+    want = torch.stack([fun(row.clone()) for row in x])
+    for devices in (placement, placement[:1]):
+        x = torch.arange(12.0).reshape(4, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+            got = tp.pmap(fun, devices=devices, **options)(x)
+        torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
+        with torch.no_grad():
+            got.add_(100)
+        torch.testing.assert_close(x, torch.arange(12.0).reshape(4, 3), msg=f"{name} on {len(devices)} device(s)")
+
+
+def test_one_at_a_time_too(placement):
+    x = torch.arange(12.0).reshape(4, 3)
+    with tp.disable_vectorization():
+        got = tp.pmap(lambda t: t[:1], devices=placement)(x)
+    with torch.no_grad():
+        got.add_(100)
+    torch.testing.assert_close(x, torch.arange(12.0).reshape(4, 3))
+
+
+def test_an_argument_every_instance_sees(placement):
+    """``in_axes=None``: one device gave an expanded view of it (whose writes torch
+    refuses), a device running one instance the argument itself."""
+    w = torch.arange(3.0)
+    got = tp.pmap(lambda t, v: v, in_axes=(0, None), devices=placement)(torch.zeros(4, 2), w)
+    with torch.no_grad():
+        got.add_(1)
+    torch.testing.assert_close(w, torch.arange(3.0))
+    torch.testing.assert_close(torch.as_tensor(got).cpu(), torch.arange(3.0).expand(4, 3) + 1)
+
+
+def test_a_sharded_argument_returned_as_it_is(placement):
+    """shard_map's blocks go in where they are; a result that is one of them is copied on
+    its device, so that the next layer's writes do not reach the argument."""
+    mesh = tp.make_mesh((len(placement),), ("batch",), devices=placement)
+    identity = tp.shard_map(lambda x: x, mesh=mesh, in_specs=tp.P("batch"), out_specs=tp.P("batch"))
+    h = identity(torch.arange(8.0))
+    y = identity(h)  # h goes in shard by shard
+    assert type(y) is type(h)
+    with torch.no_grad():
+        y.add_(1)
+    torch.testing.assert_close(torch.as_tensor(h).cpu(), torch.arange(8.0))
+    torch.testing.assert_close(torch.as_tensor(y).cpu(), torch.arange(8.0) + 1)
+
+
+def test_gradients_flow_through_the_copy(placement):
+    x = torch.arange(12.0).reshape(4, 3).requires_grad_()
+    tp.pmap(lambda t: t[:2], devices=placement)(x).pow(2).sum().backward()
+    want = torch.zeros(4, 3)
+    want[:, :2] = 2 * torch.arange(12.0).reshape(4, 3)[:, :2]
+    torch.testing.assert_close(x.grad, want)
+
+
+def test_a_computed_result_is_not_copied():
+    """The common case costs the check only: a result of a computation is returned as the
+    engine made it."""
+    from torchpmap._frontend import output_copies
+
+    out = torch.ones(4, 3) + 1
+    assert output_copies.unaliased([out], [torch.ones(4, 3)])[0] is out
