@@ -394,6 +394,8 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
         # and inductor keeps that order: its peak-memory pass would put the next layer's
         # product back before the bucket's start (torch.compile takes a mode or options)
         kwargs["options"] = {"reorder_for_peak_memory": False, **kwargs.get("options", {})}
+    if "mode" not in kwargs and kwargs.get("backend", "inductor") == "inductor":  # torch.compile: a mode or options
+        kwargs["options"] = inductor_options(kwargs.get("options", {}))
     if set(options) <= {"options"} and not graph_rewrites.writes_an_input(graph):  # no mode, backend or dynamic
         # Inductor alone: the signature decides everything Dynamo's guards would check, except
         # which inputs share memory, which a program that only reads them need not know
@@ -402,6 +404,14 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **kwargs)
     return _Program(compiled, tensor_slots, constants, output_layout, graph_forward=graph.forward)
+
+
+def inductor_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The inductor options of a program: the caller's ``options``, over roundings like
+    eager's at each low-precision cast (:func:`torch_private.eager_rounding_options`), so
+    that one device's program and each device's slice, fused differently, give the same
+    numbers (``jit={"options": {"emulate_precision_casts": False}}`` turns that off)."""
+    return {**private.eager_rounding_options(), **options}
 
 
 @contextlib.contextmanager

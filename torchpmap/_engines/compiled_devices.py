@@ -37,7 +37,15 @@ import torch
 
 from torchpmap._engines import graph_rewrites, multi_device, segments, thread_ops, vectorized
 from torchpmap._engines.baton import Baton
-from torchpmap._engines.compiled import TRACING, DeviceSlices, ProgramCache, distinct, graph_inputs, trace_graph
+from torchpmap._engines.compiled import (
+    TRACING,
+    DeviceSlices,
+    ProgramCache,
+    distinct,
+    graph_inputs,
+    inductor_options,
+    trace_graph,
+)
 from torchpmap._engines.engine_warnings import JitFallbackWarning
 from torchpmap._engines.mapped_call import MappedCall, OutputLayout
 from torchpmap._engines.multi_device import check_outputs_agree, device_thread, run_threads, runs_directly
@@ -170,7 +178,7 @@ def _compile_segment(
     """Inductor's program for a segment, for inputs like ``inputs`` (``options`` patch its
     config); one compilation at a time in the process, as for any program."""
     with TRACING:
-        return private.compile_graph(graph, distinct(inputs), dict(options))
+        return private.compile_graph(graph, distinct(inputs), inductor_options(options))
 
 
 def _check_compilable(graph: torch.fx.GraphModule) -> None:

@@ -531,6 +531,28 @@ def compile_graph(
     return compile_fx_graph(graph, list(example_inputs), options=dict(config))
 
 
+def eager_rounding_options() -> dict[str, Any]:
+    """Inductor options under which a compiled program rounds to a low-precision dtype
+    where eager PyTorch does: ``{"emulate_precision_casts": True}``.
+
+    For: ``pmap(jit=True)``. By default inductor computes a ``bfloat16``/``float16``
+    value in float32 inside a fused kernel and skips the roundings in between (a
+    ``t.to(torch.bfloat16).float()`` can come back unrounded), so the numbers depend on
+    how the program was cut and fused: one device's program (every instance) and 4
+    devices' (one slice each) disagreed by a bfloat16 ulp or two, and both with eager.
+    With the option, every placement gives eager's roundings at each cast.
+    Public replacement: none; the key is documented in ``torch._inductor.config`` only
+    (what we'd need: a public "numerics like eager" switch for ``torch.compile``).
+    A torch without the key gets ``{}``: compiled programs then round as inductor does.
+    Checked: torch 2.11.0, 2.13.0, 2.14.1.
+    """
+    try:
+        known = hasattr(_module("torch._inductor.config"), "emulate_precision_casts")
+    except ImportError:
+        known = False
+    return {"emulate_precision_casts": True} if known else {}
+
+
 _value_dependent: tuple[type[BaseException], ...] | None = None
 
 
@@ -1227,6 +1249,15 @@ def _probe_compile_graph() -> None:
     _expect(x.grad is not None and torch.allclose(x.grad, torch.cos(x.detach()) * 2), "differentiable")
 
 
+def _probe_eager_rounding_options() -> None:
+    options = eager_rounding_options()
+    _expect(options == {"emulate_precision_casts": True}, f"names inductor's option (got {options})")
+    x = torch.tensor([1.0 + 2.0**-10, 3.0 + 2.0**-9])
+    graph = make_fx_real_inputs(lambda t: [t.to(torch.bfloat16).float() * 3])(x)
+    (out,) = compile_graph(graph, [x], options)(x)
+    _expect(torch.equal(out, x.to(torch.bfloat16).float() * 3), f"rounds at the cast as eager does (got {out})")
+
+
 def _probe_dispatch_mode() -> None:
     seen = []
 
@@ -1448,6 +1479,11 @@ ENTRIES: dict[str, Entry] = {
         Entry("jvp_nesting_raised", "torch._functorch.eager_transforms.JVP_NESTING", _probe_jvp_nesting),
         Entry("release_compiled", "torch._dynamo.reset_code", _probe_release_compiled),
         Entry("compile_graph", "torch._inductor.compile", _probe_compile_graph),
+        Entry(
+            "eager_rounding_options",
+            "torch._inductor.config.emulate_precision_casts",
+            _probe_eager_rounding_options,
+        ),
         Entry("TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode", _probe_dispatch_mode),
         Entry("has_kernel_for_dispatch_key", "torch._C._dispatch_has_kernel_for_dispatch_key", _probe_has_kernel),
         Entry("op_schema", "OpOverload._schema", _probe_op_schema),
