@@ -212,3 +212,31 @@ def test_low_precision_rounds_the_same_on_every_placement(four_devices, name):
         assert torch.equal(jit, eager), (jit - eager).abs().max()
     else:
         torch.testing.assert_close(jit, eager, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["add_", "fill_"])
+def test_a_write_into_an_expanded_tensor_runs_eagerly(four_devices, name):
+    """Fake tensors skip eager's check of a write into memory several elements share. The
+    compiled program wrote ``add_``'s sum through the expanded view, where every eager
+    placement raises, and ``fill_`` (which eager allows there) compiled to wrong numbers,
+    under plain torch.compile too. Such a program runs eagerly now, on every placement:
+    eager's error, or eager's numbers."""
+
+    def write(t):
+        grown = (t * 1).unsqueeze(0).expand(3, 2)
+        return getattr(grown, name)(2.0) + t
+
+    x = torch.arange(8.0).reshape(4, 2)
+    for devices in (tp.devices(), tp.devices()[:1]):
+        for jit in (True, False):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", tp.JitFallbackWarning)
+                if name == "add_":
+                    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+                        tp.pmap(write, jit=jit, devices=devices)(x)
+                else:
+                    got = torch.as_tensor(tp.pmap(write, jit=jit, devices=devices)(x)).cpu()
+                    torch.testing.assert_close(got, torch.stack([write(row) for row in x]))
+    if name == "fill_":  # a new mapped function: the warning comes once per signature
+        with pytest.warns(tp.JitFallbackWarning, match="share memory"):
+            tp.pmap(lambda t: write(t), jit=True, devices=tp.devices()[:1])(x)

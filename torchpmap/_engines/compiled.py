@@ -363,7 +363,7 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
         for k, t in zip(tensor_slots, tensors[n_mapped:]):
             broadcast[k] = t
         traced_call = dataclasses.replace(call, mapped=tensors[:n_mapped], broadcast=broadcast)
-        with _NoDataAssignment():
+        with _NoDataAssignment(), _EagerWriteChecks():
             if not torch.is_grad_enabled():  # part of the signature: the program never runs with autograd
                 return engine(traced_call)
             with _GradientAudit() as audit:
@@ -466,6 +466,50 @@ class _NoDataAssignment(TorchFunctionMode):
                 "tensor.copy_(...) under torch.no_grad(), or a new tensor)"
             )
         return func(*args, **(kwargs or {}))
+
+
+class _EagerWriteChecks(TorchDispatchMode):
+    """While a program is traced, refuses an in-place write into a tensor several of
+    whose elements share memory (a dim of stride 0: ``t.expand(3, 2)``), so that the call
+    runs eagerly.
+
+    Fake tensors do not run eager's check of such writes, and the compiled program gets
+    them wrong: ``t.expand(3, 2).add_(1)``, which every eager placement refuses ("more
+    than one element of the written-to tensor refers to a single memory location"),
+    compiled to a sum written through the view; ``fill_``, which eager allows there,
+    compiled to other numbers (``(t * 1).unsqueeze(0).expand(3, 2).fill_(2.0) + t`` gave
+    ``[6, 5]`` for ``t = [0, 1]`` under plain ``torch.compile`` too, where eager gives
+    ``[2, 3]``). Run eagerly, the call raises eager's error or computes eager's numbers.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        written = _written_arguments(func) if _writes_values(func) else frozenset()
+        if written:
+            names = [a.name for a in getattr(private.op_schema(func), "arguments", ())]
+            for name, value in [*zip(names, args), *kwargs.items()]:
+                if name in written and isinstance(value, torch.Tensor) and _overlaps_itself(value):
+                    raise RuntimeError(
+                        f"the program writes in place ({func}) into a tensor several of whose elements share "
+                        f"memory (shape {tuple(value.shape)}, strides {value.stride()}, as from expand): eager "
+                        "PyTorch refuses most such writes, and a compiled program gets the others wrong. Clone "
+                        "the tensor before writing into it."
+                    )
+        return func(*args, **kwargs)
+
+
+@functools.cache
+def _writes_values(func: Any) -> bool:
+    """Whether ``func`` writes values into a tensor argument (an in-place or ``out=`` op),
+    not only its metadata (``t_``, ``unsqueeze_``, ``resize_``, ``set_``: tagged
+    ``inplace_view``)."""
+    return torch.Tag.inplace_view not in getattr(func, "tags", ())
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` surely share memory (a dim of more than one element with
+    stride 0), the case eager PyTorch refuses to write into."""
+    return any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride()))
 
 
 class _UntraceableGradient(RuntimeError):
