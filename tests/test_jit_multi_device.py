@@ -201,6 +201,11 @@ def test_low_precision_rounds_the_same_on_every_placement(four_devices, name):
     disagreed by a bfloat16 ulp or two. Compiled programs round at each cast as eager
     does (torch_private.eager_rounding_options): the same bits on both placements, and
     eager's at the casts."""
+    from torchpmap._state import torch_private
+
+    if not torch_private.rounds_round_trips():
+        pytest.skip(f"torch {torch.__version__}'s inductor folds a round trip through bfloat16 away, even with "
+                    "emulate_precision_casts (see docs/performance.md)")
     fun = LOW_PRECISION[name]
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(7))
     jit, eager, _ = _three(fun, x)
