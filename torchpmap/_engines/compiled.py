@@ -484,7 +484,7 @@ class _EagerWriteChecks(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        written = _written_arguments(func) if _writes_values(func) else frozenset()
+        written = _values_written(func)
         if written:
             names = [a.name for a in getattr(private.op_schema(func), "arguments", ())]
             for name, value in [*zip(names, args), *kwargs.items()]:
@@ -499,11 +499,13 @@ class _EagerWriteChecks(TorchDispatchMode):
 
 
 @functools.cache
-def _writes_values(func: Any) -> bool:
-    """Whether ``func`` writes values into a tensor argument (an in-place or ``out=`` op),
-    not only its metadata (``t_``, ``unsqueeze_``, ``resize_``, ``set_``: tagged
-    ``inplace_view``)."""
-    return torch.Tag.inplace_view not in getattr(func, "tags", ())
+def _values_written(func: Any) -> frozenset[str]:
+    """The names of the arguments ``func`` writes values into (:func:`_written_arguments`),
+    none for an op that changes only their metadata (``t_``, ``unsqueeze_``, ``resize_``,
+    ``set_``: tagged ``inplace_view``)."""
+    if torch.Tag.inplace_view in getattr(func, "tags", ()):
+        return frozenset()
+    return _written_arguments(func)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -62,7 +62,7 @@ def _cannot_vectorize(failure: BaseException | None) -> str | None:
         seen.add(id(failure))
         text = str(failure)
         if isinstance(failure, RuntimeError) and any(m in text for m in _CANNOT_VECTORIZE):
-            return f"{type(failure).__name__}: {_first_line(failure)}"
+            return _described(failure)
         failure = failure.__cause__ or failure.__context__
     return None
 
@@ -101,12 +101,13 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         # baton that the enclosing instance holds
         named_outside = _context.instance_thread.get() is not None
         if why is None and outermost and not named_outside and _names_no_instance(failure):
+            described = _described(failure)
             try:
-                rerun_guard.undo(call, before, f"{type(failure).__name__}: {_first_line(failure)}")
+                rerun_guard.undo(call, before, described)
             except RuntimeError as stuck:
                 raise stuck from failure
             outputs = _rerun_naming_the_instance(call, failure)
-            _remember_fallback(call, f"{type(failure).__name__}: {_first_line(failure)}")
+            _remember_fallback(call, described)
             return outputs
         if why is None or call.vmap_fallback is None or not outermost:
             raise
@@ -122,6 +123,11 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 def _first_line(failure: BaseException) -> str:
     """The first line of ``failure``'s message (how notes and warnings quote it)."""
     return (str(failure).strip().splitlines() or [""])[0]
+
+
+def _described(failure: BaseException) -> str:
+    """``failure`` as notes and warnings name it: ``"RuntimeError: <its first line>"``."""
+    return f"{type(failure).__name__}: {_first_line(failure)}"
 
 
 #: Failures of torchpmap's own machinery, which name what failed already (running the
@@ -179,7 +185,7 @@ def _rerun_naming_the_instance(call: MappedCall, failure: Exception) -> list[tor
         if hasattr(exact, "add_note"):
             exact.add_note(
                 f"torchpmap: found by running the instances one at a time, after their vectorized run raised "
-                f"{type(failure).__name__}: {_first_line(failure)}"
+                f"{_described(failure)}"
             )
         raise exact from None
 
