@@ -88,8 +88,14 @@ def test_inline_lambdas_copy_their_arguments_on_the_first_call_only(monkeypatch,
     from torchpmap._engines import rerun_guard
 
     kept = []
-    copies = rerun_guard.copies
-    monkeypatch.setattr(rerun_guard, "copies", lambda call: kept.append(copies(call)) or kept[-1])
+    note = rerun_guard.note
+
+    def noting(call):
+        before = note(call)
+        kept.append(before.saved)
+        return before
+
+    monkeypatch.setattr(rerun_guard, "note", noting)
     x = torch.arange(8.0).reshape(4, 2)
     inline = compile("lambda t: t * 2 + step", "<loop body>", "eval")  # a code object of this test run's own
     for step in range(3):

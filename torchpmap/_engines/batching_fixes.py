@@ -52,7 +52,10 @@ class _MixedPrecision(TorchFunctionMode):
 
 def needed() -> bool:
     """Whether a map starting now needs the corrections (autocast is on): cheap, per call."""
-    return any(torch.is_autocast_enabled(t) for t in _context.DEVICE_AUTOCAST_TYPES)
+    for device_type in _context.DEVICE_AUTOCAST_TYPES:  # a loop, not any(generator): this runs on every call
+        if torch.is_autocast_enabled(device_type):
+            return True
+    return False
 
 
 def fixed() -> contextlib.AbstractContextManager[Any]:

@@ -54,7 +54,9 @@ class Before:
 def note(call: MappedCall) -> Before:
     """The state of ``call``'s arguments (and generator) before its vectorized attempt."""
     generator = torch.default_generator.get_state() if call.randomness == "per_instance" else None
-    return Before(versions(call), copies(call), generator)
+    fallback = call.vmap_fallback
+    saved = None if fallback is None or fallback.ran.once else copies(call)  # the common case: no call
+    return Before(versions(call), saved, generator)
 
 
 def undo(call: MappedCall, before: Before, why: str) -> None:

@@ -19,6 +19,7 @@ from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.sharded import ShardedTensor, as_local
 from torchpmap._state import axis_env as _axis_env
+from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.faults import OutputVaries
 
@@ -32,7 +33,11 @@ def place(value: Any, device: torch.device | None) -> Any:
     return value.to(device, non_blocking=True)
 
 
-def _own_view(t: Any) -> Any:
+def _own_view(t: Any, device: torch.device | None) -> Any:
+    """``t`` placed on ``device``, as a view of its own (see :func:`run`)."""
+    if type(t) is torch.Tensor and (device is None or t.device == device):
+        return t.view_as(t)  # the common case: one call per argument
+    t = place(t, device)
     return t.view_as(t) if type(t) is torch.Tensor else t
 
 
@@ -55,7 +60,7 @@ def run(
     # each mapped argument goes in as a view of the caller's tensor, as a slice does on
     # several devices: an in-place change of its metadata (t_, unsqueeze_, resize_) then
     # changes the instances' view, not the caller's tensor (values written still reach it)
-    mapped = [_own_view(place(t, device)) for t in call.mapped]
+    mapped = [_own_view(t, device) for t in call.mapped]
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else (mapped[0].device if mapped else None)
     # the axis token is an extra vmap input (see torchpmap._collectives.binding); an unnamed axis needs
@@ -66,16 +71,21 @@ def run(
     token = None if call.axis_name is None and not per_instance else _token(call.size, here)
 
     def one_instance(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if token is None:  # the hot path: an unnamed axis, no per-instance streams
-            outputs = tuple(call.body(slices, broadcast))
-            if call.must_be_unmapped is not None:  # vmap's out_axes=None
-                _check_unmapped(outputs, call.must_be_unmapped())
-            return outputs
-        token_slice, slices = slices[0], slices[1:]
-        if per_instance:
-            with InstanceStreams(cast(int, seed), offset, call.size, token_slice, here):  # drawn above
-                return _on_axis(token_slice, slices)
-        return _on_axis(token_slice, slices)
+        try:
+            if token is None:  # the hot path: an unnamed axis, no per-instance streams
+                outputs = tuple(call.body(slices, broadcast))
+                if call.must_be_unmapped is not None:  # vmap's out_axes=None
+                    _check_unmapped(outputs, call.must_be_unmapped())
+                return outputs
+            token_slice, slices = slices[0], slices[1:]
+            if per_instance:
+                with InstanceStreams(cast(int, seed), offset, call.size, token_slice, here):  # drawn above
+                    return _on_axis(token_slice, slices)
+            return _on_axis(token_slice, slices)
+        except Exception as failure:
+            if call.size > 1:  # which instance raised cannot be told here (see dispatch.run)
+                mark_vectorized(failure)
+            raise
 
     def _on_axis(token_slice: torch.Tensor, slices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if call.axis_name is None:
@@ -94,24 +104,17 @@ def run(
 
     # A pmap nested in this map runs vectorized here: its inputs are batched at this
     # thread's vmap level and cannot travel to other device threads.
-    previous = _devices.current_default()
-    if previous is None:
-        _devices.set_current_default(
+    pinned = None
+    if _context.default_devices.get() is None:  # see _devices.current_default
+        pinned = _context.default_devices.set(
             tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu"))
         )
     inputs, in_dims = (mapped, call.in_dims) if token is None else ((token, *mapped), (0, *call.in_dims))
-    def marked(*slices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        try:
-            return one_instance(*slices)
-        except Exception as failure:
-            if call.size > 1:  # which instance raised cannot be told here (see dispatch.run)
-                mark_vectorized(failure)
-            raise
-
     try:
-        return _vmap_flat(marked, call.size, inputs, in_dims, call.randomness)
+        return _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
     finally:
-        _devices.set_current_default(previous)
+        if pinned is not None:
+            _context.default_devices.reset(pinned)
 
 
 def mark_vectorized(failure: BaseException) -> None:

@@ -243,8 +243,13 @@ class MappedFunction:
         else:
             statics, dyn_args = {}, args
         flat = self._flatten(args, statics, dyn_args, kwargs)
-        mapped = set(flat.mapped_slots)
-        broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
+        if len(flat.mapped_slots) == len(flat.leaves):  # the common case: every leaf mapped
+            broadcast_slots: list[int] = []
+            mapped_leaves = flat.leaves
+        else:
+            mapped = set(flat.mapped_slots)
+            broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
+            mapped_leaves = [flat.leaves[k] for k in flat.mapped_slots]
         layout = OutputLayout()  # filled by body; restored by a compiled program that skips it
         # the common case: positional tensors, all mapped; an instance's arguments are its slices
         direct = flat.spec is None and not statics and not broadcast_slots
@@ -269,9 +274,9 @@ class MappedFunction:
         mesh = self._mesh()
         call = MappedCall(
             body=body,
-            mapped=[flat.leaves[k] for k in flat.mapped_slots],
+            mapped=mapped_leaves,
             in_dims=flat.in_dims,
-            broadcast=[flat.leaves[k] for k in broadcast_slots],
+            broadcast=[flat.leaves[k] for k in broadcast_slots] if broadcast_slots else [],
             axis_name=self.opts.axis_name,
             size=flat.size,
             randomness=self.opts.randomness,

@@ -127,8 +127,8 @@ def process_count() -> int:
 
 def resolve(requested: Sequence[DeviceLike] | DeviceLike | None) -> tuple[Device, ...]:
     """The devices a pmap was asked to use, validated; all local devices for None."""
-    if requested is None:
-        return current_default() or _this_process()
+    if requested is None:  # every call of a pmap without devices=: no more calls than needed
+        return _context.default_devices.get() or _this_process()
     if current_default() is not None:
         raise ValueError(
             "pmap: a pmap nested inside a multi-device pmap runs on the device of its enclosing instance, so it "
