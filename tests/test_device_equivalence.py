@@ -612,9 +612,11 @@ def test_random_ops_torch_draws_in_cpp_under_per_instance(eight_devices, monkeyp
     q = _data(8, 2, 4, 3, seed=14)
     sdpa = lambda v: torch.nn.functional.scaled_dot_product_attention(v, v, v, dropout_p=0.5)  # noqa: E731
     results = []
-    for devices in (eight_devices[:1], eight_devices[:4], eight_devices):
-        if len(devices) == 8:  # one instance per device, run directly (the default), not through a vmap of one
-            monkeypatch.setattr(tp.config, "bitwise_placement", False)
+    # 8 devices: one instance each, run directly (the default) and through a vmap of one
+    # (bitwise_placement), whose failure is vmap's too: the instance then runs alone
+    for devices, bitwise in ((eight_devices[:1], True), (eight_devices[:4], True), (eight_devices, False),
+                             (eight_devices, True)):
+        monkeypatch.setattr(tp.config, "bitwise_placement", bitwise)
         torch.manual_seed(3)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
@@ -623,6 +625,7 @@ def test_random_ops_torch_draws_in_cpp_under_per_instance(eight_devices, monkeyp
     monkeypatch.setattr(tp.config, "bitwise_placement", True)
     assert_same(*results[:2], "sdpa's dropout, 1 and 4 devices")
     assert_same(results[0], results[2], "sdpa's dropout, 1 and 8 devices")
+    assert_same(results[0], results[3], "sdpa's dropout, 1 and 8 devices under bitwise_placement")
     lstm = torch.nn.LSTM(3, 4, num_layers=2, dropout=0.5).double().train()
     f = lambda v: lstm(v.reshape(1, 1, 3))[0]  # noqa: E731
     results = []

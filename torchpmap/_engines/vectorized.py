@@ -83,8 +83,10 @@ def run(
                     return _on_axis(token_slice, slices)
             return _on_axis(token_slice, slices)
         except Exception as failure:
-            if call.size > 1:  # which instance raised cannot be told here (see dispatch.run)
-                mark_vectorized(failure)
+            # which instance raised cannot be told here, nor, even for a vmap of one (a
+            # device's one instance under bitwise_placement), whether vmap is what failed:
+            # dispatch.run runs the instances alone to tell
+            mark_vectorized(failure)
             raise
 
     def _on_axis(token_slice: torch.Tensor, slices: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
