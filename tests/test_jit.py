@@ -411,6 +411,26 @@ def test_no_grad_blocks_stop_the_gradient(fun):
     assert grads[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize(
+    "fun",
+    [
+        pytest.param(lambda v: v * v.conj(), id="conj-view"),  # |v|^2: eager's gradient is 2v, the graph gave v
+        pytest.param(lambda v: v * v.conj() + v * v, id="conj-view-and-square"),
+        pytest.param(lambda v: (v.conj() * tp.psum(v, "i")).exp(), id="conj-psum"),
+        pytest.param(lambda v: torch.view_as_real(v.conj() * 2j).sin(), id="conj-as-real"),
+    ],
+)
+def test_tensors_made_below_autograd_keep_their_gradient(fun):
+    """A complex conjugate view is copied below autograd for the kernel that reads it;
+    the copy does not require grad, though autograd recorded the op. The audit stopped
+    the gradient at it, and compiled gradients were wrong (half of eager's for
+    ``v * v.conj()``) on every placement, silently."""
+    x = torch.complex(*torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(5))).requires_grad_()
+    real = lambda t: torch.view_as_real(t).sum(-1) if t.is_complex() else t  # noqa: E731 - the loss is real
+    grads = _compiled_gradients_match_eager(lambda v: real(fun(v)), x)
+    assert grads[0].abs().sum() > 0
+
+
 def test_a_no_grad_output_does_not_require_grad():
     def fun(v):
         with torch.no_grad():

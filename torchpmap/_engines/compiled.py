@@ -529,8 +529,11 @@ class _GradientAudit(TorchDispatchMode):
     ``make_fx`` records it, with the autograd state of its inputs:
 
     * an input that carries a gradient in the graph but not in eager autograd (grad mode
-      is off, or the tensor does not require grad) reaches the op through an
-      ``aten.detach``, recorded in the graph;
+      is off, or the tensor was made with grad mode off) reaches the op through an
+      ``aten.detach``, recorded in the graph. A tensor made with grad mode on that does not
+      require grad was made below autograd, inside an op that autograd recorded (the
+      conjugate fallback's copy of ``v.conj()`` for ``v * v.conj()``): no stop there, or
+      the gradient through that op would be lost;
     * an input whose eager gradient comes from something other than the op that made it
       (a custom Function's ``backward``, set on an output its forward made with grad mode
       off) cannot be compiled: :class:`_UntraceableGradient`, and the call runs eagerly.
@@ -589,7 +592,11 @@ class _GradientAudit(TorchDispatchMode):
                 "a tensor's gradient comes from a custom torch.autograd.Function's backward, which a compiled "
                 "program cannot follow (it differentiates the ops the Function's forward traced)"
             )
-        if not self._carried(t) or (recorded and t.requires_grad):  # the same edge in the graph and in eager
+        # The same edge in the graph and in eager: a tensor eager autograd tracks, or one made
+        # below autograd, inside an op it recorded (the copy torch makes of a conjugate view
+        # for the kernel of ``v * v.conj()``, say): its consumers are that op's own pieces,
+        # which AOTAutograd differentiates into the recorded op's gradient.
+        if not self._carried(t) or (recorded and (t.requires_grad or t not in self._unrecorded)):
             return t
         if written:  # an in-place update without autograd: the graph would differentiate it
             if t.requires_grad:
