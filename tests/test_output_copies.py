@@ -41,6 +41,32 @@ def test_writing_into_a_result_leaves_the_argument_alone(placement, name):
         torch.testing.assert_close(x, torch.arange(12.0).reshape(4, 3), msg=f"{name} on {len(devices)} device(s)")
 
 
+@pytest.mark.parametrize(
+    "fun",
+    [
+        pytest.param(lambda t: (lambda y: (y, y))(t * 2), id="the-same-result-twice"),
+        pytest.param(lambda t: (lambda y: (y, y[:1]))(t * 2), id="a-result-and-its-view"),
+        pytest.param(lambda t: (lambda y: {"a": y[1:], "b": y})(t * 2), id="a-view-first"),
+        pytest.param(lambda t: (t, t[:1]), id="the-argument-and-its-view"),
+    ],
+)
+def test_results_share_no_memory_with_each_other(placement, fun):
+    """One device returned results that share memory (a write into one showed in the
+    other); several devices and a loop over the rows return them apart."""
+    x = torch.arange(12.0).reshape(4, 3)
+    rows = [fun(row.clone()) for row in x]
+    want = {k: torch.stack([r[k] for r in rows]) for k in (rows[0] if isinstance(rows[0], dict) else range(2))}
+    for devices in (placement, placement[:1]):
+        got = tp.pmap(fun, devices=devices)(x.clone())
+        keys = list(want)
+        first, second = (torch.as_tensor(got[k]).cpu().clone() for k in keys)
+        with torch.no_grad():
+            got[keys[0]].add_(100)
+        torch.testing.assert_close(torch.as_tensor(got[keys[0]]).cpu(), first + 100)
+        torch.testing.assert_close(torch.as_tensor(got[keys[1]]).cpu(), second, msg=f"on {len(devices)} device(s)")
+        torch.testing.assert_close(second, want[keys[1]])
+
+
 def test_one_at_a_time_too(placement):
     x = torch.arange(12.0).reshape(4, 3)
     with tp.disable_vectorization():

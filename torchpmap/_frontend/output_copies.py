@@ -14,8 +14,11 @@ shares ``x``'s memory used to depend on how the instances ran:
 
 So a write into the result changed the caller's argument on some placements only. JAX's
 arrays cannot be written, and a loop copies: every placement now returns results in
-memory of their own. The check is on metadata alone (a view's ``_base``, a tensor's
-identity) and copies only what aliases an argument: a result computed from the arguments
+memory of their own. The same holds between the results: ``(y, y)`` or ``(y, y[:1])``
+came back sharing memory from one device (a write into one showed in the other) and
+apart from several devices and a loop; the second is now copied everywhere. The check
+is on metadata alone (a view's ``_base``, a tensor's identity) and copies only what
+aliases an argument or an earlier result: a result computed from the arguments
 (``t + 1``) costs nothing more than the check.
 """
 from __future__ import annotations
@@ -29,22 +32,33 @@ from torchpmap._placement.sharded import ShardedTensor
 
 def unaliased(outputs: list[torch.Tensor], arguments: Sequence[object]) -> list[torch.Tensor]:
     """``outputs`` of a mapped call, each copied where it is (a view of) one of the call's
-    tensor ``arguments`` (a ShardedTensor's shards included), on its own device."""
+    tensor ``arguments`` (a ShardedTensor's shards included) or of an earlier output, on
+    its own device."""
     if _fresh(outputs, arguments):  # the common case: results of computations
         return outputs
     roots = {_root(t) for a in arguments for t in _tensors(a)}
-    return [_copied(o, roots) for o in outputs]
+    kept = []
+    for out in outputs:
+        out = _copied(out, roots)
+        roots.update(_root(t) for t in _tensors(out))  # a later output sharing its memory is copied
+        kept.append(out)
+    return kept
 
 
 def _fresh(outputs: list[torch.Tensor], arguments: Sequence[object]) -> bool:
-    """Whether no output can share an argument's memory, from metadata alone (plain loops:
-    this runs on every call)."""
+    """Whether no output can share an argument's or another output's memory, from
+    metadata alone (plain loops: this runs on every call)."""
+    seen: set[int] | None = set() if len(outputs) > 1 else None
     for out in outputs:
         if out._base is not None or isinstance(out, ShardedTensor):  # a ShardedTensor: its shards tell
             return False
         for a in arguments:
             if out is a:
                 return False
+        if seen is not None:  # the same tensor returned twice
+            if id(out) in seen:
+                return False
+            seen.add(id(out))
     return True
 
 
