@@ -758,3 +758,17 @@ def test_device_threads_use_the_callers_intra_op_thread_count(eight_devices):
         assert seen == [1] * 4
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("axis_name", [None, "i"])
+def test_an_axis_of_size_zero_is_empty_on_every_placement(eight_devices, axis_name):
+    """No instance: vectorized, compiled and on several devices the result is empty, of
+    the shape vmap works out; one at a time (debug mode) divided by the number of
+    devices it was given (none) and raised ZeroDivisionError."""
+    fun = (lambda t: t + 1) if axis_name is None else (lambda t: t + tp.psum(t, axis_name))
+    x = torch.zeros(0, 3)
+    results = [tp.pmap(fun, axis_name, devices=devices)(x) for devices in (eight_devices[:1], eight_devices)]
+    with tp.disable_vectorization():
+        results.append(tp.pmap(fun, axis_name, devices=eight_devices[:1])(x))
+    for got in results:
+        assert torch.as_tensor(got).shape == (0, 3)

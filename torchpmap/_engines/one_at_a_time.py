@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from torchpmap._engines import instance_threads, mesh_axes
+from torchpmap._engines import instance_threads, mesh_axes, vectorized
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._placement import devices as _devices
@@ -18,7 +18,11 @@ from torchpmap._placement.devices import Device
 
 
 def run(call: MappedCall) -> list:
-    """Runs each instance of ``call`` as a thread on the device it would use, one running at a time."""
+    """Runs each instance of ``call`` as a thread on the device it would use, one running at a time.
+    An axis of size 0 has no instance to run: it runs vectorized, as on every other
+    placement (vmap computes the results' shapes without an instance)."""
+    if call.size == 0:
+        return vectorized.run(call)
     if call.mesh is not None:  # an axis of a device mesh: each instance on its position's device
         return mesh_axes.run(call, call.mesh, baton=_baton)
     if call.devices is None:  # vmap: where the inputs are
