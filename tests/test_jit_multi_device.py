@@ -245,3 +245,46 @@ def test_a_write_into_an_expanded_tensor_runs_eagerly(four_devices, name):
     if name == "fill_":  # a new mapped function: the warning comes once per signature
         with pytest.warns(tp.JitFallbackWarning, match="share memory"):
             tp.pmap(lambda t: write(t), jit=True, devices=tp.devices()[:1])(x)
+
+
+KERNEL_REFUSALS = {
+    "hypot of integers": (lambda t: torch.hypot(t, t), "not implemented for"),
+    "a float product written into an int tensor": (
+        lambda t: t.mul_(torch.tensor(2.5)), "result type Float can't be cast to the desired output type"
+    ),
+    "true division in place on integers": (lambda t: t.div_(2), "result type Float can't be cast"),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_REFUSALS))
+def test_what_eager_kernels_refuse_is_refused_compiled_too(four_devices, name):
+    """Fake tensors compute result dtypes only: the trace accepted kernels eager refuses for
+    the dtypes, and one device's compiled program returned truncated numbers (and wrote
+    them into the caller's tensor) where every eager placement raised. The trace runs each
+    elementwise op on one-element real tensors too: the call runs eagerly and raises
+    eager's error, on every placement, and leaves the argument as it was."""
+    fun, message = KERNEL_REFUSALS[name]
+    for devices in (tp.devices(), tp.devices()[:1]):
+        for jit in (True, False):
+            x = torch.arange(8, dtype=torch.int32).reshape(4, 2)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", tp.JitFallbackWarning)
+                with pytest.raises(RuntimeError, match=message):
+                    tp.pmap(fun, jit=jit, devices=devices)(x)
+            assert torch.equal(x, torch.arange(8, dtype=torch.int32).reshape(4, 2)), (name, len(devices), jit)
+
+
+@pytest.mark.parametrize("name", ["t_", "transpose_", "unsqueeze_"])
+def test_an_argument_reshaped_in_place_stays_the_callers(four_devices, name):
+    """``v.t_()`` changes the instance's view of the argument in eager; the compiled
+    program on one device transposed the caller's tensor. Such a program runs eagerly."""
+    ops = {"t_": lambda v: v.t_(), "transpose_": lambda v: v.transpose_(0, 1), "unsqueeze_": lambda v: v.unsqueeze_(0)}
+    fun = lambda v: ops[name](v) * 2  # noqa: E731
+    want = torch.stack([fun(row.clone()) for row in torch.arange(24.0).reshape(4, 2, 3)])
+    for devices in (tp.devices()[:1], tp.devices()):
+        x = torch.arange(24.0).reshape(4, 2, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tp.JitFallbackWarning)
+            got = torch.as_tensor(tp.pmap(fun, jit=True, devices=devices)(x)).cpu()
+        torch.testing.assert_close(got, want)
+        assert (tuple(x.shape), x.stride()) == ((4, 2, 3), (6, 3, 1)), (name, len(devices))

@@ -363,7 +363,7 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
         for k, t in zip(tensor_slots, tensors[n_mapped:]):
             broadcast[k] = t
         traced_call = dataclasses.replace(call, mapped=tensors[:n_mapped], broadcast=broadcast)
-        with _NoDataAssignment(), _EagerWriteChecks():
+        with _NoDataAssignment(), _EagerChecks(tensors):
             if not torch.is_grad_enabled():  # part of the signature: the program never runs with autograd
                 return engine(traced_call)
             with _GradientAudit() as audit:
@@ -468,22 +468,44 @@ class _NoDataAssignment(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class _EagerWriteChecks(TorchDispatchMode):
-    """While a program is traced, refuses an in-place write into a tensor several of
-    whose elements share memory (a dim of stride 0: ``t.expand(3, 2)``), so that the call
-    runs eagerly.
+class _EagerChecks(TorchDispatchMode):
+    """While a program is traced, refuses what eager PyTorch refuses and fake tensors let
+    through, so that the call runs eagerly (eager's error, or eager's numbers):
 
-    Fake tensors do not run eager's check of such writes, and the compiled program gets
-    them wrong: ``t.expand(3, 2).add_(1)``, which every eager placement refuses ("more
-    than one element of the written-to tensor refers to a single memory location"),
-    compiled to a sum written through the view; ``fill_``, which eager allows there,
-    compiled to other numbers (``(t * 1).unsqueeze(0).expand(3, 2).fill_(2.0) + t`` gave
-    ``[6, 5]`` for ``t = [0, 1]`` under plain ``torch.compile`` too, where eager gives
-    ``[2, 3]``). Run eagerly, the call raises eager's error or computes eager's numbers.
+    * an in-place write into a tensor several of whose elements share memory (a dim of
+      stride 0: ``t.expand(3, 2)``). Fake tensors do not run eager's check, and the
+      compiled program gets such writes wrong: ``t.expand(3, 2).add_(1)``, which every
+      eager placement refuses ("more than one element of the written-to tensor refers to
+      a single memory location"), compiled to a sum written through the view; ``fill_``,
+      which eager allows there, compiled to other numbers (``(t * 1).unsqueeze(0)
+      .expand(3, 2).fill_(2.0) + t`` gave ``[6, 5]`` for ``t = [0, 1]`` under plain
+      ``torch.compile`` too, where eager gives ``[2, 3]``);
+    * an elementwise op whose kernel refuses its dtypes. Fake tensors compute only
+      result dtypes: ``torch.hypot`` of integers ("not implemented for 'Int'") compiled,
+      and ``a.mul_(torch.tensor(2.5))`` on an integer ``a`` ("result type Float can't be
+      cast to the desired output type Int") wrote truncated products. Each elementwise op
+      runs once more on one-element real tensors of its dtypes, on its device (its
+      random ones excepted: they would draw); its error refuses the trace;
+    * a change of an argument's shape or strides in place (``v.t_()``, ``transpose_``,
+      ``unsqueeze_`` of an instance's slice). Eager changes its own view of the argument
+      (see :func:`torchpmap._engines.vectorized.run`); the compiled program, which goes
+      through ``torch.compile`` for it, transposed the caller's tensor.
+
+    ``inputs``: the program's input tensors (fake), whose views the function sees.
     """
+
+    def __init__(self, inputs: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._inputs = {id(t) for t in inputs}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.Tag.inplace_view in getattr(func, "tags", ()) and args and isinstance(args[0], torch.Tensor):
+            if id(args[0]) in self._inputs or id(args[0]._base) in self._inputs:
+                raise RuntimeError(
+                    f"the program changes the shape or strides of an argument in place ({func}): a compiled "
+                    "program would change the caller's tensor, where eager changes the instance's view of it"
+                )
         written = _values_written(func)
         if written:
             names = [a.name for a in getattr(private.op_schema(func), "arguments", ())]
@@ -495,7 +517,32 @@ class _EagerWriteChecks(TorchDispatchMode):
                         "PyTorch refuses most such writes, and a compiled program gets the others wrong. Clone "
                         "the tensor before writing into it."
                     )
+        if _checks_kernel(func):
+            _run_on_one_element(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+@functools.cache
+def _checks_kernel(func: Any) -> bool:
+    """Whether the trace runs ``func`` on one-element real tensors: elementwise, not random."""
+    tags = getattr(func, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+
+
+def _run_on_one_element(func: Any, args: tuple, kwargs: dict) -> None:
+    """``func`` on real tensors of one element (rank 0 stays rank 0: it counts for type
+    promotion) with the dtypes and devices of its tensor arguments, holding ones (no
+    division by zero). Raises what eager's kernel raises for those dtypes."""
+    tensors = [t for t in private.pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        return
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        return torch.ones(() if t.dim() == 0 else (1,), dtype=t.dtype, device=t.device)
+
+    with private.modes_disabled(), torch.no_grad():
+        small_args, small_kwargs = private.pytree.tree_map_only(torch.Tensor, one, (args, kwargs))
+        func(*small_args, **small_kwargs)
 
 
 @functools.cache

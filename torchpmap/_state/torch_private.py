@@ -843,6 +843,21 @@ Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.utils._python_dispatch.TorchDispa
 ``import torch``)."""
 
 
+modes_disabled = _bind(
+    "modes_disabled", lambda: _module("torch.utils._python_dispatch")._disable_current_modes
+)
+"""``with modes_disabled(): ...`` runs ops with every torch dispatch mode set aside (a
+fake-tensor trace's own modes included), so that they compute on real tensors.
+
+For: ``pmap(jit=True)``'s trace runs each elementwise op once more on one-element real
+tensors of the op's dtypes, and runs eagerly where eager's kernel refuses them: fake
+tensors do not check (``torch.hypot`` of integers, a float product written into an
+integer tensor by ``mul_``), and the compiled program computed what eager refuses.
+Public replacement: none (what we'd need: fake tensors that check kernel dtype
+support, or a public way to step outside the active modes).
+Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.utils._python_dispatch._disable_current_modes``)."""
+
+
 has_kernel_for_dispatch_key = _bind(
     "has_kernel_for_dispatch_key", lambda: torch._C._dispatch_has_kernel_for_dispatch_key
 )
@@ -1272,6 +1287,23 @@ def _probe_eager_rounding_options() -> None:
     _expect(torch.allclose(out, (x.to(torch.bfloat16) * 3).float(), rtol=1e-2), f"compiles with it (got {out})")
 
 
+def _probe_modes_disabled() -> None:
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        with modes_disabled():
+            inside = torch.ones(2) + 1
+        torch.ones(2) * 2
+    _expect(type(inside) is torch.Tensor and inside.tolist() == [2.0, 2.0], "ops compute on real tensors")
+    _expect(torch.ops.aten.add.Tensor not in seen, "a mode set aside does not see aten.add.Tensor")
+    _expect(torch.ops.aten.mul.Tensor in seen, "the mode sees aten.mul.Tensor again after the block")
+
+
 def _probe_dispatch_mode() -> None:
     seen = []
 
@@ -1499,6 +1531,7 @@ ENTRIES: dict[str, Entry] = {
             _probe_eager_rounding_options,
         ),
         Entry("TorchDispatchMode", "torch.utils._python_dispatch.TorchDispatchMode", _probe_dispatch_mode),
+        Entry("modes_disabled", "torch.utils._python_dispatch._disable_current_modes", _probe_modes_disabled),
         Entry("has_kernel_for_dispatch_key", "torch._C._dispatch_has_kernel_for_dispatch_key", _probe_has_kernel),
         Entry("op_schema", "OpOverload._schema", _probe_op_schema),
         Entry(
