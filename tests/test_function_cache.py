@@ -101,7 +101,8 @@ def test_inline_lambdas_copy_their_arguments_on_the_first_call_only(monkeypatch,
     for step in range(3):
         got = tp.pmap(eval(inline, {"step": step}))(x)  # a new function each time, as written inline
         torch.testing.assert_close(torch.as_tensor(got).cpu(), x * 2 + step)
-    assert [k is not None for k in kept] == [True, False, False]
+    # a device per instance runs each alone, without vmap: nothing to undo, no copy
+    assert [k is not None for k in kept] == ([False] * 3 if len(placement) == 4 else [True, False, False])
 
     def make(read):
         def body(t):

@@ -66,3 +66,22 @@ def test_a_write_that_cannot_be_undone_stops_the_call():
     with pytest.raises(RuntimeError, match=r"mapped argument 0 \(shape \(4,\)\).*would write it twice"):
         g(x)
     torch.testing.assert_close(x, torch.arange(4.0) + 1)  # written once, by the vectorized run
+
+
+def test_a_direct_run_is_not_a_vectorized_one(four_devices, monkeypatch):
+    """Devices that each run one instance run it without vmap. Such a call used to count
+    as the code having run vectorized, so that a later call of the same function on one
+    device kept no copy: its failed vectorized attempt (a write, then ``.item()``) could
+    not be undone, and it raised where a first call on one device computes."""
+    monkeypatch.setattr(tp.config, "bitwise_placement", False)
+
+    def f(a):
+        a.add_(1)
+        return a * 2 if a.item() > 2 else a
+
+    want = _loop(f, torch.arange(4.0))
+    for placed in (four_devices, four_devices[:1]):  # directly (no vmap), then vectorized on one device
+        x = torch.arange(4.0)
+        got = tp.pmap(f, devices=placed)(x)
+        torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
+        torch.testing.assert_close(x, torch.arange(4.0) + 1)

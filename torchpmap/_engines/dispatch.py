@@ -114,9 +114,6 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         rerun_guard.undo(call, before, why)
         _remember_fallback(call, why)
         return one_at_a_time.run(call)
-    fallback = call.vmap_fallback
-    if fallback is not None and not fallback.ran.once:
-        fallback.ran.once = True
     return outputs
 
 

@@ -13,7 +13,9 @@ So before a call the dispatcher notes each mapped argument's version counter (ev
 in-place write moves it; a few hundred nanoseconds a call), and until the mapped
 function's code has once run vectorized it keeps a copy of them too (the first call pays a
 copy of its mapped arguments; later calls nothing more, and neither do the calls of a new
-function of the same code, such as a lambda written inline in a loop). After a failed attempt,
+function of the same code, such as a lambda written inline in a loop; devices that run
+one instance each run it without vmap, so such a call keeps none, and does not count as
+a vectorized run: a later call on one device still keeps its copy). After a failed attempt,
 :func:`undo_writes` puts the written arguments back from that copy; without a
 copy (a function that ran vectorized before and fails now, on other values), or for an
 argument that requires grad (its autograd history now ends in the failed attempt's
@@ -32,6 +34,7 @@ import dataclasses
 
 import torch
 
+from torchpmap._engines import multi_device
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._placement.sharded import ShardedTensor
 
@@ -55,8 +58,20 @@ def note(call: MappedCall) -> Before:
     """The state of ``call``'s arguments (and generator) before its vectorized attempt."""
     generator = torch.default_generator.get_state() if call.randomness == "per_instance" else None
     fallback = call.vmap_fallback
-    saved = None if fallback is None or fallback.ran.once else copies(call)  # the common case: no call
-    return Before(versions(call), saved, generator)
+    if fallback is None or fallback.ran.once or _runs_directly(call):  # the common case: no copy
+        return Before(versions(call), None, generator)
+    return Before(versions(call), copies(call), generator)
+
+
+def _runs_directly(call: MappedCall) -> bool:
+    """Whether each instance of ``call`` runs alone on a device of its own, without vmap:
+    a failure is then the instance's own, never undone (and the code does not run
+    vectorized: its record stays as it was)."""
+    devices = call.devices
+    return (
+        devices is not None and call.mesh is None and len(devices) > 1 and call.size == len(devices)
+        and multi_device.runs_directly(call)
+    )
 
 
 def undo(call: MappedCall, before: Before, why: str) -> None:

@@ -113,10 +113,14 @@ def run(
         )
     inputs, in_dims = (mapped, call.in_dims) if token is None else ((token, *mapped), (0, *call.in_dims))
     try:
-        return _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
+        outputs = _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
     finally:
         if pinned is not None:
             _context.default_devices.reset(pinned)
+    fallback = call.vmap_fallback
+    if fallback is not None and not fallback.ran.once:  # the code has run vectorized (see rerun_guard)
+        fallback.ran.once = True
+    return outputs
 
 
 def mark_vectorized(failure: BaseException) -> None:
