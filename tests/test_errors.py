@@ -677,3 +677,22 @@ def test_an_error_only_vectorization_raises_falls_back(placement):
         warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
         flipped = tp.pmap(lambda t: t.flip(0))(torch.arange(8.0))
     torch.testing.assert_close(torch.as_tensor(flipped).cpu(), torch.arange(8.0))
+
+
+def test_a_transform_around_a_map_run_one_at_a_time_refuses_its_collectives(placement):
+    """torch.func.grad around a pmap whose instances run one at a time (debug mode): the
+    backward runs every instance's psum node in one thread, and the first waited for the
+    others until the collective timeout (300 s; on 4 devices it failed in an autograd
+    Function first). It raises at once now, saying what to do. Without a collective the
+    gradient is computed, as vectorized."""
+    x = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.5, 4.0], [-2.0, 1.0]])
+    for fun, collective in ((lambda v: v.sin() * 2, False), (lambda v: tp.psum(v.sin(), "i"), True)):
+        f = tp.pmap(fun, axis_name="i", devices=placement)
+        want = torch.func.grad(lambda v: (torch.as_tensor(f(v)) ** 2).sum())(x)
+        with tp.disable_vectorization():
+            if collective:
+                with pytest.raises(NotImplementedError, match="Take the gradient inside the pmap"):
+                    torch.func.grad(lambda v: (torch.as_tensor(f(v)) ** 2).sum())(x)
+            else:
+                got = torch.func.grad(lambda v: (torch.as_tensor(f(v)) ** 2).sum())(x)
+                torch.testing.assert_close(got, want)

@@ -22,6 +22,7 @@ those of binding each tensor alone).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -211,6 +212,7 @@ class _Bind(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.prims, ctx.token = inputs[0], inputs[1]
+        ctx.thread = threading.get_ident()  # an instance's own thread, for an unvectorized frame
         ctx.set_materialize_grads(False)  # a result that gets no gradient needs no transposed exchange
 
     @staticmethod
@@ -222,6 +224,16 @@ class _Bind(torch.autograd.Function):
                 f"torchpmap: .backward() through {prim.name} over mesh axis {prim.frame.name!r} called "
                 "under a torch.func transform inside the pmap is not supported. Differentiate inside the pmap "
                 "with torch.func.grad, or call the collective outside the inner transform."
+            )
+        if not prim.frame.vectorized and threading.get_ident() != ctx.thread:
+            # a transform around the map differentiates after its instances ran one at a time, each
+            # in a thread of its own: its backward runs every instance's node in this one thread,
+            # where the first would wait for the others' transposed exchange until the timeout
+            raise NotImplementedError(
+                f"torchpmap: a torch.func transform around a pmap differentiates through {prim.name} over axis "
+                f"{prim.frame.name!r}, whose instances ran one at a time (disable_vectorization(), or a "
+                "function vmap cannot run): its gradient cannot be exchanged between them. Take the gradient "
+                "inside the pmap (torch.func.grad in the mapped function), or let the instances run vectorized."
             )
         return None, None, *_bind_given(ctx.prims, ctx.token, grads, _transposed)
 

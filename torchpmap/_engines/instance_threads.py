@@ -166,4 +166,9 @@ def _same_value(first: torch.Tensor, other: torch.Tensor) -> bool:
 def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:
     if len(set(devices)) == 1:  # debug mode on one device: plain tensors, as the vectorized engine returns
         return [torch.cat(outs) for outs in zip(*per_thread)]
+    if private.current_vmap_level() is not None:
+        # a torch.func transform encloses the call: it carries tensors only (gathered on the
+        # first device), as from the multi-device engine
+        first = devices[0].torch_device
+        return [torch.cat([o.to(first) for o in outs]) for outs in zip(*per_thread)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_thread)]
