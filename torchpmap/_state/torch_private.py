@@ -1287,15 +1287,20 @@ def _probe_eager_rounding_options() -> None:
     _expect(torch.allclose(out, (x.to(torch.bfloat16) * 3).float(), rtol=1e-2), f"compiles with it (got {out})")
 
 
-def _probe_modes_disabled() -> None:
-    seen = []
+def _recording_mode(seen: list) -> Any:
+    """A dispatch mode that appends every op it sees to ``seen`` (the probes' witness)."""
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
-    with Record():
+    return Record()
+
+
+def _probe_modes_disabled() -> None:
+    seen: list = []
+    with _recording_mode(seen):
         with modes_disabled():
             inside = torch.ones(2) + 1
         torch.ones(2) * 2
@@ -1305,14 +1310,8 @@ def _probe_modes_disabled() -> None:
 
 
 def _probe_dispatch_mode() -> None:
-    seen = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Record():
+    seen: list = []
+    with _recording_mode(seen):
         torch.ones(2) + 1
     _expect(torch.ops.aten.add.Tensor in seen, "a dispatch mode sees aten.add.Tensor")
 
