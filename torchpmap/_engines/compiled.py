@@ -500,7 +500,7 @@ class _EagerChecks(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if torch.Tag.inplace_view in getattr(func, "tags", ()) and args and isinstance(args[0], torch.Tensor):
+        if _changes_metadata(func) and args and isinstance(args[0], torch.Tensor):
             if id(args[0]) in self._inputs or id(args[0]._base) in self._inputs:
                 raise RuntimeError(
                     f"the program changes the shape or strides of an argument in place ({func}): a compiled "
@@ -533,26 +533,31 @@ def _run_on_one_element(func: Any, args: tuple, kwargs: dict) -> None:
     """``func`` on real tensors of one element (rank 0 stays rank 0: it counts for type
     promotion) with the dtypes and devices of its tensor arguments, holding ones (no
     division by zero). Raises what eager's kernel raises for those dtypes."""
-    tensors = [t for t in private.pytree.tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    if any(t.device.type == "meta" for t in tensors):
+    leaves, spec = private.pytree.tree_flatten((args, kwargs))
+    if any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in leaves):
         return
-
-    def one(t: torch.Tensor) -> torch.Tensor:
-        return torch.ones(() if t.dim() == 0 else (1,), dtype=t.dtype, device=t.device)
-
     with private.modes_disabled(), torch.no_grad():
-        small_args, small_kwargs = private.pytree.tree_map_only(torch.Tensor, one, (args, kwargs))
+        small = [
+            torch.ones(() if t.dim() == 0 else (1,), dtype=t.dtype, device=t.device)
+            if isinstance(t, torch.Tensor) else t
+            for t in leaves
+        ]
+        small_args, small_kwargs = private.pytree.tree_unflatten(small, spec)
         func(*small_args, **small_kwargs)
+
+
+@functools.cache
+def _changes_metadata(func: Any) -> bool:
+    """Whether ``func`` changes its first argument's shape, strides or storage in place
+    (``t_``, ``unsqueeze_``, ``resize_``, ``set_``: tagged ``inplace_view``)."""
+    return torch.Tag.inplace_view in getattr(func, "tags", ())
 
 
 @functools.cache
 def _values_written(func: Any) -> frozenset[str]:
     """The names of the arguments ``func`` writes values into (:func:`_written_arguments`),
-    none for an op that changes only their metadata (``t_``, ``unsqueeze_``, ``resize_``,
-    ``set_``: tagged ``inplace_view``)."""
-    if torch.Tag.inplace_view in getattr(func, "tags", ()):
-        return frozenset()
-    return _written_arguments(func)
+    none for an op that changes only their metadata (:func:`_changes_metadata`)."""
+    return frozenset() if _changes_metadata(func) else _written_arguments(func)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:

@@ -48,7 +48,7 @@ from torchpmap._engines.compiled import (
 )
 from torchpmap._engines.engine_warnings import JitFallbackWarning
 from torchpmap._engines.mapped_call import MappedCall, OutputLayout
-from torchpmap._engines.multi_device import check_outputs_agree, device_thread, run_threads, runs_directly
+from torchpmap._engines.multi_device import check_outputs_agree, device_thread, each_instance_alone, run_threads
 from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._placement.devices import Device
@@ -135,7 +135,7 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePro
     :mod:`thread_ops`); each trace is cut at its exchanges, to be compiled at its first run."""
     k = call.size // len(devices)
     rendezvous, seed = Rendezvous(config.collective_timeout, Baton()), call_seed(call.randomness)
-    direct = k == 1 and runs_directly(call)
+    direct = each_instance_alone(call)
     stand_in = thread_ops.TracedThreadExchange(len(devices))
     options = _cache_options(call)
     compile_segment = functools.partial(_compile_segment, options.get("options", {}))

@@ -25,12 +25,11 @@ import torch
 from torchpmap._engines import vectorized
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
-from torchpmap._engines.multi_device import device_thread, run_threads
+from torchpmap._engines.multi_device import assembled, device_thread, run_threads
 from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._placement import mesh as _mesh
 from torchpmap._placement.devices import Device
-from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
@@ -166,9 +165,4 @@ def _same_value(first: torch.Tensor, other: torch.Tensor) -> bool:
 def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:
     if len(set(devices)) == 1:  # debug mode on one device: plain tensors, as the vectorized engine returns
         return [torch.cat(outs) for outs in zip(*per_thread)]
-    if private.current_vmap_level() is not None:
-        # a torch.func transform encloses the call: it carries tensors only (gathered on the
-        # first device), as from the multi-device engine
-        first = devices[0].torch_device
-        return [torch.cat([o.to(first) for o in outs]) for outs in zip(*per_thread)]
-    return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_thread)]
+    return assembled(devices, per_thread)  # as from the multi-device engine

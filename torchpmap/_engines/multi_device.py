@@ -59,7 +59,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     rendezvous, group = Rendezvous(config.collective_timeout, Baton()), object()
     torch_devices = tuple(d.torch_device for d in devices)
     seed = call_seed(call.randomness)
-    direct = k == 1 and runs_directly(call)
+    direct = each_instance_alone(call)
 
     def one_device(d: int) -> list[torch.Tensor]:
         with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
@@ -70,10 +70,27 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 
     per_device = run_threads([functools.partial(one_device, d) for d in range(len(devices))], rendezvous, devices, k)
     check_outputs_agree(per_device, devices)
+    return assembled(devices, per_device)
+
+
+def assembled(devices: Sequence[Device], per_device: Sequence[Sequence[torch.Tensor]]) -> list:
+    """The call's outputs from each device's: each leaf a ShardedTensor over the devices,
+    or, when a torch.func transform encloses the call (it carries tensors only), the
+    leaves concatenated on the first device."""
     if private.current_vmap_level() is not None:
-        # a torch.func transform encloses the call: it carries tensors only (gathered on the first device)
-        return [torch.cat([o.to(torch_devices[0]) for o in outs]) for outs in zip(*per_device)]
+        first = devices[0].torch_device
+        return [torch.cat([o.to(first) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+def each_instance_alone(call: MappedCall) -> bool:
+    """Whether the multi-device engines run ``call`` with one instance per device, each
+    directly (without vmap: see :func:`runs_directly`)."""
+    devices = call.devices
+    return (
+        devices is not None and call.mesh is None and len(devices) > 1 and call.size == len(devices)
+        and runs_directly(call)
+    )
 
 
 def runs_directly(call: MappedCall) -> bool:

@@ -58,20 +58,10 @@ def note(call: MappedCall) -> Before:
     """The state of ``call``'s arguments (and generator) before its vectorized attempt."""
     generator = torch.default_generator.get_state() if call.randomness == "per_instance" else None
     fallback = call.vmap_fallback
-    if fallback is None or fallback.ran.once or _runs_directly(call):  # the common case: no copy
+    # each instance alone on a device, without vmap: a failure is the instance's own, never undone
+    if fallback is None or fallback.ran.once or multi_device.each_instance_alone(call):  # the common case
         return Before(versions(call), None, generator)
     return Before(versions(call), copies(call), generator)
-
-
-def _runs_directly(call: MappedCall) -> bool:
-    """Whether each instance of ``call`` runs alone on a device of its own, without vmap:
-    a failure is then the instance's own, never undone (and the code does not run
-    vectorized: its record stays as it was)."""
-    devices = call.devices
-    return (
-        devices is not None and call.mesh is None and len(devices) > 1 and call.size == len(devices)
-        and multi_device.runs_directly(call)
-    )
 
 
 def undo(call: MappedCall, before: Before, why: str) -> None:
