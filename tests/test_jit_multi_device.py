@@ -288,3 +288,35 @@ def test_an_argument_reshaped_in_place_stays_the_callers(four_devices, name):
             got = torch.as_tensor(tp.pmap(fun, jit=True, devices=devices)(x)).cpu()
         torch.testing.assert_close(got, want)
         assert (tuple(x.shape), x.stride()) == ((4, 2, 3), (6, 3, 1)), (name, len(devices))
+
+
+def _gathered_shapes(f):
+    """The shapes that the first device's slice sends to its exchanges, in the program
+    ``f`` compiled last."""
+    from torchpmap._engines import thread_ops
+
+    programs = [p for p in f._programs.device_slices.values() if p is not None][-1]
+    shapes = []
+    for sub in programs.slices[0].module.children():
+        for node in getattr(sub, "graph_module", sub).graph.nodes:
+            if node.op == "call_function" and node.target is thread_ops.gather_live:
+                shapes += [tuple(t.meta["val"].shape) for t in node.args[0]]
+    return shapes
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_a_slice_sends_its_own_sum_unless_placement_must_be_bitwise(four_devices, monkeypatch, bitwise):
+    # compiled, a slice of 2 instances sends one partial sum (its products then fold over
+    # its samples); under bitwise_placement, both instances' values, as the eager engine
+    g = torch.Generator().manual_seed(5)
+    w, x, y = torch.randn(3, 2, generator=g), torch.randn(8, 5, 3, generator=g), torch.randn(8, 5, 2, generator=g)
+    step = lambda w, x, y: w - 0.1 * tp.pmean(grad(lambda w: ((x @ w - y) ** 2).mean())(w), "b")  # noqa: E731
+    f = tp.pmap(step, axis_name="b", in_axes=(None, 0, 0), jit=True)
+    monkeypatch.setattr(tp.config, "bitwise_placement", not bitwise)
+    f(w, x, y)  # a program of the other setting first: the setting is part of the program's key
+    monkeypatch.setattr(tp.config, "bitwise_placement", bitwise)
+    got = torch.as_tensor(f(w, x, y))
+    assert _compiled_slices(f) == 2
+    assert _gathered_shapes(f) == [(2 if bitwise else 1, 3, 2)]
+    one = tp.pmap(step, axis_name="b", in_axes=(None, 0, 0), devices=tp.devices()[:1])(w, x, y)
+    torch.testing.assert_close(got, one)

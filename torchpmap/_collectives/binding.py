@@ -319,7 +319,8 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     When the axis is split over devices, every slice's values are gathered first, all
     tensors in one exchange, and the same math runs on the whole axis, so results are
     bitwise those of one device. An exchange that sets ``reduces_locally`` (across
-    processes, where bandwidth counts) gathers only each slice's own reduction for
+    processes, where bandwidth counts, and in compiled device slices, where a slice's sum
+    folds into its products) gathers only each slice's own reduction for
     :attr:`Primitive.reduces` prims: a slice's instances are summed first, then the
     slices' sums, in the same order in every process (the replicas stay bitwise equal;
     against one process the float sums differ in rounding unless a slice holds one

@@ -14,9 +14,16 @@ same threads run the same slices, each through a program of its own:
    (:mod:`torchpmap._engines.segments`): inductor compiles the ops between two exchanges
    (AOTAutograd inside), the exchanges run eagerly through the thread's rendezvous.
 3. **Run.** Later calls with the signature run each device's program in its thread: the
-   segments compiled, the exchanges meeting as in the eager engine, so the gathered
-   values (and the math on them) are those of one device, and a ``.backward()`` through
-   a result, or ``torch.func.grad`` inside the map, differentiates as eagerly.
+   segments compiled, the exchanges meeting as in the eager engine, and a ``.backward()``
+   through a result, or ``torch.func.grad`` inside the map, differentiates as eagerly.
+
+What a slice sends for a sum (``psum``, ``pmean``, ``pmax``, ``pmin``) is its own
+instances' sum, as a process does (:class:`~torchpmap._engines.thread_ops.TracedThreadExchange`): the data-parallel
+mean of per-instance weight gradients then compiles into one product over the slice's
+samples (:func:`~torchpmap._engines.graph_rewrites.fold_instance_sums`), not a product per
+instance gathered and summed across the devices, and the results agree with one device to
+rounding, as compiled programs do. Under ``config.bitwise_placement`` every instance's value is
+gathered, as the eager engine always does, and the math on them is one device's.
 
 What is not compiled runs eagerly with a :class:`~torchpmap._engines.engine_warnings.JitFallbackWarning`
 that names why: a trace that fails on any device (a branch on a tensor's value, ...), a
@@ -95,7 +102,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     warning, where they cannot be compiled."""
     cache = _slices_of(call)
     devices = list(call.devices or ())
-    key = (call.signature, tuple(devices))
+    key = (call.signature, tuple(devices), config.bitwise_placement)  # it decides what a slice sends
     programs = cache.get(key, _UNTRACED)
     if programs is None:
         return multi_device.run(call)
@@ -136,7 +143,7 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePro
     k = call.size // len(devices)
     rendezvous, seed = Rendezvous(config.collective_timeout, Baton()), call_seed(call.randomness)
     direct = each_instance_alone(call)
-    stand_in = thread_ops.TracedThreadExchange(len(devices))
+    stand_in = thread_ops.TracedThreadExchange(len(devices), reduces_locally=not config.bitwise_placement)
     options = _cache_options(call)
     compile_segment = functools.partial(_compile_segment, options.get("options", {}))
 

@@ -59,18 +59,21 @@ class TracedThreadExchange:
 
     Attributes:
         size: the number of device slices along the axis.
+        reduces_locally: a sum sends the slice's own instances' sum rather than every
+            instance's value (see :mod:`torchpmap._engines.compiled_devices`); False
+            under ``config.bitwise_placement``.
     """
 
     size: int
+    reduces_locally: bool = True
 
-    starts_sums = False  # as the ThreadExchange it stands in for: every value is gathered
-    reduces_locally = False
+    starts_sums = False  # the threads take turns: a sum completes when they meet
 
     def all_gather_with_grad(self, ts: Sequence[torch.Tensor], what: str, partial: bool = False) -> list[torch.Tensor]:
         return list(torch.ops.torchpmap.gather_threads(list(ts), self.size, what))
 
     def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> None:
-        return None  # never asked (reduces_locally is False)
+        return None  # no all-reduce between threads: the slices' partial sums are gathered
 
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> None:
         raise NotImplementedError("the threads take turns: a sum completes when they meet, not in the background")

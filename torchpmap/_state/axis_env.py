@@ -53,9 +53,11 @@ class Exchange(Protocol):
     methods are differentiable: autograd (and ``torch.func``) goes through them.
     """
 
-    #: True when each slice sends its partial result of a reduction instead of every
-    #: instance's value (across processes: traffic independent of the local size).
-    reduces_locally: bool
+    @property
+    def reduces_locally(self) -> bool:
+        """True when each slice sends its partial result of a reduction instead of every
+        instance's value (across processes: traffic independent of the local size)."""
+        ...
 
     #: True when sums can start and run while computation goes on (:meth:`sums_in_order`).
     starts_sums: bool
