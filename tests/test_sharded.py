@@ -124,6 +124,18 @@ def test_a_mesh_result_routes_gradients_into_its_blocks(devices):
     assert torch.equal(on_mesh.grad, on_one.grad)
 
 
+def test_a_view_of_each_block_of_a_mesh_result_reads_as_the_view_of_the_whole(devices):
+    # each shard a view of a nested ShardedTensor (what shard_map makes of a mesh result):
+    # reading it once copied out of the view's meta tensor
+    mesh = tp.Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
+    with mesh:
+        out = tp.pmap(tp.pmap(lambda v: v * 2, axis_name="model"), axis_name="data")(torch.arange(32.0).reshape(2, 2, 8))
+    rows = out.map_shards(lambda block: block.reshape(1, 16), 0)
+    want = torch.arange(32.0).reshape(2, 16) * 2
+    assert torch.equal(torch.as_tensor(rows), want) and torch.equal(rows.clone(), want)
+    assert torch.equal(rows.reshape(2, 2, 8).permute(2, 0, 1).clone(), want.reshape(2, 2, 8).permute(2, 0, 1))
+
+
 def test_fed_back_it_stays_sharded_and_differentiable(devices):
     one_leaf, one, many_leaf, many = both(devices, square_and_sum, X)
     again = [tp.pmap(lambda v: v.exp() / 100, devices=d)(out) for d, out in ((devices[:1], one), (devices, many))]

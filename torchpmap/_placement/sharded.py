@@ -430,10 +430,17 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 def _concatenated(st: ShardedTensor, device: torch.device) -> torch.Tensor:
     """The shards' data in one plain tensor on ``device``, outside autograd."""
     with torch.no_grad():
-        parts = [
-            _concatenated(s.tensor, device) if isinstance(s.tensor, ShardedTensor) else s.tensor for s in st.shards
-        ]
-        return torch.cat([p.detach().to(device) for p in parts], st.shard_dim)
+        return torch.cat([_part(s.tensor, device).detach().to(device) for s in st.shards], st.shard_dim)
+
+
+def _part(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A shard's data as a plain tensor: a nested ShardedTensor's (or a view of one, as
+    a nested mesh map's blocks merged by shard_map) gathered onto ``device``."""
+    if isinstance(t, ShardedTensor):
+        return _concatenated(t, device)
+    if isinstance(t, ShardedView):
+        return t.replay(_concatenated(t.base, device))
+    return t
 
 
 def _scatter(whole: torch.Tensor, st: ShardedTensor) -> None:
