@@ -325,6 +325,45 @@ def test_gradients_around_the_map_are_jax_gradients(cpu_devices, name, n_devices
     _assert_close(grads, list(want), f".backward() of {name} on {n_devices} devices")
 
 
+def _where_blocks_run(f):
+    """The devices ``f``'s positions ran on (the device each position's thread pins)."""
+    seen = set()
+
+    def recording(*blocks):
+        seen.update(_devices.current_default() or ())
+        return f(*blocks)
+
+    return seen, recording
+
+
+def test_a_mesh_runs_each_position_on_its_own_device(cpu_devices):
+    """Eager, each position of a 2-D Mesh runs on its own device, with check_vma's
+    gradients inside and .backward() from outside: one device's numbers. jit=True and a
+    transform around the call run the other axes vectorized on the first axis' devices."""
+    devs = cpu_devices(4)
+    mesh = tp.make_mesh((2, 2), NAMES)
+    x, w = map(torch.from_numpy, _inputs([(4, 6), (6, 3)]))
+
+    def program(x, w):  # a replicated weight's gradient inside the map: JAX's implicit pvary
+        g = grad(lambda w: tp.psum(x @ w, "model").pow(2).sum())(w)
+        return tp.psum(x @ w, "model") * 2, tp.pmean(g, ("batch", "model"))
+
+    specs = dict(in_specs=(P("batch", "model"), P("model", None)), out_specs=(P("batch"), P()))
+    one = tp.shard_map(program, mesh=tp.make_mesh((2, 2), NAMES, devices=devs[:1]), **specs)
+    seen, recording = _where_blocks_run(program)
+    many = tp.shard_map(recording, mesh=mesh, **specs)
+    leaves = [w.clone().requires_grad_() for _ in range(2)]
+    for got, want in zip(many(x, leaves[0]), one(x, leaves[1])):
+        torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want))
+    assert seen == set(devs)
+    torch.as_tensor(many(x, leaves[0])[0]).sum().backward()
+    torch.as_tensor(one(x, leaves[1])[0]).sum().backward()
+    torch.testing.assert_close(leaves[0].grad, leaves[1].grad)
+    seen.clear()
+    torch.func.grad(lambda w: torch.as_tensor(many(x, w)[0]).sum())(w)
+    assert seen == set(first_axis_devices(mesh))
+
+
 def test_one_device_is_the_oracle_for_eight(cpu_devices):
     results = {}
     for n in (1, 8):

@@ -128,8 +128,9 @@ def test_a_view_of_each_block_of_a_mesh_result_reads_as_the_view_of_the_whole(de
     # each shard a view of a nested ShardedTensor (what shard_map makes of a mesh result):
     # reading it once copied out of the view's meta tensor
     mesh = tp.Mesh(np.array(devices).reshape(2, 2), ("data", "model"))
+    doubled = tp.pmap(tp.pmap(lambda v: v * 2, axis_name="model"), axis_name="data")
     with mesh:
-        out = tp.pmap(tp.pmap(lambda v: v * 2, axis_name="model"), axis_name="data")(torch.arange(32.0).reshape(2, 2, 8))
+        out = doubled(torch.arange(32.0).reshape(2, 2, 8))
     rows = out.map_shards(lambda block: block.reshape(1, 16), 0)
     want = torch.arange(32.0).reshape(2, 16) * 2
     assert torch.equal(torch.as_tensor(rows), want) and torch.equal(rows.clone(), want)

@@ -52,6 +52,7 @@ class _ThreadState:
     outer_level: int | None  # the torch.func level of the transforms around the whole call
     frames: tuple[_axis_env.AxisFrame, ...] = ()
     nested_calls: int = 0
+    own_level: int | None = None  # the vmap level of the thread's own instance (shard_map's check_vma)
 
 
 def _exchange(state: _ThreadState, axis: Hashable) -> ThreadExchange:
@@ -68,7 +69,7 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
         raise ValueError(
             f"{what}: axis {axis!r} is already mapped by an enclosing map; give this map another axis_name"
         )
-    if private.current_vmap_level() != parent.outer_level:
+    if private.current_vmap_level() not in (parent.outer_level, parent.own_level):
         raise NotImplementedError(
             f"{what} over axis {axis!r}: it is nested in a map whose instances run vectorized, or in a torch.func "
             "transform, so it cannot start threads of its own. Give each enclosing mesh axis one instance per "
@@ -105,11 +106,14 @@ def run(
                     return vectorized.run(
                         part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis), seed=seed
                     )
+                if call.vma:  # a vmap of one: its level tells what varies along the axis (shard_map's check_vma)
+                    return _run_vectorized_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
                 return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
 
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
     per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None)
-    _check_replicated(call, per_thread)
+    if k == 1 and not call.vma:  # vmap checked its own out_axes=None
+        _check_replicated(call, per_thread)
     return _assemble(devices, per_thread)
 
 
@@ -133,6 +137,27 @@ def _run_single(
     return vectorized.run_one(
         call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record, keep_sharded=True
     )
+
+
+def _run_vectorized_single(
+    call: MappedCall,
+    state: _ThreadState,
+    enclosing: tuple,
+    axis: Hashable,
+    offset: int,
+    axis_size: int,
+    seed: int | None,
+) -> list:
+    """One instance on this device, in a vmap of one: the frame and vmap level of its axis
+    are recorded for mesh maps nested in it, which start threads of their own that carry
+    this level (see :func:`_parent`)."""
+
+    def record(frame: _axis_env.AxisFrame) -> None:
+        state.frames = enclosing + (frame,)
+        state.own_level = private.vmap_level_of(frame.token)
+
+    exchange = _exchange(state, axis)
+    return vectorized.run(call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record)
 
 
 def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:

@@ -48,6 +48,7 @@ def run(
     axis_size: int | None = None,
     exchange: _axis_env.Exchange | None = None,
     seed: int | None = None,
+    on_frame: Callable[[_axis_env.AxisFrame], None] | None = None,
 ) -> list[torch.Tensor]:
     """Runs all ``call.size`` instances vectorized on one device.
 
@@ -55,6 +56,8 @@ def run(
     a larger axis: this slice holds instances ``offset .. offset + call.size - 1`` of an
     axis of ``axis_size`` instances, and ``exchange`` connects it to the other slices.
     ``seed``: the call seed of ``randomness="per_instance"`` (drawn here when None).
+    ``on_frame`` sees the axis frame (its token batched at the vmap level of the axis)
+    before the function runs, inside that level.
     """
     device = call.devices[0].torch_device if call.devices else None
     # each mapped argument goes in as a view of the caller's tensor, as a slice does on
@@ -95,6 +98,8 @@ def run(
         frame = _axis_env.AxisFrame(
             call.axis_name, axis_size or call.size, token_slice, call.size, offset, exchange, vma=call.vma
         )
+        if on_frame is not None:
+            on_frame(frame)
         with _axis_env.bound(frame):
             return _checked(call.body(slices, broadcast))
 

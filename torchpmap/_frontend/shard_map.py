@@ -9,9 +9,11 @@ mesh axis (major first):
 2. **Nested maps.** The pmap over mesh axis ``a`` maps dim 0 of the leaves whose spec
    names ``a`` and broadcasts the others, so ``f`` sees each leaf's block with its rank
    kept, and collectives over mesh axis names run among the positions of that axis.
-   With a :class:`~torchpmap.Mesh`, position ``(i, j)`` runs on ``mesh.devices[i, j]``;
-   with an :class:`~torchpmap.AbstractMesh`, the first axis' positions are spread over
-   its devices and the rest run vectorized within them.
+   With a :class:`~torchpmap.Mesh`, position ``(i, j)`` runs on ``mesh.devices[i, j]``
+   (eager, with no torch.func transform around the call; otherwise as on an
+   AbstractMesh over the first axis' devices); with an :class:`~torchpmap.AbstractMesh`,
+   the first axis' positions are spread over its devices and the rest run vectorized
+   within them.
 3. **Blocks out.** An output whose out spec names ``a`` is stacked along ``a``; one
    whose spec leaves ``a`` out is the same on every position of ``a`` (with
    ``check_vma``, a value that varies along ``a`` raises instead); the stacked leading
@@ -39,6 +41,8 @@ from torchpmap._placement.mesh import AbstractMesh, Mesh, ProcessMesh
 from torchpmap._placement.partition_spec import PartitionSpec
 from torchpmap._placement.sharded import ShardedTensor, has_nested_shards
 from torchpmap._state import context as _context
+from torchpmap._state import torch_private as private
+from torchpmap._state.config import vectorization_disabled
 from torchpmap._state.faults import OutputVaries
 from torchpmap._state.torch_private import pytree
 
@@ -162,10 +166,11 @@ class ShardMapped:
         specs = self._in_spec_leaves(args)
         labels = _leaf_labels(args)
         blocked = [self._block(leaf, spec, label) for leaf, spec, label in zip(leaves, specs, labels)]
-        key = (tree, tuple(b.axes for b in blocked))
+        grid = self._on_every_device()
+        key = (tree, tuple(b.axes for b in blocked), grid)
         mapped = self._maps.get(key)
         if mapped is None:
-            mapped = self._maps[key] = self._nest(tree, [b.axes for b in blocked])
+            mapped = self._maps[key] = self._nest(tree, [b.axes for b in blocked], grid)
         try:
             stacked = mapped(*(b.value for b in blocked))
         except OutputVaries as varies:
@@ -295,8 +300,27 @@ class ShardMapped:
 
     # ------------------------------------------------------------------ the nested maps
 
-    def _nest(self, tree: pytree.TreeSpec, leaf_axes: Sequence[frozenset[Hashable]]) -> MappedFunction:
-        """The nested pmaps over the mesh axes, for one argument structure."""
+    def _on_every_device(self) -> bool:
+        """Whether this call runs each position of the mesh on its own device (a thread
+        per position, in a grid: see :mod:`~torchpmap._engines.instance_threads`), or the
+        first axis' positions on their devices with the other axes vectorized on them.
+
+        Every position on its device takes a :class:`~torchpmap.Mesh` (one device per
+        position), eager, with no torch.func transform around the call (its levels
+        would have to travel through two generations of threads) and vectorization on
+        (debug mode runs positions one at a time). ``jit=True`` compiles the first axis'
+        slices (mesh axes are not compiled). The numbers are the same either way, to
+        rounding: one device is the oracle for both."""
+        return (
+            isinstance(self.opts.mesh, Mesh)
+            and not self.opts.jit
+            and private.current_vmap_level() is None
+            and not vectorization_disabled()
+        )
+
+    def _nest(self, tree: pytree.TreeSpec, leaf_axes: Sequence[frozenset[Hashable]], grid: bool) -> MappedFunction:
+        """The nested pmaps over the mesh axes, for one argument structure; ``grid``: each
+        position on its own device (see :meth:`_on_every_device`)."""
         fun, mesh, out_specs = self.fun, self.opts.mesh, self.opts.out_specs
 
         def blocks(*leaves: Any) -> Any:
@@ -322,6 +346,9 @@ class ShardMapped:
             if isinstance(mesh, ProcessMesh):  # one position per process: a local portion of one
                 placement: dict[str, Any] = {"mesh": mesh}
                 local_size = 1
+            elif grid:  # position (i, j, ...) on mesh.devices[i, j, ...], each axis a vmap of one
+                placement = {"mesh": mesh}
+                local_size = mesh.shape[axis]
             else:  # the first axis spread over the devices, the rest vectorized inside (see first_axis_devices)
                 placement = {"devices": first_axis_devices(mesh) if level == 0 else None}
                 local_size = mesh.shape[axis]
@@ -410,14 +437,15 @@ class ShardMapped:
 
 
 def first_axis_devices(mesh: AnyMesh) -> tuple[Any, ...]:
-    """The devices the first mesh axis' positions run on: an AbstractMesh's own; a Mesh's
-    devices along its first axis (the other axes at index 0).
+    """The devices the first mesh axis' positions run on, and where results split over
+    that axis stay: an AbstractMesh's own; a Mesh's devices along its first axis (the
+    other axes at index 0).
 
-    The positions along the other axes run vectorized on their first-axis position's
-    device, not on their own devices: vmap levels are what tell a value that is the same
-    on every position of an axis (invariant) from one that varies, which check_vma's
-    transposes need, and a device thread per position has none. A mesh with one
-    device per position therefore uses the devices of its first axis only, for now."""
+    On a Mesh run as a grid (:meth:`ShardMapped._on_every_device`) the other axes'
+    positions run on their own devices, each axis a vmap of one in its thread (vmap
+    levels are what tell a value that is the same on every position of an axis from one
+    that varies, which check_vma's transposes need), and their blocks come back to
+    their row's first-axis device. Otherwise they run vectorized on that device."""
     if isinstance(mesh, AbstractMesh):
         return mesh.devices
     return tuple(mesh.devices[(slice(None),) + (0,) * (mesh.devices.ndim - 1)].tolist())
