@@ -563,9 +563,14 @@ def test_a_pmap_nested_in_a_per_instance_pmap(eight_devices):
     (lambda v: torch.vmap(lambda w: torch.rand(()) * w, randomness="different")(v), "nested in the mapped function"),
     (lambda v: torch.multinomial(v.abs() + 0.1, 2), "torch.multinomial"),
     (lambda v: torch.poisson(v.abs()), "torch.poisson"),
+    # samplers vmap cannot batch: one device fell back to one instance at a time, devices of one
+    # instance ran them directly, each with the thread's own stream (numbers that followed the placement)
+    (lambda v: torch.distributions.Gamma(v.abs() + 0.5, 1.0).sample(), "torch._standard_gamma"),
+    (lambda v: torch.distributions.Beta(v.abs() + 0.5, 2.0).sample(), "torch._sample_dirichlet"),
+    (lambda v: torch.binomial(v.abs().round() + 2, torch.full_like(v, 0.5)), "torch.binomial"),
 ])
 def test_what_per_instance_refuses_is_named(eight_devices, case, match):
-    for devices in (eight_devices[:1], eight_devices[:2]):
+    for devices in (eight_devices[:1], eight_devices[:2], eight_devices):
         with pytest.raises(NotImplementedError, match=match):
             tp.pmap(case, randomness="per_instance", devices=devices)(X)
 

@@ -296,6 +296,16 @@ def _refuse(name: str) -> Rule:
     return rule
 
 
+#: Samplers vmap cannot batch: without a refusal here, one device fell back to running the
+#: instances one at a time and a device that holds one instance ran it directly, both with
+#: the thread's own stream, so the numbers depended on the placement (and on the run).
+_SAMPLERS = {
+    "binomial": "binomial",
+    "_standard_gamma": "_standard_gamma (sampling a Gamma, Beta, Dirichlet, Chi2 or StudentT distribution)",
+    "_sample_dirichlet": "_sample_dirichlet (sampling a Dirichlet or Beta distribution)",
+}
+
+
 _RULES: dict[str, Rule] = {
     "rand": _factory(torch.rand),
     "randn": _factory(torch.randn),
@@ -324,4 +334,5 @@ _RULES: dict[str, Rule] = {
     "gumbel_softmax": _gumbel_softmax,
     "multinomial": _refuse("multinomial"),
     "poisson": _refuse("poisson"),
+    **{name: _refuse(what) for name, what in _SAMPLERS.items()},
 }
