@@ -22,6 +22,11 @@ PROGRAMS = {
     "a view, after a fallback": (_rows_then_read, {}),
     "a view, compiled": (lambda t: t[:1], {"jit": True}),
     "a transposed view": (lambda t: t.unsqueeze(0).t(), {}),
+    # memory shared without being a view: once aliased on some placements, copied on others
+    "detach()": (lambda t: t.detach(), {}),
+    "detach(), compiled": (lambda t: t.detach(), {"jit": True}),
+    "view(dtype)": (lambda t: t.view(torch.int32).view(torch.float32), {}),
+    ".data": (lambda t: t.data, {}),
 }
 
 
@@ -116,3 +121,11 @@ def test_a_computed_result_is_not_copied():
 
     out = torch.ones(4, 3) + 1
     assert output_copies.unaliased([out], [torch.ones(4, 3)])[0] is out
+
+
+def test_a_detached_broadcast_argument_comes_back_in_memory_of_its_own(placement):
+    w = torch.arange(3.0)
+    for devices in (placement, placement[:1]):
+        got = tp.pmap(lambda x, w: w.detach(), in_axes=(0, None), out_axes=None, devices=devices)(torch.zeros(4, 1), w)
+        got.add_(1)
+        torch.testing.assert_close(w, torch.arange(3.0), msg=f"on {len(devices)} device(s)")

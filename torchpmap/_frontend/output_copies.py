@@ -17,13 +17,15 @@ arrays cannot be written, and a loop copies: every placement now returns results
 memory of their own. The same holds between the results: ``(y, y)`` or ``(y, y[:1])``
 came back sharing memory from one device (a write into one showed in the other) and
 apart from several devices and a loop; the second is now copied everywhere. The check
-is on metadata alone (a view's ``_base``, a tensor's identity) and copies only what
-aliases an argument or an earlier result: a result computed from the arguments
-(``t + 1``) costs nothing more than the check.
+compares storage addresses (``detach()``, ``.data`` and ``view(dtype)`` share an
+argument's memory without being views of it: they came back sharing it on some
+placements and copied on others) and copies only what shares memory with an argument or
+an earlier result: a result computed from the arguments (``t + 1``) costs nothing more
+than the check.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -31,34 +33,36 @@ from torchpmap._placement.sharded import ShardedTensor
 
 
 def unaliased(outputs: list[torch.Tensor], arguments: Sequence[object]) -> list[torch.Tensor]:
-    """``outputs`` of a mapped call, each copied where it is (a view of) one of the call's
-    tensor ``arguments`` (a ShardedTensor's shards included) or of an earlier output, on
-    its own device."""
+    """``outputs`` of a mapped call, each copied where it shares memory with one of the
+    call's tensor ``arguments`` (a ShardedTensor's shards included) or with an earlier
+    output, on its own device."""
     if _fresh(outputs, arguments):  # the common case: results of computations
         return outputs
-    roots = {_root(t) for a in arguments for t in _tensors(a)}
+    memories = {_memory(t) for a in arguments for t in _tensors(a)}
     kept = []
     for out in outputs:
-        out = _copied(out, roots)
-        roots.update(_root(t) for t in _tensors(out))  # a later output sharing its memory is copied
+        out = _copied(out, memories)
+        memories.update(_memory(t) for t in _tensors(out))  # a later output sharing its memory is copied
         kept.append(out)
     return kept
 
 
 def _fresh(outputs: list[torch.Tensor], arguments: Sequence[object]) -> bool:
-    """Whether no output can share an argument's or another output's memory, from
-    metadata alone (plain loops: this runs on every call)."""
-    seen: set[int] | None = set() if len(outputs) > 1 else None
+    """Whether no output shares an argument's or another output's memory (plain loops:
+    this runs on every call)."""
+    seen = set()
+    for a in arguments:
+        if type(a) is torch.Tensor:
+            seen.add(_memory(a))
+        elif isinstance(a, ShardedTensor):
+            seen.update(_memory(t) for t in _tensors(a))
     for out in outputs:
-        if out._base is not None or isinstance(out, ShardedTensor):  # a ShardedTensor: its shards tell
+        if isinstance(out, ShardedTensor):  # its shards tell
             return False
-        for a in arguments:
-            if out is a:
-                return False
-        if seen is not None:  # the same tensor returned twice
-            if id(out) in seen:
-                return False
-            seen.add(id(out))
+        memory = _memory(out)
+        if memory in seen:
+            return False
+        seen.add(memory)
     return True
 
 
@@ -70,15 +74,26 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return [value] if isinstance(value, torch.Tensor) else []
 
 
-def _root(t: torch.Tensor) -> int:
-    """The id of the tensor whose memory ``t`` is: its base for a view, else itself."""
-    return id(t if t._base is None else t._base)
+def _memory(t: torch.Tensor) -> Hashable:
+    """What identifies the memory ``t`` reads: its storage's address. A tensor that
+    shares it without being a view (``detach()``, ``.data``, ``view(dtype)`` under vmap)
+    has the same. Where there is no storage to read (a torch.func wrapper under a
+    transform around the call, a ShardedTensor, an empty one), the identity of the tensor
+    whose view ``t`` is (its base), or of ``t`` itself."""
+    if type(t) is torch.Tensor:
+        try:
+            address: int = t.untyped_storage().data_ptr()
+            if address:
+                return address
+        except (RuntimeError, NotImplementedError):  # no storage of its own to read
+            pass
+    return ("id", id(t if t._base is None else t._base))
 
 
-def _copied(out: torch.Tensor, roots: set[int]) -> torch.Tensor:
+def _copied(out: torch.Tensor, memories: set[Hashable]) -> torch.Tensor:
     if isinstance(out, ShardedTensor):
-        if not any(_root(t) in roots for t in _tensors(out)):
+        if not any(_memory(t) in memories for t in _tensors(out)):
             return out
-        return out.map_shards(lambda piece: _copied(piece, roots) if isinstance(piece, ShardedTensor)
+        return out.map_shards(lambda piece: _copied(piece, memories) if isinstance(piece, ShardedTensor)
                               else piece.clone(), out.shard_dim)
-    return out.clone() if _root(out) in roots else out
+    return out.clone() if _memory(out) in memories else out
