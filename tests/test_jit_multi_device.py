@@ -320,3 +320,27 @@ def test_a_slice_sends_its_own_sum_unless_placement_must_be_bitwise(four_devices
     assert _gathered_shapes(f) == [(2 if bitwise else 1, 3, 2)]
     one = tp.pmap(step, axis_name="b", in_axes=(None, 0, 0), devices=tp.devices()[:1])(w, x, y)
     torch.testing.assert_close(got, one)
+
+
+MADE_TO_REQUIRE_GRAD = {
+    "requires_grad_": lambda v: v.requires_grad_(),  # once a deadlock on several devices: the audit read a
+    # view's grad_fn from inside the view ops that reading it runs
+    "a leaf made inside": lambda v: v * torch.ones(2, requires_grad=True),
+    "a detached copy": lambda v: v.detach().requires_grad_() * 2,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MADE_TO_REQUIRE_GRAD))
+@pytest.mark.parametrize("size", [4, 8])
+def test_a_tensor_made_to_require_grad_inside_runs_eagerly(four_devices, name, size):
+    """A compiled program's results require grad only through its inputs: one that makes
+    a tensor require grad itself runs eagerly, where its results require grad, as on
+    every eager placement (compiled, one device and four dropped it)."""
+    fun = MADE_TO_REQUIRE_GRAD[name]
+    x = torch.arange(2.0 * size).reshape(size, 2)
+    for devices in (tp.devices(), tp.devices()[:1]):
+        with warnings.catch_warnings():  # eagerly, or one at a time (vmap refuses requires_grad_ itself)
+            warnings.simplefilter("ignore")
+            out = tp.pmap(fun, axis_name="i", devices=devices, jit=True)(x.clone())
+        assert out.requires_grad
+        torch.testing.assert_close(torch.as_tensor(out).detach(), torch.as_tensor(tp.pmap(fun)(x.clone())).detach())

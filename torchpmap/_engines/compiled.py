@@ -625,7 +625,18 @@ class _GradientAudit(TorchDispatchMode):
         return out
 
     def returned(self, t: Any) -> Any:
-        """An output of the traced program, as the graph must return it."""
+        """An output of the traced program, as the graph must return it.
+
+        Refuses one that requires grad where the graph carries no gradient: the function
+        made a tensor require grad itself (``x.requires_grad_()``, ``torch.ones(2,
+        requires_grad=True)``), and a compiled program's results require grad only
+        through its inputs and the tensors it closes over."""
+        for leaf in private.pytree.tree_leaves(t):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and not self._carried(leaf):
+                raise _UntraceableGradient(
+                    "the function makes a tensor require grad itself (requires_grad_(), or requires_grad=True), "
+                    "which a compiled program cannot carry to its results"
+                )
         return self._stop(t, recorded=True, written=False)
 
     def _carried(self, t: torch.Tensor) -> bool:
@@ -639,7 +650,9 @@ class _GradientAudit(TorchDispatchMode):
         return private.pytree.tree_map_only(torch.Tensor, lambda t: self._stop_one(t, recorded, written), value)
 
     def _stop_one(self, t: torch.Tensor, recorded: bool, written: bool) -> torch.Tensor:
-        if recorded and t.requires_grad and t.grad_fn is not None and t in self._unrecorded:
+        # (``grad_fn`` last: reading it regenerates a view's node through view ops that
+        # this mode sees, and a second read of it from there waits on the view's own lock)
+        if recorded and t.requires_grad and t in self._unrecorded and t.grad_fn is not None:
             raise _UntraceableGradient(
                 "a tensor's gradient comes from a custom torch.autograd.Function's backward, which a compiled "
                 "program cannot follow (it differentiates the ops the Function's forward traced)"
