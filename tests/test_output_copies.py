@@ -129,3 +129,30 @@ def test_a_detached_broadcast_argument_comes_back_in_memory_of_its_own(placement
         got = tp.pmap(lambda x, w: w.detach(), in_axes=(0, None), out_axes=None, devices=devices)(torch.zeros(4, 1), w)
         got.add_(1)
         torch.testing.assert_close(w, torch.arange(3.0), msg=f"on {len(devices)} device(s)")
+
+
+@pytest.mark.parametrize(
+    "fun, in_axes",
+    [
+        pytest.param(lambda x: tp.psum(x, "i"), 0, id="a-psum"),
+        pytest.param(lambda x: torch.zeros(2), 0, id="a-constant"),
+        pytest.param(lambda x, w: w * 2, (0, None), id="from-a-broadcast-argument"),
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_each_instance_has_a_row_of_its_own(placement, fun, in_axes, jit):
+    """A value the same on every instance, stacked: one device returned one row expanded
+    over the instances, so a write into instance 1's row changed every row; several
+    devices and a loop hold a row each."""
+    x = torch.arange(8.0).reshape(4, 2)
+    args = (x,) if in_axes == 0 else (x, torch.ones(2))
+    results = []
+    for devices in (placement, placement[:1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = torch.as_tensor(tp.pmap(fun, axis_name="i", in_axes=in_axes, devices=devices, jit=jit)(*args))
+        expected = out[0].clone()
+        out[1].mul_(0)
+        assert torch.equal(out[0], expected) and torch.equal(out[2], expected), f"on {len(devices)} device(s)"
+        results.append(out)
+    torch.testing.assert_close(results[0], results[1])

@@ -561,7 +561,7 @@ class MappedFunction:
         spec, constants = layout.spec, layout.none_leaves
         # one tensor, stacked where the engine put it
         if spec is _LEAF_SPEC and self.opts.out_axes == 0 and not constants:
-            return outputs[0]
+            return output_copies.own_rows(outputs[0])
         plan = self._out_plan(layout)
         result: list[Any] = []
         it = iter(outputs)
@@ -578,6 +578,7 @@ class MappedFunction:
     def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: int | None, path: str) -> Any:
         if axis is None:
             return t[0]
+        t = output_copies.own_rows(t)
         rank = t.dim()
         if not -rank <= axis < rank:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Results never share memory with the arguments: a result that is (a view of) an argument is copied.
+"""Results never share memory with the arguments, with each other, or between instances.
 
 ``pmap(lambda t: t[:1])(x)`` computes a slice of each instance's row. Whether the result
 shares ``x``'s memory used to depend on how the instances ran:
@@ -97,3 +97,25 @@ def _copied(out: torch.Tensor, memories: set[Hashable]) -> torch.Tensor:
         return out.map_shards(lambda piece: _copied(piece, memories) if isinstance(piece, ShardedTensor)
                               else piece.clone(), out.shard_dim)
     return out.clone() if _memory(out) in memories else out
+
+
+def own_rows(t: torch.Tensor) -> torch.Tensor:
+    """A stacked result (instances along dim 0) whose rows are each in memory of their own.
+
+    A value that is the same on every instance (a ``psum``, a broadcast argument) comes
+    out of vmap as one row expanded over the instances (stride 0): a write into one row
+    (``out[1].mul_(0)``) then changed every row on one device, where several devices, one
+    at a time and a loop hold a row each. Such a result is copied; one whose rows are
+    apart (a computation per instance) costs a stride read. A result taken with
+    ``out_axes=None`` never comes here (its one row is all it keeps)."""
+    if type(t) is torch.Tensor:  # the common case first: a stride read
+        return t.contiguous() if _rows_shared(t) else t
+    if isinstance(t, ShardedTensor):
+        if not any(_rows_shared(s.tensor) for s in t.shards):
+            return t
+        return t.map_shards(lambda piece: piece.contiguous() if _rows_shared(piece) else piece, t.shard_dim)
+    return t.contiguous() if _rows_shared(t) else t
+
+
+def _rows_shared(t: torch.Tensor) -> bool:
+    return not isinstance(t, ShardedTensor) and t.dim() > 0 and t.stride(0) == 0 and t.shape[0] > 1
