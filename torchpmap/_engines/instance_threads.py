@@ -106,8 +106,6 @@ def run(
                     return vectorized.run(
                         part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis), seed=seed
                     )
-                if call.vma:  # a vmap of one: its level tells what varies along the axis (shard_map's check_vma)
-                    return _run_vectorized_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
                 return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
 
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
@@ -126,38 +124,25 @@ def _run_single(
     axis_size: int,
     seed: int | None,
 ) -> list:
-    """One instance on this device, without a vmap level (see module docstring): the frame
-    of its axis is recorded for maps nested in it, and a nested mesh pmap's result stays
-    sharded along its own axis (its blocks stay where they were computed)."""
+    """One instance on this device. Its axis frame is recorded for the maps nested in it.
+
+    Without a vmap level (see module docstring), and a nested mesh pmap's result stays
+    sharded along its own axis (its blocks stay where they were computed); or, for
+    shard_map's check_vma (``call.vma``), in a vmap of one, whose level tells what varies
+    along the axis: it is recorded too, and nested mesh maps start their threads under it
+    (see :func:`_parent`)."""
 
     def record(frame: _axis_env.AxisFrame) -> None:
         state.frames = enclosing + ((frame,) if call.axis_name is not None else ())
+        if call.vma:
+            state.own_level = private.vmap_level_of(frame.token)
 
     exchange = _exchange(state, axis)
+    if call.vma:
+        return vectorized.run(call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record)
     return vectorized.run_one(
         call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record, keep_sharded=True
     )
-
-
-def _run_vectorized_single(
-    call: MappedCall,
-    state: _ThreadState,
-    enclosing: tuple,
-    axis: Hashable,
-    offset: int,
-    axis_size: int,
-    seed: int | None,
-) -> list:
-    """One instance on this device, in a vmap of one: the frame and vmap level of its axis
-    are recorded for mesh maps nested in it, which start threads of their own that carry
-    this level (see :func:`_parent`)."""
-
-    def record(frame: _axis_env.AxisFrame) -> None:
-        state.frames = enclosing + (frame,)
-        state.own_level = private.vmap_level_of(frame.token)
-
-    exchange = _exchange(state, axis)
-    return vectorized.run(call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record)
 
 
 def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:
