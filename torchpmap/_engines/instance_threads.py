@@ -6,7 +6,9 @@ Two engines run on them:
   one thread per device along ``A`` (at the mesh coordinates of the enclosing mesh pmaps,
   other axes at index 0). With one instance per device the instance runs without a vmap
   level, so that a nested pmap over another mesh axis can start threads of its own:
-  instance ``(d, m)`` then runs on ``mesh.devices[d, m]``.
+  instance ``(d, m)`` then runs on ``mesh.devices[d, m]``. Under shard_map's check_vma
+  it runs in a vmap of one instead (vmap levels tell what varies along each axis), and
+  the nested threads start under that level.
 * **One instance at a time** (:mod:`torchpmap._engines.one_at_a_time`): debug mode
   (``config.disable_vectorization``) and the fallback when vmap cannot run a function.
   Every instance is its own thread, run in plain Python, one at a time, so ``print`` and
