@@ -674,3 +674,23 @@ def test_shard_map_is_a_decorator():
 
     torch.testing.assert_close(torch.as_tensor(double(torch.arange(8.0))).cpu(), torch.arange(8.0) * 2)
     assert double.__name__ == "double"
+
+
+@pytest.mark.parametrize("spec", [P("batch"), P(None, "model"), P()])
+def test_a_write_into_a_block_several_positions_share_is_refused_everywhere(cpu_devices, spec):
+    """A block replicated along a mesh axis is written once per position on a device per
+    position, once on one device: refused on both, as pmap refuses a write into an
+    argument with in_axes None. A block of each position's own is written as it is."""
+
+    def write(x):
+        x.add_(1)
+        return x * 1
+
+    for n in (1, 4):
+        cpu_devices(n)
+        mesh = tp.make_mesh((2, 2), NAMES)
+        with pytest.raises(RuntimeError, match="wrote in place"):
+            tp.shard_map(write, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False)(torch.zeros(4, 2))
+        own = torch.zeros(4, 2)
+        tp.shard_map(write, mesh=mesh, in_specs=P("batch", "model"), out_specs=P("batch", "model"))(own)
+        assert torch.equal(own, torch.ones(4, 2)), n

@@ -171,11 +171,45 @@ class ShardMapped:
         mapped = self._maps.get(key)
         if mapped is None:
             mapped = self._maps[key] = self._nest(tree, [b.axes for b in blocked], grid)
+        watched = self._replicated_inputs(leaves, blocked)
         try:
             stacked = mapped(*(b.value for b in blocked))
         except OutputVaries as varies:
             raise self._varies(varies) from None
+        for leaf, version, label, axes in watched:
+            if leaf._version != version:
+                raise self._written(label, axes)
         return self._unblock_all(stacked)
+
+    def _replicated_inputs(
+        self, leaves: list[Any], blocked: list[_Blocked]
+    ) -> list[tuple[torch.Tensor, int, str, list[Hashable]]]:
+        """The argument tensors that several positions see (their spec leaves out a mesh axis
+        of more than one position), with their version counters now, in one process.
+
+        A write into one of them is refused after the call, as pmap refuses a write into an
+        argument with in_axes None: how many times it happened depends on the placement (one
+        device wrote a block replicated along an inner axis once, a device per position once
+        per position)."""
+        mesh = self.opts.mesh
+        if isinstance(mesh, ProcessMesh) or private.current_vmap_level() is not None:
+            return []
+        sizes = mesh.shape
+        watched = []
+        for leaf, b in zip(leaves, blocked):
+            if type(leaf) is torch.Tensor:
+                shared = [a for a in mesh.axis_names if sizes[a] > 1 and a not in b.axes]
+                if shared:
+                    watched.append((leaf, leaf._version, b.label, shared))
+        return watched
+
+    def _written(self, label: str, axes: list[Hashable]) -> RuntimeError:
+        return RuntimeError(
+            f"shard_map: the function wrote in place into {label}, whose in_spec leaves out mesh axes {axes}, so "
+            "several positions share its block and how many times it was written depends on the placement (its "
+            "contents are now undefined). Write into a copy (x = x.clone()), or name those axes in its in_spec so "
+            "that each position holds a block of its own."
+        )
 
     def remapped(self, fun: Callable[..., Any], in_specs: Specs, out_specs: Specs) -> ShardMapped:
         """A shard_map of ``fun`` over the same mesh, under check_vma, eager (the vjp of
