@@ -55,11 +55,16 @@ from torchpmap._engines.compiled import (
 )
 from torchpmap._engines.engine_warnings import JitFallbackWarning
 from torchpmap._engines.mapped_call import MappedCall, OutputLayout
-from torchpmap._engines.multi_device import check_outputs_agree, device_thread, each_instance_alone, run_threads
+from torchpmap._engines.multi_device import (
+    assembled,
+    check_outputs_agree,
+    device_thread,
+    each_instance_alone,
+    run_threads,
+)
 from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._placement.devices import Device
-from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.log import logger
@@ -215,7 +220,7 @@ def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSli
     bodies = [functools.partial(one_device, d) for d in range(len(devices))]
     per_device = run_threads(bodies, rendezvous, devices, k)
     check_outputs_agree(per_device, devices)
-    return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+    return assembled(devices, per_device)
 
 
 def _fallback_message(call: MappedCall, failure: Exception) -> str:

@@ -108,9 +108,7 @@ def own_rows(t: torch.Tensor) -> torch.Tensor:
     at a time and a loop hold a row each. Such a result is copied; one whose rows are
     apart (a computation per instance) costs a stride read. A result taken with
     ``out_axes=None`` never comes here (its one row is all it keeps)."""
-    if type(t) is torch.Tensor:  # the common case first: a stride read
-        return t.contiguous() if _rows_shared(t) else t
-    if isinstance(t, ShardedTensor):
+    if type(t) is not torch.Tensor and isinstance(t, ShardedTensor):  # (the type test first: the common case)
         if not any(_rows_shared(s.tensor) for s in t.shards):
             return t
         return t.map_shards(lambda piece: piece.contiguous() if _rows_shared(piece) else piece, t.shard_dim)
