@@ -694,3 +694,31 @@ def test_a_write_into_a_block_several_positions_share_is_refused_everywhere(cpu_
         own = torch.zeros(4, 2)
         tp.shard_map(write, mesh=mesh, in_specs=P("batch", "model"), out_specs=P("batch", "model"))(own)
         assert torch.equal(own, torch.ones(4, 2)), n
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_a_value_read_into_python_keeps_what_it_varies_along(cpu_devices, n):
+    """``.item()`` of a block's sum: read once where every instance of a vmap holds the
+    same value, one position at a time otherwise. A vmap of one (a position in its own
+    thread: a mesh position on its device, or an instance run alone) holds the same value
+    trivially, so the positions' results are compared across threads, as on one device the
+    read is refused where the positions differ. On every placement: an out_spec that leaves
+    out an axis the read value varies along is an error, one that names it gives each
+    position's value (nested maps inside an instance run alone fall back on their own)."""
+    cpu_devices(n)
+    mesh = tp.make_mesh((2, 2), ("x", "y"))
+    x = torch.arange(8.0).reshape(4, 2)
+
+    def read(a):
+        return torch.tensor([a.sum().item()])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        for spec in (P("x"), P("y")):
+            got = tp.shard_map(read, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+            torch.testing.assert_close(torch.as_tensor(got), torch.tensor([6.0, 22.0]))
+            for other in (P(), P("y") if spec == P("x") else P("x")):
+                with pytest.raises(ValueError, match="varies along a mesh axis that its out_spec leaves out"):
+                    tp.shard_map(read, mesh=mesh, in_specs=spec, out_specs=other)(x)
+        same = tp.shard_map(read, mesh=mesh, in_specs=P(), out_specs=P())(x)  # every position reads 28
+        torch.testing.assert_close(torch.as_tensor(same), torch.tensor([28.0]))

@@ -47,7 +47,6 @@ so that the map runs its instances one at a time.
 """
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
@@ -55,6 +54,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from torchpmap._engines import rnn_weights
+from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 
 
@@ -388,7 +388,8 @@ def _value_read(op: AtenOp) -> Callable[[torch.Tensor], object]:
             if dim is None or dim < 0:  # the same for every instance of this level by construction
                 return op(value)
             own = level in torchpmap_levels()
-            if own and _same_bits(value.movedim(dim, 0)):
+            if own and same_bits(value.movedim(dim, 0)):
+                _reads[0] += 1
                 return op(value.select(dim, 0))
         why = "whose value differs between the instances of the map" if own else "batched by a torch.func.vmap"
         raise RuntimeError(
@@ -446,18 +447,25 @@ def _metadata_write(op: AtenOp) -> Callable[..., torch.Tensor]:
     return rule
 
 
-_levels = threading.local()
+def torchpmap_levels() -> tuple[int, ...]:
+    """The vmap levels that torchpmap's maps opened (innermost last), in this thread and,
+    for a device thread, in the threads that started it (their levels enclose it too)."""
+    return _context.own_vmap_levels.get()
 
 
-def torchpmap_levels() -> list[int]:
-    """The vmap levels, in this thread, that torchpmap's maps opened (innermost last)."""
-    levels = getattr(_levels, "open", None)
-    if levels is None:
-        levels = _levels.open = []
-    return levels
+#: How many values of a batched tensor the rule of :func:`_value_read` has read, ever, in
+#: this process. The rule sees the instances of its own vmap only: where an axis is split
+#: over threads (devices, mesh positions), the other threads' instances may hold another
+#: value, so a call whose threads read one compares what they return as the same.
+_reads = [0]
 
 
-def _same_bits(stacked: torch.Tensor) -> bool:
+def value_reads() -> int:
+    """The count above (compare two readings: a change means a read in between)."""
+    return _reads[0]
+
+
+def same_bits(stacked: torch.Tensor) -> bool:
     """Whether every slice of ``stacked`` along dim 0 equals the first, bit for bit (0.0
     and -0.0 differ, a NaN equals the same NaN): what Python would read from each."""
     rows = stacked.reshape(stacked.shape[0], -1)

@@ -95,7 +95,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             outputs = _run_vectorized(call)
     except Exception as failure:
         why = _cannot_vectorize(failure)
-        outermost = not any(f.vectorized for f in _axis_env.current_frames())
+        outermost = _outermost_vectorized()
         # inside an instance thread, an enclosing map is running its instances one at a
         # time already (naming them): a second such run nested in it would wait for the
         # baton that the enclosing instance holds
@@ -115,6 +115,16 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         _remember_fallback(call, why)
         return one_at_a_time.run(call)
     return outputs
+
+
+def _outermost_vectorized() -> bool:
+    """Whether no enclosing map runs instances vectorized around this one, but for the
+    vmap of one of the instance thread it runs in (a mesh position under check_vma, or an
+    instance of a map that fell back): threads of its own can start under that level, so
+    this map can fall back to one instance at a time alone."""
+    state = _context.instance_thread.get()
+    own = {id(f.token) for f in state.frames} if state is not None else set()
+    return not any(f.vectorized and id(f.token) not in own for f in _axis_env.current_frames())
 
 
 def _first_line(failure: BaseException) -> str:

@@ -24,10 +24,10 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from torchpmap._engines import vectorized
+from torchpmap._engines import batching_rules, vectorized
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
-from torchpmap._engines.multi_device import assembled, device_thread, run_threads
+from torchpmap._engines.multi_device import assembled, check_replicated, device_thread, run_threads
 from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._placement import mesh as _mesh
@@ -36,7 +36,6 @@ from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
-from torchpmap._state.faults import OutputVaries
 
 # For an axis, the device of each participant given the caller's coordinates.
 Along = Callable[[dict], Sequence[Device]]
@@ -111,9 +110,12 @@ def run(
                 return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
 
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
+    reads = batching_rules.value_reads()
     per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None)
-    if k == 1 and not call.vma:  # vmap checked its own out_axes=None
-        _check_replicated(call, per_thread)
+    # each thread's vmap checked its own out_axes=None (for its slice), except in debug mode
+    # and where an instance read a value into Python (the same on its slice, maybe not the others')
+    if (k == 1 and not call.vma) or batching_rules.value_reads() != reads:
+        check_replicated(call, per_thread)
     return _assemble(devices, per_thread)
 
 
@@ -145,33 +147,6 @@ def _run_single(
     return vectorized.run_one(
         call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record, keep_sharded=True
     )
-
-
-def _check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:
-    """vmap's out_axes=None in debug mode: no vmap level to ask, so compare the values."""
-    if call.must_be_unmapped is None:
-        return
-    for k, path in call.must_be_unmapped().items():
-        first = per_thread[0][k]
-        if any(not _same_value(first, outs[k]) for outs in per_thread[1:]):
-            raise OutputVaries(
-                f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output differs between "
-                "instances. Give it an out axis (e.g. 0), or return a value that is the same for every instance.",
-                path,
-            )
-
-
-def _same_value(first: torch.Tensor, other: torch.Tensor) -> bool:
-    """Whether two threads' copies of a value the same on every instance agree: bitwise on
-    one kind of device; across kinds (a CUDA device and a CPU device compute one sum with
-    other roundings), within ``torch.testing.assert_close``'s default tolerance for the dtype."""
-    if first.device.type == other.device.type or not (first.is_floating_point() or first.is_complex()):
-        return torch.equal(first, other.to(first.device))
-    try:
-        torch.testing.assert_close(other.to(first.device), first, equal_nan=True)
-    except AssertionError:
-        return False
-    return True
 
 
 def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:

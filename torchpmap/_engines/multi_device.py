@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from torchpmap._engines import module_guard, vectorized
+from torchpmap._engines import batching_rules, module_guard, vectorized
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
@@ -29,6 +29,7 @@ from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
+from torchpmap._state.faults import OutputVaries
 
 
 def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.Tensor:
@@ -68,8 +69,11 @@ def run(call: MappedCall) -> list[torch.Tensor]:
                 return vectorized.run_one(part, offset=d, axis_size=call.size, exchange=exchange, seed=seed)
             return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange, seed=seed)
 
+    reads = batching_rules.value_reads()
     per_device = run_threads([functools.partial(one_device, d) for d in range(len(devices))], rendezvous, devices, k)
     check_outputs_agree(per_device, devices)
+    if batching_rules.value_reads() != reads:  # see batching_rules.value_reads
+        check_replicated(call, per_device)
     return assembled(devices, per_device)
 
 
@@ -81,6 +85,41 @@ def assembled(devices: Sequence[Device], per_device: Sequence[Sequence[torch.Ten
         first = devices[0].torch_device
         return [torch.cat([o.to(first) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+
+
+def check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:
+    """out_axes=None across threads, where their vmap levels cannot tell: compare the
+    threads' values (debug mode runs no vmap; a value read into Python under vmap, the same
+    on one thread's instances, may differ from another thread's)."""
+    if call.must_be_unmapped is None:
+        return
+    for k, path in call.must_be_unmapped().items():
+        first = per_thread[0][k]
+        if any(not _same_value(first, outs[k]) for outs in per_thread[1:]):
+            raise OutputVaries(
+                f"vmap has out_axes=None for the output at {path or '(the root)'}, but that output differs between "
+                "instances. Give it an out axis (e.g. 0), or return a value that is the same for every instance.",
+                path,
+            )
+
+
+def _same_value(first: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether two threads' copies of a value the same on every instance agree: bitwise on
+    one kind of device; across kinds (a CUDA device and a CPU device compute one sum with
+    other roundings), within ``torch.testing.assert_close``'s default tolerance for the dtype.
+    Values batched by enclosing maps (threads of a mesh axis nested in another's) compare
+    under those maps' batching rules."""
+    if private.vmap_level_of(first) != -1 or private.vmap_level_of(other) != -1:
+        if first.shape != other.shape or first.dtype != other.dtype:
+            return False
+        return batching_rules.same_bits(torch.stack([first, other.to(first.device)]))
+    if first.device.type == other.device.type or not (first.is_floating_point() or first.is_complex()):
+        return torch.equal(first, other.to(first.device))
+    try:
+        torch.testing.assert_close(other.to(first.device), first, equal_nan=True)
+    except AssertionError:
+        return False
+    return True
 
 
 def each_instance_alone(call: MappedCall) -> bool:

@@ -56,6 +56,10 @@ instance_thread: contextvars.ContextVar[Any | None] = contextvars.ContextVar("to
 module_watch: contextvars.ContextVar[Any | None] = contextvars.ContextVar("torchpmap_module_watch", default=None)
 #: The axes (mesh axis names, or the world) of the distributed pmaps running here, outermost first.
 process_axes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_process_axes", default=())
+#: The vmap levels torchpmap's own maps opened here, innermost last (their batching rules
+#: may read a value that every instance holds; see ``batching_rules._value_read``). Device
+#: threads inherit them with their caller's torch.func levels.
+own_vmap_levels: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("torchpmap_own_levels", default=())
 #: True while a program spanning processes is traced here (``pmap(jit=True)``).
 tracing_processes: contextvars.ContextVar[bool] = contextvars.ContextVar("torchpmap_tracing_processes", default=False)
 #: The mesh axes of the shard_map whose body runs here (mesh order), () outside shard_map bodies.
