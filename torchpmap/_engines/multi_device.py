@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from torchpmap._engines import batching_rules, module_guard, vectorized
+from torchpmap._engines import batching_rules, module_guard, vectorized, written_copies
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
@@ -209,13 +209,17 @@ def device_thread(
         # a random op before this mode does, as they always have: the mode then stays outside.
         whole = call.randomness == "per_instance"
         with cuda_device(device.torch_device), mode if whole else contextlib.nullcontext():
+            mapped = [slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)]
+            copied = written_copies.copies(call.mapped, mapped)  # a write into one reaches the caller (below)
             yield dataclasses.replace(
                 call,
                 body=call.body if whole else _under(mode, call.body),
-                mapped=[slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)],
+                mapped=mapped,
                 size=k,
                 devices=(device,),
             )
+            # at the end of the thread's turn: threads write back one at a time
+            written_copies.write_back(call.mapped, mapped, copied, lambda i, t: t.narrow(call.in_dims[i], j * k, k))
     except BaseException:
         rendezvous.fail(slice_label(j, k, device))
         raise

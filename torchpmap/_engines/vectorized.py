@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import torch
 
-from torchpmap._engines import batching_fixes, batching_rules
+from torchpmap._engines import batching_fixes, batching_rules, written_copies
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_instance import InstanceStreams
 from torchpmap._engines.random_per_thread import call_seed
@@ -35,8 +35,6 @@ def place(value: Any, device: torch.device | None) -> Any:
 
 def _own_view(t: Any, device: torch.device | None) -> Any:
     """``t`` placed on ``device``, as a view of its own (see :func:`run`)."""
-    if type(t) is torch.Tensor and (device is None or t.device == device):
-        return t.view_as(t)  # the common case: one call per argument
     t = place(t, device)
     return t.view_as(t) if type(t) is torch.Tensor else t
 
@@ -63,7 +61,14 @@ def run(
     # each mapped argument goes in as a view of the caller's tensor, as a slice does on
     # several devices: an in-place change of its metadata (t_, unsqueeze_, resize_) then
     # changes the instances' view, not the caller's tensor (values written still reach it)
-    mapped = [_own_view(t, device) for t in call.mapped]
+    mapped = [t.view_as(t) if type(t) is torch.Tensor and (device is None or t.device == device) else None
+              for t in call.mapped]  # the common case: one call per argument
+    copied = None
+    moved = [i for i, m in enumerate(mapped) if m is None]
+    if moved:  # placed here (moved, gathered): a copy, whose writes are written back below
+        for i in moved:
+            mapped[i] = _own_view(call.mapped[i], device)
+        copied = written_copies.copies(call.mapped, mapped, moved)
     broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else (mapped[0].device if mapped else None)
     # the axis token is an extra vmap input (see torchpmap._collectives.binding); an unnamed axis needs
@@ -122,6 +127,8 @@ def run(
     finally:
         if pinned is not None:
             _context.default_devices.reset(pinned)
+    if copied:
+        written_copies.write_back(call.mapped, mapped, copied)
     fallback = call.vmap_fallback
     if fallback is not None and not fallback.ran.once:  # the code has run vectorized (see rerun_guard)
         fallback.ran.once = True

@@ -83,6 +83,9 @@ class _Blocked:
     value: Any
     axes: frozenset[Hashable]  # the mesh axes its spec names
     label: str
+    # a ShardedTensor argument gathered to be split by its spec: the gathered copy (a
+    # position's write into its block is written back into the shards after the call)
+    gathered: torch.Tensor | None = None
 
 
 def resolve_mesh(mesh: Any) -> AnyMesh:
@@ -172,18 +175,22 @@ class ShardMapped:
         if mapped is None:
             mapped = self._maps[key] = self._nest(tree, [b.axes for b in blocked], grid)
         watched = self._replicated_inputs(leaves, blocked)
+        copies = [(leaf, b.gathered, b.gathered._version) for leaf, b in zip(leaves, blocked) if b.gathered is not None]
         try:
             stacked = mapped(*(b.value for b in blocked))
         except OutputVaries as varies:
             raise self._varies(varies) from None
-        for leaf, version, label, axes in watched:
-            if leaf._version != version:
+        for seen, versions, label, axes in watched:
+            if _versions(seen) != versions:
                 raise self._written(label, axes)
+        for leaf, gathered, version in copies:  # each position wrote its own block: into the shards
+            if gathered._version != version:
+                leaf.copy_(gathered)
         return self._unblock_all(stacked)
 
     def _replicated_inputs(
         self, leaves: list[Any], blocked: list[_Blocked]
-    ) -> list[tuple[torch.Tensor, int, str, list[Hashable]]]:
+    ) -> list[tuple[torch.Tensor, tuple[int, ...], str, list[Hashable]]]:
         """The argument tensors that several positions see (their spec leaves out a mesh axis
         of more than one position), with their version counters now, in one process.
 
@@ -197,10 +204,11 @@ class ShardMapped:
         sizes = mesh.shape
         watched = []
         for leaf, b in zip(leaves, blocked):
-            if type(leaf) is torch.Tensor:
+            if type(leaf) is torch.Tensor or isinstance(leaf, ShardedTensor):
                 shared = [a for a in mesh.axis_names if sizes[a] > 1 and a not in b.axes]
                 if shared:
-                    watched.append((leaf, leaf._version, b.label, shared))
+                    seen = leaf if b.gathered is None else b.gathered  # what the positions write into
+                    watched.append((seen, _versions(seen), b.label, shared))
         return watched
 
     def _written(self, label: str, axes: list[Hashable]) -> RuntimeError:
@@ -295,6 +303,9 @@ class ShardMapped:
         in_place = self._taken_in_place(leaf, spec, shape, where, order)
         if in_place is not None:
             return _Blocked(in_place, frozenset(named), label)
+        if isinstance(leaf, ShardedTensor):  # gathered once, a plain tensor for the maps
+            gathered = leaf.gather()
+            return _Blocked(gathered.reshape(shape).permute(order), frozenset(named), label, gathered)
         value = leaf.reshape(shape).permute(order)
         return _Blocked(value, frozenset(named), label)
 
@@ -468,6 +479,14 @@ class ShardMapped:
             if first in axes:
                 return d if axes[0] == first else None
         return None
+
+
+def _versions(t: torch.Tensor) -> tuple[int, ...]:
+    """The version counters that a write into ``t`` moves: its own, and a ShardedTensor's
+    shards' (a position may write into its shard's block in place)."""
+    if isinstance(t, ShardedTensor):
+        return (t._version, *(v for s in t.shards for v in _versions(s.tensor)))
+    return (t._version,)
 
 
 def first_axis_devices(mesh: AnyMesh) -> tuple[Any, ...]:

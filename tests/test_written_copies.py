@@ -1,0 +1,61 @@
+"""torchpmap._engines.written_copies: an instance's in-place write into its own slice of
+a mapped argument reaches the caller on every placement, also where the engine hands the
+function a copy (a ShardedTensor gathered because its shards are not where the instances
+run). One device, where the slice is a view of the caller's tensor, is the oracle."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import torchpmap as tp
+from torchpmap import P
+
+
+def _result_of_a_previous_map() -> torch.Tensor:
+    """A pmap's result: a ShardedTensor split along dim 0 on several devices."""
+    return tp.pmap(lambda v: v * 1)(torch.arange(16.0).reshape(4, 4))
+
+
+def _write(v: torch.Tensor) -> torch.Tensor:
+    v.add_(100)
+    return v.sum()
+
+
+@pytest.mark.parametrize("in_axes", [0, 1])
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_write_into_a_gathered_argument_reaches_its_shards(placement, in_axes, jit):
+    expected = torch.arange(16.0).reshape(4, 4) + 100
+    z = _result_of_a_previous_map()
+    with warnings.catch_warnings():  # several devices compile no input writes: they run eagerly
+        warnings.simplefilter("ignore", tp.JitFallbackWarning)
+        tp.pmap(_write, in_axes=in_axes, jit=jit)(z)
+    torch.testing.assert_close(torch.as_tensor(z), expected)
+
+
+def test_a_write_on_one_device_into_a_result_split_over_several(four_devices):
+    z = _result_of_a_previous_map()
+    assert isinstance(z, tp.ShardedTensor) and len(z.shards) == 4
+    tp.pmap(_write, in_axes=1, devices=four_devices[:1])(z)
+    torch.testing.assert_close(torch.as_tensor(z), torch.arange(16.0).reshape(4, 4) + 100)
+
+
+OWN_BLOCKS = [P(("x", "y")), P("x", "y"), P(("y", "x")), P("y", "x"), P(None, ("x", "y"))]
+SHARED_BLOCKS = [P("x"), P(None, "x"), P("y")]
+
+
+@pytest.mark.parametrize("spec", OWN_BLOCKS + SHARED_BLOCKS, ids=str)
+def test_shard_map_writes_into_a_sharded_argument_as_one_device(placement, spec):
+    """A previous shard_map's result (split over the first axis' devices) taken as it is
+    or gathered and split anew: each position's own block written back into the shards;
+    a block several positions share refused, on every placement."""
+    mesh = tp.make_mesh((2, 2), ("x", "y"))
+    z = tp.shard_map(lambda v: v * 1, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(torch.arange(16.0).reshape(4, 4))
+    write = tp.shard_map(lambda v: v.add_(100), mesh=mesh, in_specs=spec, out_specs=spec)
+    if spec in SHARED_BLOCKS:
+        with pytest.raises(RuntimeError, match="wrote in place"):
+            write(z)
+        return
+    write(z)
+    torch.testing.assert_close(torch.as_tensor(z), torch.arange(16.0).reshape(4, 4) + 100)

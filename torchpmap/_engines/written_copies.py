@@ -1,0 +1,55 @@
+"""In-place writes into copies of the caller's arguments reach the caller.
+
+An instance may write in place into its own slice of a mapped argument, and the caller
+sees the write (as with ``torch.func.vmap``): on one device the slice is a view of the
+caller's tensor. Where an engine hands the function a *copy* instead (a ``ShardedTensor``
+gathered because its shards are not where the instances run, a tensor moved to the device
+of the instances), the write would stay in the copy, and the caller's tensor would differ
+between placements. So an engine notes its copies (:func:`copies`) and, after the function
+ran, writes back each copy whose version counter moved (:func:`write_back`).
+
+Only arguments an engine copied cost anything: the common case (a tensor already on the
+device, taken as a view) is never looked at.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torchpmap._placement.sharded import ShardedTensor, ShardedView
+
+
+def is_copy(argument: Any, part: Any) -> bool:
+    """Whether ``part``, what the function receives for ``argument`` (a slice of it, or
+    all of it), is a copy rather than a view: a gathered ShardedTensor (not one of its
+    shards) or ShardedView, or a tensor on another device."""
+    if isinstance(argument, ShardedTensor):
+        return all(part is not s.tensor for s in argument.shards)
+    if isinstance(argument, ShardedView):
+        return True
+    return isinstance(argument, torch.Tensor) and isinstance(part, torch.Tensor) and part.device != argument.device
+
+
+def copies(arguments: Sequence[Any], parts: Sequence[Any], only: Sequence[int] | None = None) -> dict[int, int]:
+    """The positions of ``parts`` that are copies of their ``arguments`` (among ``only``,
+    or all), each with its version counter now."""
+    found = {}
+    for i in range(len(parts)) if only is None else only:
+        if is_copy(arguments[i], parts[i]):
+            found[i] = parts[i]._version
+    return found
+
+
+def write_back(
+    arguments: Sequence[Any],
+    parts: Sequence[torch.Tensor],
+    noted: dict[int, int],
+    region: Callable[[int, Any], Any] = lambda i, argument: argument,
+) -> None:
+    """Copies each noted part whose version moved (the function wrote into it) into its
+    argument's ``region`` (all of it unless given: a device's slice, say)."""
+    for i, version in noted.items():
+        if parts[i]._version != version:
+            region(i, arguments[i]).copy_(parts[i])
