@@ -9,6 +9,7 @@ several devices too: ``make test`` runs ``tests/`` with ``TORCHPMAP_NUM_CPU_DEVI
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -453,6 +454,40 @@ def test_an_in_place_write_to_shared_memory_raises_on_every_placement(eight_devi
         )
     for n, read in zip((2, 4, 8), reads[1:]):
         assert_same(reads[0], read, f"{case}: reading on {n} devices", exact=bitwise)
+
+
+@pytest.mark.parametrize("where", ["made inside", "the outer slice"])
+def test_a_nested_maps_write_into_its_shared_argument_raises_on_every_placement(eight_devices, where):
+    """A nested pmap's ``in_axes=None`` argument is shared by its instances as an outermost
+    map's is: one device (vectorized) wrote it once per outer instance, a thread per
+    instance (several devices, a mesh, debug mode) once per inner instance. Refused on
+    every placement; a mesh of 2 x 2 CPU devices too."""
+
+    def inner(v, w):
+        w.add_(1)
+        return v + w
+
+    def outer(v):
+        w = v.clone() if where == "made inside" else v
+        return tp.pmap(inner, axis_name="y", in_axes=(0, None))(torch.zeros(2, 3), w)
+
+    mesh = tp.make_mesh((2, 2), ("x", "y"), devices=eight_devices[:4])
+
+    def on_mesh(v):
+        w = v.clone() if where == "made inside" else v
+        return tp.pmap(inner, axis_name="y", in_axes=(0, None), mesh=mesh)(torch.zeros(2, 3), w)
+
+    runs = {
+        "one device": lambda: tp.pmap(outer, axis_name="x", devices=eight_devices[:1])(torch.zeros(2, 3)),
+        "two devices": lambda: tp.pmap(outer, axis_name="x", devices=eight_devices[:2])(torch.zeros(2, 3)),
+        "a mesh": lambda: tp.pmap(on_mesh, axis_name="x", mesh=mesh)(torch.zeros(2, 3)),
+    }
+    for run in runs.values():
+        for debug in (False, True):
+            with tp.disable_vectorization() if debug else contextlib.nullcontext(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+                with pytest.raises(RuntimeError, match="wrote in place to the memory of argument 'w' .in_axes None"):
+                    run()
 
 
 def _sparse(layout=torch.sparse_coo) -> torch.Tensor:

@@ -24,10 +24,10 @@ only for the rare layouts that may overlap), and their version counters are read
 counter every view of one tensor shares, moved by every in-place write); after the call
 a counter that moved means a write. Where torch itself refuses the write first (one
 device, an expanded argument), its error is re-raised with the same explanation. The
-check runs for the outermost pmap outside torch.func transforms (a nested pmap's
-arguments are its parent's batched slices): a write found after the call has happened on
-the placements that do not refuse it, so the argument's contents are undefined after the
-error.
+check runs for the outermost pmap outside torch.func transforms, and for the
+``in_axes=None`` arguments of a nested pmap (their counters read under the enclosing
+maps' batching): a write found after the call has happened on the placements that do not
+refuse it, so the argument's contents are undefined after the error.
 """
 from __future__ import annotations
 
@@ -53,12 +53,17 @@ _EXACT_LIMIT = 1 << 22
 class _Shared:
     """An argument whose instances share memory (a plain class: made on the hot path)."""
 
-    __slots__ = ("slot", "tensor", "version", "how", "expanded")
+    __slots__ = ("slot", "tensor", "counted", "version", "how", "expanded")
 
-    def __init__(self, slot: int, tensor: torch.Tensor, how: str, expanded: bool = False):
+    def __init__(
+        self, slot: int, tensor: torch.Tensor, how: str, expanded: bool = False, counted: torch.Tensor | None = None
+    ):
         self.slot = slot  # the argument leaf's position among the flat arguments
         self.tensor = tensor
-        self.version = private.version_counter(tensor)  # None: an inference tensor, which keeps no count
+        # whose version counter tells a write: the tensor, or (an enclosing map's batched
+        # value) the plain tensor under its torch.func wrappers, whose counters stay still
+        self.counted = tensor if counted is None else counted
+        self.version = private.version_counter(self.counted)  # None: an inference tensor, which keeps no count
         self.how = how  # how its instances share memory, for the message
         self.expanded = expanded  # stride 0 along the mapped axis: torch itself refuses a vectorized write to it
 
@@ -79,13 +84,15 @@ class Watch:
     def check(self) -> None:
         """Raises if the call wrote in place to memory that several instances share."""
         for s in self.shared:
-            if s.version is not None and private.version_counter(s.tensor) != s.version:
+            if s.version is not None and private.version_counter(s.counted) != s.version:
                 torch_says = f'torch refuses such a write on one device where it can tell: "{TORCH_REASON}"'
                 raise RuntimeError(self._message(s, torch_says, self._views_of(s)))
 
     def _views_of(self, s: _Shared) -> str:
         """The other arguments a write to ``s``'s memory may have gone through (views of one tensor share
         the version counter that found it)."""
+        if s.counted is not s.tensor:  # a nested map's argument: no storage of its own to compare
+            return ""
         storage = s.tensor.untyped_storage().data_ptr()
         others = [
             self.label(k)[0] for k, t in enumerate(self.leaves)
@@ -107,9 +114,10 @@ class Watch:
     def _message(self, s: _Shared, torch_says: str, through: str = "") -> str:
         t = s.tensor
         name, axis = self.label(s.slot)
+        strides = f", strides {tuple(t.stride())}" if s.counted is t else ""
         return (
             f"{self.kind}: the mapped function wrote in place to the memory of {name} (in_axes {axis}, shape "
-            f"{tuple(t.shape)}, strides {tuple(t.stride())}){through}. Its {self.size} instances share that memory: "
+            f"{tuple(t.shape)}{strides}){through}. Its {self.size} instances share that memory: "
             f"{s.how}. Every instance would "
             f"write the others' elements, as many times as the placement runs the write, so the write is refused on "
             f"every placement ({torch_says}). The argument's contents are undefined after this error (the placements "
@@ -117,6 +125,24 @@ class Watch:
             "torchpmap.training.replicate for a value every instance starts from), or return the new value instead "
             "of writing it in place."
         )
+
+
+def _nested_watch(
+    leaves: Sequence[Any], broadcast_slots: Sequence[int], size: int, label: Callable[[int], tuple[str, Any]], kind: str
+) -> Watch | None:
+    """A nested map's watch: its ``in_axes=None`` arguments, which its instances share as
+    an outermost map's do. (One device ran a write into one once, vectorized; a thread per
+    instance, on several devices or one at a time, once per instance.) Their version
+    counters are read under the enclosing maps' batching: the shared layouts of mapped
+    arguments are not looked for here (a batched slice has no strides to read)."""
+    if size < 2 or not broadcast_slots:
+        return None
+    shared = [
+        _Shared(slot, t, _BROADCAST, counted=private.functorch_base(t))
+        for slot in broadcast_slots
+        if isinstance(t := leaves[slot], torch.Tensor) and type(t) is torch.Tensor and t.layout is torch.strided
+    ]
+    return Watch(shared, size, label, kind, leaves) if shared else None
 
 
 def watch(
@@ -131,8 +157,10 @@ def watch(
 ) -> Watch | None:
     """A :class:`Watch` over the arguments of one call whose instances share memory, or None
     when there are none (the common case, decided from metadata)."""
-    if private.current_vmap_level() is not None or _context.axis_frames.get():
-        return None  # inside a transform or an enclosing map: the arguments are batched slices
+    if _context.axis_frames.get():  # inside an enclosing map: its values, maybe batched there
+        return _nested_watch(leaves, broadcast_slots, size, label, kind)
+    if private.current_vmap_level() is not None:
+        return None  # inside a transform: the arguments are batched slices
     shared: list[_Shared] = []
     if broadcast_slots and (size > 1 or processes() > 1):  # across processes: as one device holding every instance
         for slot in broadcast_slots:

@@ -162,6 +162,20 @@ def functorch_levels(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
     return tuple(batched), tuple(tracked)
 
 
+def functorch_base(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every torch.func wrapper of ``t`` (batched, grad-tracking),
+    at any level; ``t`` itself when it is plain. Its version counter moves with an in-place
+    write through any of the wrappers (theirs do not).
+
+    For: a nested pmap refuses a write into an argument its instances share (an enclosing
+    map's value, batched there: :mod:`torchpmap._frontend.aliasing`).
+    Public replacement: none. Checked: torch 2.11.0, 2.13.0, 2.14.1 (``get_unwrapped`` of a
+    batched and of a grad-tracking tensor, ``is_functorch_wrapped_tensor``)."""
+    while _is_wrapped(t):
+        t = _get_unwrapped(t)
+    return t
+
+
 def is_functorch_wrapped(t: torch.Tensor) -> bool:
     """Whether ``t`` is a torch.func wrapper (batched or grad-tracking): a tensor with no
     storage of its own, whose ``data_ptr()`` raises.
