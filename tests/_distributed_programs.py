@@ -151,6 +151,25 @@ def pytree_backward(d: dict) -> dict:
 def count_transfers(d: dict) -> dict:
     """How many all-gathers, all-to-alls and all-reduces a pmean of a 6-leaf pytree and its
     backward make, once the steps repeat."""
+
+    def step():
+        tree = {f"p{k}": d["x"].clone().requires_grad_() * (k + 1) for k in range(6)}
+        out = tp.pmap(lambda t: tp.pmean(t, "i"), axis_name="i")(tree)
+        sum(o.sum() for o in out.values()).backward()
+
+    return _counted_transfers(step)
+
+
+def count_scatter_transfers(d: dict) -> dict:
+    """The transfers of a psum_scatter over the processes' instances (several per process:
+    through vmap): a reduce-scatter, each process sending every other its share of its
+    instances' sum, once the steps repeat."""
+    return _counted_transfers(lambda: tp.pmap(lambda v: tp.psum_scatter(v, "i"), axis_name="i")(d["x_sq"]))
+
+
+def _counted_transfers(step) -> dict:
+    """The all-gathers, all-to-alls and all-reduces of the third ``step()`` (the first
+    teaches the processes what follows what: see process_agreement)."""
     from torchpmap._engines import process_exchange as engine
 
     counts = {"all_gather": 0, "all_to_all": 0, "all_gather_bytes": 0, "all_reduce": 0}
@@ -168,12 +187,7 @@ def count_transfers(d: dict) -> dict:
             return fn(*args, **kwargs)
         return call
 
-    def step():
-        tree = {f"p{k}": d["x"].clone().requires_grad_() * (k + 1) for k in range(6)}
-        out = tp.pmap(lambda t: tp.pmean(t, "i"), axis_name="i")(tree)
-        sum(o.sum() for o in out.values()).backward()
-
-    step()  # a first step teaches the processes what follows what (see process_agreement)
+    step()
     step()
     engine._all_gather_flat = counted("all_gather", gather)
     torch.distributed.all_to_all_single = counted("all_to_all", all_to_all)
@@ -340,6 +354,7 @@ def scenario_collectives(rank: int, nproc: int) -> dict:
     tpd.initialize()  # idempotent
     out.update(compared_programs(d))
     out["transfers"] = count_transfers(d)
+    out["scatter_transfers"] = count_scatter_transfers(d)
     out["compiled"] = compiled_programs(d)
     # Unequal local sizes: every process raises the same clear error (and stays usable),
     # whether the check rides on a reduction, precedes an all_gather, ends a call without

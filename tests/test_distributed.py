@@ -168,6 +168,12 @@ def test_collectives_and_training_match_one_process(nproc, bitwise_placement, al
         if all_reduce:  # the headers travel alone either way
             want = {"all_gather": 2, "all_to_all": 0, "all_gather_bytes": 2 * 64, "all_reduce": 2}
         assert res["transfers"] == want, res["transfers"]
+        # psum_scatter: one all-to-all of this process' share sums (a reduce-scatter), its
+        # 64-byte header in an all-gather of its own (an all-to-all cannot give every
+        # process every header); no all-gather of every instance's value
+        scatter = res["scatter_transfers"]
+        assert (scatter["all_to_all"], scatter["all_reduce"]) == (1, 0), scatter
+        assert scatter["all_gather_bytes"] == 64 * scatter["all_gather"] and scatter["all_gather"] >= 1, scatter
     one_each = nproc == progs.G and bitwise_placement  # one instance per process, through vmap
     programs = list(progs.collective_programs(progs.global_data())) + [
         "backward_outside", "grad_around", "pytree_backward", "per_instance_dropout",

@@ -78,8 +78,19 @@ class Primitive:
         results can be added by an all-reduce."""
         return False
 
+    @property
+    def scatters(self) -> bool:
+        """True for a sum of which each instance keeps its own share (psum_scatter without
+        groups): a slice can sum its instances first and send each slice its share only."""
+        return False
+
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """All instances' values ``X`` -> (result, member dim of the result or None)."""
+        raise NotImplementedError
+
+    def shares(self, X: torch.Tensor) -> torch.Tensor:
+        """This slice's sum of its instances ``X`` (a :attr:`scatters` prim), cut into every
+        slice's share, ``(slices, local size, ...)``: row ``q`` is what it sends to slice ``q``."""
         raise NotImplementedError
 
     def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
@@ -326,11 +337,17 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     against one process the float sums differ in rounding unless a slice holds one
     instance). Large sums (:attr:`Primitive.sums`) go through the exchange's all-reduce
     instead, when it has one (:meth:`Exchange.sum_with_grad`): the same bits in every process
-    again, in the all-reduce's own order.
+    again, in the all-reduce's own order. A sum of which each instance keeps a share
+    (:attr:`Primitive.scatters`) sends each slice only its share of the partial sums, when
+    the exchange can (:meth:`Exchange.scatter_sum_with_grad`): a reduce-scatter.
     """
     exchange = prims[0].frame.exchange
     if exchange is None:
         return [_fresh(p, p.compute(X)) for p, X in zip(prims, Xs)]
+    if exchange.reduces_locally and all(p.scatters for p in prims):  # a reduce-scatter: each slice's share only
+        received = exchange.scatter_sum_with_grad([p.shares(X) for p, X in zip(prims, Xs)], _describe(prims))
+        if received is not None:
+            return [(R, 0) for R in received]
     if exchange.reduces_locally and all(p.reduces for p in prims):
         # even a slice of one instance sends compute's result: its dtype (psum of bools
         # sends int64) must not depend on the local size, and the bits are those of one process

@@ -228,6 +228,19 @@ class PsumScatter(Primitive):
     groups: Groups = None
     name = "psum_scatter"
 
+    @property
+    def scatters(self) -> bool:
+        return self.groups is None
+
+    def shares(self, X: torch.Tensor) -> torch.Tensor:
+        at = self.lead + self.dimension
+        X = X.to(_sum_dtype(X))
+        summed = X.sum(0, dtype=X.dtype)
+        size, local = self.frame.size, self.frame.local_size
+        if self.tiled:
+            summed = summed.unflatten(at, (size, summed.shape[at] // size))
+        return summed.movedim(at, 0).unflatten(0, (size // local, local))
+
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         at = self.lead + self.dimension  # position in the summed value (member dim gone)
         X = X.to(_sum_dtype(X))

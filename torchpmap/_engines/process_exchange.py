@@ -177,9 +177,21 @@ class ProcessExchange:
         """``grads[k]`` has one entry per process along dim 0; returns, for each ``k``, the
         sum over processes of their entries for this process (the transpose of
         :meth:`all_gather_with_grad`), all tensors in one all-to-all."""
-        layout = _Layout.of([g[0] for g in grads])
-        received = self._transfer("scatter", f"the gradient of {what}", layout, grads)
-        return [r.sum(0) for r in layout.unpack(received)]  # each contiguous, as a lone tensor's
+        return self.scatter_sum_no_grad(grads, f"the gradient of {what}")
+
+    def scatter_sum_no_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """For each ``ts[k]`` (one row per process along dim 0): the sum, in process order,
+        of every process' row for this process, all tensors in one all-to-all."""
+        layout = _Layout.of([t[0] for t in ts])
+        received = self._transfer("scatter", what, layout, ts)
+        # each contiguous, as a lone tensor's; in its own dtype (torch.sum widens integers)
+        return [r.sum(0, dtype=r.dtype) for r in layout.unpack(received)]
+
+    def scatter_sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """:meth:`scatter_sum_no_grad` (a reduce-scatter of this process' partial sums: it
+        receives its own share only), differentiable: the gradient of ``ts[k]`` is every
+        process' cotangent, stacked (an all-gather)."""
+        return list(_ScatterSumProcesses.apply(self, what, *ts))
 
     # ------------------------------------------------------------------ the agreement check
 
@@ -715,6 +727,37 @@ class _SumProcesses(torch.autograd.Function):
     def vmap(info: Any, in_dims: tuple, exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[Any, Any]:
         # a sum across processes is elementwise: a batched tensor is summed as it lies
         return _SumProcesses.apply(exchange, what, *ts), tuple(in_dims[2:])
+
+
+class _ScatterSumProcesses(torch.autograd.Function):
+    """Each process' partial sums of every process' share -> the sum of its own share over
+    the processes; the transpose stacks every process' cotangent (of the floating-point
+    tensors; zeros where a result got no gradient, so that every process sends the same
+    layout)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(exchange.scatter_sum_no_grad(ts, what))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.exchange, ctx.what = inputs[0], inputs[1]
+        ctx.differentiable = [differentiable(t) for t in inputs[2:]]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        stacked = lambda gs: ctx.exchange.all_gather_with_grad(gs, f"the gradient of {ctx.what}")  # noqa: E731
+        return None, None, *transpose_gather(grads, ctx.differentiable, stacked)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[Any, Any]:
+        # an enclosing map's batch (the same instances of it in every process of this group)
+        # rides behind the processes' rows
+        t_dims = in_dims[2:]
+        moved = [t if d is None else t.movedim(d, 1) for t, d in zip(ts, t_dims)]
+        return _ScatterSumProcesses.apply(exchange, what, *moved), tuple(None if d is None else 0 for d in t_dims)
 
 
 class _GatherProcesses(torch.autograd.Function):

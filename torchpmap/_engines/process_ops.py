@@ -70,6 +70,9 @@ class TracedExchange:
         self.agree_pending()
         return split_flat(ts, torch.ops.torchpmap.sum_processes(list(ts), self.key, what))
 
+    def scatter_sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> None:
+        return None  # a compiled program gathers the instances' values (its ops have no reduce-scatter yet)
+
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> TracedOrderedSums | None:
         """The ops of :meth:`ProcessExchange.sums_in_order`: the agreement (with the
         gather of :meth:`TracedOrderedSums.also_gather`, or alone before the first sum

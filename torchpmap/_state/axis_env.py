@@ -74,6 +74,13 @@ class Exchange(Protocol):
         partial sum is the same sum of the cotangents."""
         ...
 
+    def scatter_sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> list[torch.Tensor] | None:
+        """For each ``ts[k]`` (this slice's partial sums of every slice's share, one row per
+        slice along dim 0): the sum over the slices of their rows for this slice, in slice
+        order (a reduce-scatter); or None, and the caller gathers every instance's value
+        instead. The gradient of ``ts[k]`` is every slice's cotangent, stacked."""
+        ...
+
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> OrderedSums | None:
         """Sums that start later, one per group of tensors (only shapes and dtypes are
         read), so that computation can go on while the values travel; the slices agree
