@@ -59,3 +59,14 @@ def test_shard_map_writes_into_a_sharded_argument_as_one_device(placement, spec)
         return
     write(z)
     torch.testing.assert_close(torch.as_tensor(z), torch.arange(16.0).reshape(4, 4) + 100)
+
+
+def test_a_write_into_a_host_tensors_slice_reaches_it_from_the_devices():
+    """The default devices (CUDA where ``make gpu-check`` runs this file, CPU devices
+    otherwise): a host tensor's slices are copied onto a CUDA device, and the write comes
+    back; on CPU devices each slice is a view. One call on the first device, one over all."""
+    for devices in (tp.devices()[:1], tp.devices()):
+        n = 2 * len(devices)
+        x = torch.zeros(n, 3)
+        tp.pmap(lambda v: v.add_(tp.axis_index("i").to(v.dtype) + 1), axis_name="i", devices=devices)(x)
+        torch.testing.assert_close(x, torch.arange(1.0, n + 1).unsqueeze(1).expand(n, 3))
