@@ -84,8 +84,8 @@ PARTS: list[Part] = [
     ),
     Part(
         "tests",
-        "device-equivalence, API, sharded, multi-device, sharded-step, autocast and shard_map tests, "
-        "CUDA as the device",
+        "device-equivalence, API, sharded, multi-device, sharded-step, autocast, shard_map, output- and "
+        "written-copy tests, CUDA as the device",
         _pytest(TEST_FILES, "tests.xml", ("tests/test_sharded.py",)),
         env=_tests_env,
         timeout=240,
