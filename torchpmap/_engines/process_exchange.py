@@ -702,21 +702,26 @@ def _bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.contiguous().reshape(rows, t.numel() // rows).view(torch.uint8)
 
 
-class _SumProcesses(torch.autograd.Function):
-    """Each process' partial sums -> their sums over the processes; the transpose is the
-    same sum of the cotangents (of the floating-point tensors; zeros where a result got
-    no gradient, so that every process sends the same layout)."""
+class _Summing(torch.autograd.Function):
+    """``(exchange, what, *ts)``: a sum over the processes of their partial sums ``ts``,
+    whose transpose sends the cotangents of the floating-point tensors only (zeros where
+    a result got no gradient, so that every process sends the same layout)."""
 
     generate_vmap_rule = False
-
-    @staticmethod
-    def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(exchange.sum_no_grad(ts, what))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         ctx.exchange, ctx.what = inputs[0], inputs[1]
         ctx.differentiable = [differentiable(t) for t in inputs[2:]]
+
+
+class _SumProcesses(_Summing):
+    """Each process' partial sums -> their sums over the processes; the transpose is the
+    same sum of the cotangents."""
+
+    @staticmethod
+    def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(exchange.sum_no_grad(ts, what))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -729,22 +734,13 @@ class _SumProcesses(torch.autograd.Function):
         return _SumProcesses.apply(exchange, what, *ts), tuple(in_dims[2:])
 
 
-class _ScatterSumProcesses(torch.autograd.Function):
+class _ScatterSumProcesses(_Summing):
     """Each process' partial sums of every process' share -> the sum of its own share over
-    the processes; the transpose stacks every process' cotangent (of the floating-point
-    tensors; zeros where a result got no gradient, so that every process sends the same
-    layout)."""
-
-    generate_vmap_rule = False
+    the processes; the transpose stacks every process' cotangent."""
 
     @staticmethod
     def forward(exchange: ProcessExchange, what: str, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(exchange.scatter_sum_no_grad(ts, what))
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.exchange, ctx.what = inputs[0], inputs[1]
-        ctx.differentiable = [differentiable(t) for t in inputs[2:]]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
