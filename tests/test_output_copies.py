@@ -2,6 +2,7 @@
 any placement, as a loop over the instances (``torch.stack``) and JAX's arrays do not."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -156,3 +157,26 @@ def test_each_instance_has_a_row_of_its_own(placement, fun, in_axes, jit):
         assert torch.equal(out[0], expected) and torch.equal(out[2], expected), f"on {len(devices)} device(s)"
         results.append(out)
     torch.testing.assert_close(results[0], results[1])
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["vectorized", "one-at-a-time"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_tensor_the_function_closes_over(placement, debug, jit):
+    """Every instance returns the same tensor, which no instance computed. Stacked
+    (``out_axes=0``): one device expanded it and copied the rows, where each of 4 devices
+    returned a view of it (a write into the result wrote it). Taken once (``out_axes=None``):
+    the tensor itself on every placement, as ``torch.func.vmap`` returns an unbatched
+    result (one at a time, the instances' rows were concatenated into a copy)."""
+    if debug and jit:
+        pytest.skip("debug mode runs no compiled program")
+    for devices in (placement, placement[:1]):
+        for out_axes in (0, None):
+            w = torch.zeros(3)
+            f = tp.pmap(lambda x: w, out_axes=out_axes, devices=devices, jit=jit)
+            with tp.disable_vectorization() if debug else contextlib.nullcontext(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", tp.JitFallbackWarning)
+                got = f(torch.ones(4, 2))
+            with torch.no_grad():
+                got.add_(1)
+            want = torch.zeros(3) if out_axes == 0 else torch.ones(3)
+            torch.testing.assert_close(w, want, msg=f"out_axes={out_axes} on {len(devices)} device(s)")

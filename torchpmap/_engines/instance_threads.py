@@ -151,5 +151,23 @@ def _run_single(
 
 def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:
     if len(set(devices)) == 1:  # debug mode on one device: plain tensors, as the vectorized engine returns
-        return [torch.cat(outs) for outs in zip(*per_thread)]
+        return [_expanded(outs) if _one_view(outs) else torch.cat(outs) for outs in zip(*per_thread)]
     return assembled(devices, per_thread)  # as from the multi-device engine
+
+
+def _one_view(outs: Sequence[torch.Tensor]) -> bool:
+    """Whether every instance returned the same memory (a tensor the function closes over,
+    as it is), which vmap returns as one row expanded over the instances: so does this."""
+    first = outs[0]
+    if type(first) is not torch.Tensor or not first.numel() or len(outs) < 2 or first.shape[0] != 1:
+        return False
+    where = (first.untyped_storage().data_ptr(), first.storage_offset(), first.shape, first.stride(), first.dtype)
+    return all(
+        type(o) is torch.Tensor
+        and (o.untyped_storage().data_ptr(), o.storage_offset(), o.shape, o.stride(), o.dtype) == where
+        for o in outs[1:]
+    )
+
+
+def _expanded(outs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return outs[0].expand(len(outs) * outs[0].shape[0], *outs[0].shape[1:])

@@ -107,12 +107,38 @@ def own_rows(t: torch.Tensor) -> torch.Tensor:
     (``out[1].mul_(0)``) then changed every row on one device, where several devices, one
     at a time and a loop hold a row each. Such a result is copied; one whose rows are
     apart (a computation per instance) costs a stride read. A result taken with
-    ``out_axes=None`` never comes here (its one row is all it keeps)."""
+    ``out_axes=None`` never comes here (its one row is all it keeps).
+
+    Split over devices, each device's rows are its own output: where the instances
+    returned one tensor that no instance computed (a tensor the function closes over),
+    every device's shard is a view of it, so such shards are copied too, as one device
+    copies the expanded row."""
     if type(t) is not torch.Tensor and isinstance(t, ShardedTensor):  # (the type test first: the common case)
-        if not any(_rows_shared(s.tensor) for s in t.shards):
+        shared = _shards_sharing_memory(t)
+        if not shared and not any(_rows_shared(s.tensor) for s in t.shards):
             return t
-        return t.map_shards(lambda piece: piece.contiguous() if _rows_shared(piece) else piece, t.shard_dim)
+        pieces = [
+            s.tensor.clone() if k in shared else s.tensor.contiguous() if _rows_shared(s.tensor) else s.tensor
+            for k, s in enumerate(t.shards)
+        ]
+        return ShardedTensor(list(zip(t.devices(), pieces)), t.shard_dim)
     return t.contiguous() if _rows_shared(t) else t
+
+
+def _shards_sharing_memory(t: ShardedTensor) -> set[int]:
+    """The positions of the shards whose memory another shard shares."""
+    first: dict[int, int] = {}
+    shared: set[int] = set()
+    for k, s in enumerate(t.shards):
+        piece = s.tensor
+        if type(piece) is not torch.Tensor or not piece.numel():
+            continue
+        ptr = piece.untyped_storage().data_ptr()
+        if ptr in first:
+            shared.update((first[ptr], k))
+        else:
+            first[ptr] = k
+    return shared
 
 
 def _rows_shared(t: torch.Tensor) -> bool:
