@@ -490,6 +490,38 @@ def test_a_nested_maps_write_into_its_shared_argument_raises_on_every_placement(
                     run()
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_unsigned_reductions_give_the_same_numbers_eager_and_compiled(eight_devices, dtype):
+    """torch has no CPU sum or max kernel for these: the eager engine raised where a
+    compiled program (inductor's own loops) and JAX give numbers. They are reduced as
+    int64 now: a sum wraps as its own dtype's (4 x 30000 in uint16 is 54464, as JAX's),
+    a 64-bit value above int64's range keeps its order."""
+    x = torch.tensor([[30000, 1], [30000, 2], [30000, 7], [30000, 3]]).to(dtype)
+    big = dtype == torch.uint64
+    if big:
+        x[0, 1] = torch.tensor(-(2**63) + 5).view(torch.uint64)  # 2**63 + 5
+    total0 = {torch.uint16: 54464, torch.uint32: 120000, torch.uint64: 120000}[dtype]
+    want = {
+        "psum": [total0, 2**63 + 17 if big else 13],
+        "pmax": [30000, 2**63 + 5 if big else 7],
+        "pmin": [30000, 2 if big else 1],
+        "psum_scatter": [total0, 2**63 + 17 if big else 13],
+    }
+    programs = {
+        "psum": lambda v: tp.psum(v, "i"),
+        "pmax": lambda v: tp.pmax(v, "i"),
+        "pmin": lambda v: tp.pmin(v, "i"),
+        "psum_scatter": lambda v: tp.psum_scatter(v.expand(4, 2).contiguous(), "i"),
+    }
+    for name, fun in programs.items():
+        for devices in (eight_devices[:1], eight_devices[:4]):
+            for jit in (False, True):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", tp.JitFallbackWarning)
+                    got = torch.as_tensor(tp.pmap(fun, "i", devices=devices, jit=jit)(x))
+                assert got.dtype == dtype and got[0].tolist() == want[name], (name, len(devices), jit, got)
+
+
 def _sparse(layout=torch.sparse_coo) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Sparse CSR tensor support is in beta state"

@@ -7,6 +7,7 @@ user-facing argument checks live in :mod:`torchpmap._collectives.public`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +42,29 @@ def _sum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.int64 if x.dtype == torch.bool else x.dtype
 
 
+#: Unsigned integers that torch's CPU reductions (sum, amax, scatter_add) have no kernel
+#: for; a compiled program reduces them. They are reduced as int64 (see :func:`_as_int64`).
+_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+_SIGN_BIT = -(2**63)
+
+
+def _as_int64(
+    compute: Callable[[torch.Tensor], tuple[torch.Tensor, int | None]], X: torch.Tensor, ordered: bool
+) -> tuple[torch.Tensor, int | None]:
+    """``compute`` of an unsigned-integer ``X`` through int64, with the result back in
+    ``X``'s dtype: the values of 16 and 32 bits exactly (a sum wraps when cast back, as
+    their own sum wraps: JAX's numbers); 64 bits by their bits, a sum wrapping as theirs
+    and, for a comparison (``ordered``), the sign bit flipped so that int64 orders them as
+    unsigned."""
+    dtype = X.dtype
+    if dtype != torch.uint64:
+        out, dim = compute(X.to(torch.int64))
+        return out.to(dtype), dim
+    Y = X.view(torch.int64)
+    out, dim = compute(Y ^ _SIGN_BIT if ordered else Y)
+    return (out ^ _SIGN_BIT if ordered else out).view(dtype), dim
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Psum(Primitive):
     groups: Groups = None
@@ -56,13 +80,15 @@ class Psum(Primitive):
         return self.groups is None
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        if X.dtype in _UNSIGNED:
+            return _as_int64(self.compute, X, ordered=False)
         X = X.to(_sum_dtype(X))
         if self.groups is not None:
             return _group_reduce(X, self.groups, "sum"), 0
         return X.sum(0, dtype=X.dtype), None
 
     def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        if self.groups is not None:
+        if self.groups is not None or x.dtype in _UNSIGNED:
             return super().compute_unbatched(x)
         return x.to(_sum_dtype(x)) * self.frame.local_size, None
 
@@ -179,6 +205,8 @@ class Pextremum(Primitive):
         return "pmax" if self.op == "amax" else "pmin"
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        if X.dtype in _UNSIGNED:
+            return _as_int64(self.compute, X, ordered=True)
         if self.groups is not None:
             out, dim = _group_reduce(X, self.groups, self.op), 0
         else:
@@ -233,6 +261,8 @@ class PsumScatter(Primitive):
         return self.groups is None
 
     def shares(self, X: torch.Tensor) -> torch.Tensor:
+        if X.dtype in _UNSIGNED:
+            return _as_int64(lambda Y: (self.shares(Y), None), X, ordered=False)[0]
         at = self.lead + self.dimension
         X = X.to(_sum_dtype(X))
         summed = X.sum(0, dtype=X.dtype)
@@ -242,6 +272,8 @@ class PsumScatter(Primitive):
         return summed.movedim(at, 0).unflatten(0, (size // local, local))
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        if X.dtype in _UNSIGNED:
+            return _as_int64(self.compute, X, ordered=False)
         at = self.lead + self.dimension  # position in the summed value (member dim gone)
         X = X.to(_sum_dtype(X))
         if self.groups is None:
