@@ -235,6 +235,48 @@ def test_mesh_places_instance_d_m_on_mesh_device(cpu_devices):
     assert torch.equal(y.grad, 4 * (torch.arange(2.0) + 1) * x)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jvp", "vmap"])
+def test_a_torch_func_transform_around_mesh_pmaps_gives_one_devices_numbers(cpu_devices, transform):
+    """A mesh runs a thread per position, which a transform around the call cannot follow
+    (its backward would run every position's node in one thread). Under one, the outer
+    mesh axis runs over its devices as a plain multi-device pmap, and the axes nested in it
+    vectorized on each device: the same numbers as on one device. A transform inside a
+    position, around a nested mesh pmap, runs that pmap on the position's device."""
+    devs = cpu_devices(4)
+    mesh = tp.Mesh(np.array(devs).reshape(2, 2), ("i", "j"))
+
+    def f(v):
+        return tp.psum(v * v, "i") * (tp.axis_index("j") + 1)
+
+    nested = tp.pmap(tp.pmap(f, axis_name="j"), axis_name="i")
+
+    def loss(x):
+        return torch.as_tensor(nested(x)).sum()
+
+    x = torch.arange(4.0).reshape(2, 2) + 1
+    runs = {
+        "grad": lambda: torch.func.grad(loss)(x),
+        "vjp": lambda: torch.func.vjp(lambda x: torch.as_tensor(nested(x)), x)[1](torch.ones(2, 2))[0],
+        "jvp": lambda: torch.func.jvp(lambda x: torch.as_tensor(nested(x)), (x,), (torch.ones(2, 2),))[1],
+        "vmap": lambda: torch.func.vmap(lambda x: torch.as_tensor(nested(x)))(torch.stack([x, 2 * x])),
+    }
+    _devices.set_current_default((devs[0],))  # the oracle: every instance on one device
+    try:
+        want = runs[transform]()
+    finally:
+        _devices.set_current_default(None)
+    with mesh:
+        got = runs[transform]()
+    torch.testing.assert_close(torch.as_tensor(got), want)
+
+    def inner_grad(v):  # per mesh row: the gradient of a nested mesh pmap, taken inside the row
+        return torch.func.grad(lambda w: tp.pmap(f, axis_name="j")(w).sum())(v)
+
+    with mesh:
+        got = tp.pmap(inner_grad, axis_name="i")(x)
+    torch.testing.assert_close(torch.as_tensor(got), torch.func.grad(loss)(x))
+
+
 def test_nested_mesh_results_stay_sharded_in_two_dims(cpu_devices):
     devs = cpu_devices(6)
     mesh = tp.Mesh(np.array(devs).reshape(2, 3), ("data", "model"))

@@ -161,6 +161,8 @@ def _one_view(outs: Sequence[torch.Tensor]) -> bool:
     first = outs[0]
     if type(first) is not torch.Tensor or not first.numel() or len(outs) < 2 or first.shape[0] != 1:
         return False
+    if any(private.is_functorch_wrapped(o) for o in outs):  # under a transform: no storage to compare
+        return False
     where = (first.untyped_storage().data_ptr(), first.storage_offset(), first.shape, first.stride(), first.dtype)
     return all(
         type(o) is torch.Tensor

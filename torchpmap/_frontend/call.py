@@ -26,6 +26,8 @@ from torchpmap._placement import mesh as _mesh
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.mesh import Mesh
 from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state import context as _context
+from torchpmap._state import torch_private as private
 from torchpmap._state.compile_guard import refuse_under_compile
 from torchpmap._state.torch_private import pytree
 from torchpmap._state.type_aliases import AxisName, AxisSpec, Randomness
@@ -272,6 +274,9 @@ class MappedFunction:
             return self._flatten_output(self.fun(*call_args, **call_kwargs), layout)
 
         mesh = self._mesh()
+        devices = self._devices_for(flat.size, mesh) if what == "pmap" else None
+        if mesh is not None and _under_a_transform_of_its_own():
+            devices, mesh = self._axis_devices(mesh, flat.size), None
         call = MappedCall(
             body=body,
             mapped=mapped_leaves,
@@ -280,7 +285,7 @@ class MappedFunction:
             axis_name=self.opts.axis_name,
             size=flat.size,
             randomness=self.opts.randomness,
-            devices=self._devices_for(flat.size, mesh) if what == "pmap" else None,
+            devices=devices,
             mesh=mesh,
             must_be_unmapped=(
                 (lambda: self._replicated_outputs(layout)) if what == "vmap" or self.opts.vma else None
@@ -494,6 +499,16 @@ class MappedFunction:
             )
         return mesh
 
+    def _axis_devices(self, mesh: Mesh, size: int) -> tuple[_devices.Device, ...]:
+        """Where a mesh axis' instances run under a torch.func transform (see
+        :func:`_under_a_transform_of_its_own`): the devices along the axis (the other axes at
+        index 0), as a plain multi-device pmap's; inside a device thread, that thread's own
+        device (a nested mesh axis runs vectorized there)."""
+        if _context.default_devices.get() is not None:
+            return self._devices_for(size, None)
+        along = tuple(slice(None) if a == self.opts.axis_name else 0 for a in mesh.axis_names)
+        return tuple(mesh.devices[along].tolist())
+
     def _devices_for(self, size: int, mesh: Mesh | None) -> tuple[_devices.Device, ...]:
         if mesh is not None:
             return tuple(mesh.devices.flat)
@@ -586,3 +601,17 @@ class MappedFunction:
                 f"(shape {tuple(t.shape[1:])}), so the mapped axis can go at positions {-rank}..{rank - 1}"
             )
         return t.movedim(0, axis)
+
+
+def _under_a_transform_of_its_own() -> bool:
+    """Whether a torch.func transform that the mesh engine's threads cannot carry encloses
+    this call: one around the outermost mesh pmap (its backward would run every position's
+    node in one thread, where they cannot exchange), or one inside a mesh position's
+    thread around a nested mesh pmap. Such a call runs as a multi-device pmap over the
+    axis' devices instead (see ``MappedFunction._axis_devices``): the same numbers, on fewer
+    devices. A mesh position's own vmap level (shard_map's check_vma) is no such transform."""
+    level = private.current_vmap_level()
+    if level is None:
+        return False
+    thread = _context.instance_thread.get()
+    return thread is None or level not in (thread.outer_level, thread.own_level)

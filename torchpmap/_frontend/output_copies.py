@@ -30,6 +30,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state import torch_private as private
 
 
 def unaliased(outputs: list[torch.Tensor], arguments: Sequence[object]) -> list[torch.Tensor]:
@@ -131,7 +132,7 @@ def _shards_sharing_memory(t: ShardedTensor) -> set[int]:
     shared: set[int] = set()
     for k, s in enumerate(t.shards):
         piece = s.tensor
-        if type(piece) is not torch.Tensor or not piece.numel():
+        if type(piece) is not torch.Tensor or not piece.numel() or private.is_functorch_wrapped(piece):
             continue
         ptr = piece.untyped_storage().data_ptr()
         if ptr in first:
