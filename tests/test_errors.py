@@ -679,20 +679,30 @@ def test_an_error_only_vectorization_raises_falls_back(placement):
     torch.testing.assert_close(torch.as_tensor(flipped).cpu(), torch.arange(8.0))
 
 
-def test_a_transform_around_a_map_run_one_at_a_time_refuses_its_collectives(placement):
-    """torch.func.grad around a pmap whose instances run one at a time (debug mode): the
-    backward runs every instance's psum node in one thread, and the first waited for the
-    others until the collective timeout (300 s; on 4 devices it failed in an autograd
-    Function first). It raises at once now, saying what to do. Without a collective the
-    gradient is computed, as vectorized."""
+def test_a_transform_around_a_map_run_one_at_a_time_gives_the_vectorized_gradient(placement):
+    """torch.func.grad/vjp around a pmap whose instances run one at a time (debug mode,
+    or a function vmap cannot run): the backward ran every instance's collective node in
+    one thread (the first waited for the others until the collective timeout; later it
+    raised, where 4 devices, one instance each, gave numbers). Each instance now runs in a
+    vmap of one under such a transform, and its collectives transpose as a vectorized
+    map's: the vectorized gradient, on every placement."""
     x = torch.tensor([[1.0, 2.0], [3.0, -1.0], [0.5, 4.0], [-2.0, 1.0]])
-    for fun, collective in ((lambda v: v.sin() * 2, False), (lambda v: tp.psum(v.sin(), "i"), True)):
+
+    def branching(v):  # vmap cannot run it: it falls back to one instance at a time
+        v = v * 2 if v.sum().item() > 0 else v * 3
+        return tp.ppermute(tp.psum(v, "i") * v, "i", [(0, 1), (1, 3), (3, 0)])
+
+    programs = (lambda v: v.sin() * 2, lambda v: tp.psum(v.sin(), "i"), branching)
+    for fun in programs:
         f = tp.pmap(fun, axis_name="i", devices=placement)
-        want = torch.func.grad(lambda v: (torch.as_tensor(f(v)) ** 2).sum())(x)
-        with tp.disable_vectorization():
-            if collective:
-                with pytest.raises(NotImplementedError, match="Take the gradient inside the pmap"):
-                    torch.func.grad(lambda v: (torch.as_tensor(f(v)) ** 2).sum())(x)
-            else:
+        with tp.disable_vectorization():  # the oracle: instance by instance, .backward()
+            y = x.clone().requires_grad_()
+            (torch.as_tensor(f(y)) ** 2).sum().backward()
+        for debug in (False, True):
+            with tp.disable_vectorization() if debug else contextlib.nullcontext(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
                 got = torch.func.grad(lambda v: (torch.as_tensor(f(v)) ** 2).sum())(x)
-                torch.testing.assert_close(got, want)
+                out, pull = torch.func.vjp(lambda v: torch.as_tensor(f(v)), x)
+                (pulled,) = pull(2 * out)
+            torch.testing.assert_close(got, y.grad)
+            torch.testing.assert_close(pulled, y.grad)

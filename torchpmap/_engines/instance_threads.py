@@ -131,18 +131,23 @@ def _run_single(
     """One instance on this device. Its axis frame is recorded for the maps nested in it.
 
     Without a vmap level (see module docstring), and a nested mesh pmap's result stays
-    sharded along its own axis (its blocks stay where they were computed); or, for
-    shard_map's check_vma (``call.vma``), in a vmap of one, whose level tells what varies
-    along the axis: it is recorded too, and nested mesh maps start their threads under it
-    (see :func:`_parent`)."""
+    sharded along its own axis (its blocks stay where they were computed); or in a vmap of
+    one: for shard_map's check_vma (``call.vma``), whose level tells what varies along the
+    axis, and under a torch.func transform around the call (the instances of a map that
+    runs one at a time, in debug mode or after a fallback), whose backward then exchanges
+    the collectives' cotangents as a vectorized map's does (without a level of its own, an
+    instance's collective cannot be transposed by a transform that runs its backward in
+    one thread). The level is recorded too, and nested mesh maps start their threads under
+    it (see :func:`_parent`)."""
+    levelled = call.vma or state.outer_level is not None
 
     def record(frame: _axis_env.AxisFrame) -> None:
         state.frames = enclosing + ((frame,) if call.axis_name is not None else ())
-        if call.vma:
+        if levelled:
             state.own_level = private.vmap_level_of(frame.token)
 
     exchange = _exchange(state, axis)
-    if call.vma:
+    if levelled:
         return vectorized.run(call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record)
     return vectorized.run_one(
         call, offset=offset, axis_size=axis_size, exchange=exchange, seed=seed, on_frame=record, keep_sharded=True
