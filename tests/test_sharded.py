@@ -433,3 +433,16 @@ def test_it_saves_and_loads_with_weights_only(placement):
     assert torch.equal(back["st"], sharded) and back["st"].shard_dim == 0
     assert back["leaf"].requires_grad and back["leaf"].shard_dim == 1 and torch.equal(back["leaf"].gather().detach(), x)
     assert type(back["view"]) is torch.Tensor and torch.equal(back["view"], x.view(-1))  # a view is saved as its value
+
+
+def test_a_result_made_under_inference_mode_reads_as_a_tensor(four_devices):
+    """``torch.as_tensor`` of a ShardedTensor made under ``inference_mode`` dispatches
+    ``aten.to``, whose schema says it may alias: replayed as a view on a meta tensor it
+    tried to copy meta data ("Cannot copy out of meta tensor"). One device returns a plain
+    tensor there; now every placement reads the same values."""
+    x = torch.arange(8.0).reshape(4, 2)
+    with torch.inference_mode():
+        y = tp.pmap(lambda v: v * 2)(x)
+        inside = torch.as_tensor(y).cpu()
+    torch.testing.assert_close(inside, x * 2)
+    torch.testing.assert_close(torch.as_tensor(y).cpu(), x * 2)

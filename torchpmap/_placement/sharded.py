@@ -305,12 +305,16 @@ def _materialized(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_view(func: Any) -> bool:
-    """Whether ``func`` returns a view of its first argument (and writes nothing)."""
+    """Whether ``func`` returns a view of its first argument (and writes nothing). Not
+    ``to``, which may return its argument or a copy (its schema aliases too): it runs on
+    the gathered value (``torch.as_tensor`` of a ShardedTensor made under
+    ``inference_mode`` dispatches it, and its replay on a meta tensor copied)."""
     known = _views.get(func)
     if known is None:
         schema = private.op_schema(func)
         known = bool(
             schema is not None
+            and schema.name not in _MAYBE_COPIES
             and not schema.is_mutable
             and schema.returns
             and schema.returns[0].alias_info is not None
@@ -323,6 +327,7 @@ def _is_view(func: Any) -> bool:
 
 
 _views: dict[Any, bool] = {}
+_MAYBE_COPIES = ("aten::to",)
 
 
 def _base_and_replay(t: Any) -> tuple[ShardedTensor, Callable[[torch.Tensor], torch.Tensor]]:
