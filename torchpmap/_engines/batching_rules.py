@@ -447,10 +447,10 @@ def _metadata_write(op: AtenOp) -> Callable[..., torch.Tensor]:
     return rule
 
 
-def torchpmap_levels() -> tuple[int, ...]:
+def torchpmap_levels() -> list[int]:
     """The vmap levels that torchpmap's maps opened (innermost last), in this thread and,
     for a device thread, in the threads that started it (their levels enclose it too)."""
-    return _context.own_vmap_levels.get()
+    return _context.own_vmap_levels()
 
 
 #: How many values of a batched tensor the rule of :func:`_value_read` has read, ever, in

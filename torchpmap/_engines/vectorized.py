@@ -244,12 +244,13 @@ def _vmap_flat(
         private.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS)  # raises (after disabling) if hooks are set
         # per_instance draws outside vmap (see random_per_instance): any other random op is refused
         level = private.vmap_increment_nesting(size, "error" if randomness == "per_instance" else randomness)
-        own = _context.own_vmap_levels.set(_context.own_vmap_levels.get() + (level,))
+        own_levels = _context.own_vmap_levels()
+        own_levels.append(level)
         try:
             batched = [private.add_batch_dim(t, d, level) for t, d in zip(inputs, in_dims)]
             return [private.remove_batch_dim(out, level, size, 0) for out in fn(*batched)]
         finally:
-            _context.own_vmap_levels.reset(own)
+            own_levels.pop()
             private.vmap_decrement_nesting()
     finally:
         if previous_message is None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -40,6 +41,21 @@ from torchpmap._state import torch_private as private
 T = TypeVar("T")
 
 # ----------------------------------------------------------------------- torchpmap's own state
+
+_own = threading.local()
+
+
+def own_vmap_levels() -> list[int]:
+    """The vmap levels torchpmap's own maps opened in this thread, innermost last (their
+    batching rules may read a value that every instance holds; see
+    ``batching_rules._value_read``), pushed and popped around each vectorized run. A
+    plain per-thread list (a ContextVar cost a few hundred nanoseconds per call): device
+    threads get their caller's with its torch.func levels (:meth:`CallerState.entered`)."""
+    levels: list[int] | None = getattr(_own, "levels", None)
+    if levels is None:
+        levels = _own.levels = []
+    return levels
+
 
 #: The meshes (:class:`torchpmap.Mesh`) entered with ``with mesh:`` here, innermost last.
 active_meshes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_meshes", default=())
@@ -56,10 +72,6 @@ instance_thread: contextvars.ContextVar[Any | None] = contextvars.ContextVar("to
 module_watch: contextvars.ContextVar[Any | None] = contextvars.ContextVar("torchpmap_module_watch", default=None)
 #: The axes (mesh axis names, or the world) of the distributed pmaps running here, outermost first.
 process_axes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_process_axes", default=())
-#: The vmap levels torchpmap's own maps opened here, innermost last (their batching rules
-#: may read a value that every instance holds; see ``batching_rules._value_read``). Device
-#: threads inherit them with their caller's torch.func levels.
-own_vmap_levels: contextvars.ContextVar[tuple[int, ...]] = contextvars.ContextVar("torchpmap_own_levels", default=())
 #: True while a program spanning processes is traced here (``pmap(jit=True)``).
 tracing_processes: contextvars.ContextVar[bool] = contextvars.ContextVar("torchpmap_tracing_processes", default=False)
 #: The mesh axes of the shard_map whose body runs here (mesh order), () outside shard_map bodies.
@@ -138,6 +150,7 @@ class CallerState:
     transforms: tuple[Any, ...]
     intra_op_threads: int
     cuda_streams: tuple[Any, ...] = ()
+    own_levels: tuple[int, ...] = ()
 
     @classmethod
     def capture(cls, devices: Sequence[Any] = ()) -> CallerState:
@@ -158,6 +171,7 @@ class CallerState:
             transforms=tuple(private.functorch_layers()),
             intra_op_threads=torch.get_num_threads(),
             cuda_streams=_non_default_streams(devices),
+            own_levels=tuple(own_vmap_levels()),
         )
 
     @contextlib.contextmanager
@@ -165,6 +179,15 @@ class CallerState:
         """Puts this state in force in the current (device) thread for the block."""
         if torch.get_num_threads() != self.intra_op_threads:  # a pooled worker keeps what it was given
             torch.set_num_threads(self.intra_op_threads)
+        if self.own_levels:  # the caller's maps' levels (with its transforms, restored below)
+            with _own_levels_set(self.own_levels), self._entered_rest():
+                yield
+            return
+        with self._entered_rest():
+            yield
+
+    @contextlib.contextmanager
+    def _entered_rest(self) -> Iterator[None]:
         if self._in_force_already():  # the common case: nothing to enter (each context costs microseconds)
             yield
             return
@@ -194,6 +217,17 @@ class CallerState:
             and not private.function_mode_stack()
             and not any(torch.is_autocast_enabled(t) for t in AUTOCAST_DEVICE_TYPES)
         )
+
+
+@contextlib.contextmanager
+def _own_levels_set(levels: Sequence[int]) -> Iterator[None]:
+    mine = own_vmap_levels()
+    saved = mine[:]
+    mine[:] = levels
+    try:
+        yield
+    finally:
+        mine[:] = saved
 
 
 def _non_default_streams(devices: Sequence[Any]) -> tuple[Any, ...]:
