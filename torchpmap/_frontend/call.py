@@ -275,7 +275,7 @@ class MappedFunction:
 
         mesh = self._mesh()
         devices = self._devices_for(flat.size, mesh) if what == "pmap" else None
-        if mesh is not None and _under_a_transform_of_its_own():
+        if mesh is not None and not isinstance(mesh, _mesh.ProcessMesh) and _under_a_transform_of_its_own():
             devices, mesh = self._axis_devices(mesh, flat.size), None
         call = MappedCall(
             body=body,
@@ -609,7 +609,8 @@ def _under_a_transform_of_its_own() -> bool:
     node in one thread, where they cannot exchange), or one inside a mesh position's
     thread around a nested mesh pmap. Such a call runs as a multi-device pmap over the
     axis' devices instead (see ``MappedFunction._axis_devices``): the same numbers, on fewer
-    devices. A mesh position's own vmap level (shard_map's check_vma) is no such transform."""
+    devices. A mesh position's own vmap level (shard_map's check_vma) is no such transform,
+    and a mesh of processes runs one position per process whatever encloses it."""
     level = private.current_vmap_level()
     if level is None:
         return False
