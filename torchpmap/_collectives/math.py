@@ -263,33 +263,34 @@ class PsumScatter(Primitive):
     def shares(self, X: torch.Tensor) -> torch.Tensor:
         if X.dtype in _UNSIGNED:
             return _as_int64(lambda Y: (self.shares(Y), None), X, ordered=False)[0]
-        at = self.lead + self.dimension
-        X = X.to(_sum_dtype(X))
-        summed = X.sum(0, dtype=X.dtype)
         size, local = self.frame.size, self.frame.local_size
+        return self._by_position(X, size).unflatten(0, (size // local, local))
+
+    def _by_position(self, X: torch.Tensor, size: int) -> torch.Tensor:
+        """The sum of the instances ``X`` (without groups), its scattered dim cut into the
+        axis' ``size`` positions and moved first: ``(size, ...)``."""
+        at = self.lead + self.dimension  # position in the summed value (member dim gone)
+        X = X.to(_sum_dtype(X))
+        summed = X.sum(0, dtype=X.dtype)  # torch.sum would widen int32 to int64
         if self.tiled:
             summed = summed.unflatten(at, (size, summed.shape[at] // size))
-        return summed.movedim(at, 0).unflatten(0, (size // local, local))
+        return summed.movedim(at, 0)
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         if X.dtype in _UNSIGNED:
             return _as_int64(self.compute, X, ordered=False)
-        at = self.lead + self.dimension  # position in the summed value (member dim gone)
-        X = X.to(_sum_dtype(X))
         if self.groups is None:
-            summed = X.sum(0, dtype=X.dtype)  # torch.sum would widen int32 to int64
-        else:
-            summed = _group_reduce(X, self.groups, "sum")  # (n, ...)
-            position = torch.empty(X.shape[0], dtype=torch.long)
-            for g in self.groups:
-                position[list(g)] = torch.arange(len(g))
-            position = position.to(X.device)
-            at += 1
-        size = len(self.groups[0]) if self.groups else X.shape[0]
+            return self._by_position(X, X.shape[0]), 0
+        at = self.lead + self.dimension + 1  # position in the groups' sums (a member dim first)
+        X = X.to(_sum_dtype(X))
+        summed = _group_reduce(X, self.groups, "sum")  # (n, ...)
+        position = torch.empty(X.shape[0], dtype=torch.long)
+        for g in self.groups:
+            position[list(g)] = torch.arange(len(g))
+        position = position.to(X.device)
+        size = len(self.groups[0])
         if self.tiled:
             summed = summed.unflatten(at, (size, summed.shape[at] // size))
-        if self.groups is None:
-            return summed.movedim(at, 0), 0
         # member m keeps slice position[m] of its own group's sum
         chosen = summed.movedim(at, 1)  # (n, size, ...)
         index = position.view(-1, *([1] * (chosen.dim() - 1))).expand(-1, 1, *chosen.shape[2:])

@@ -75,9 +75,9 @@ class TracedThreadExchange:
     def sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> None:
         return None  # no all-reduce between threads: the slices' partial sums are gathered
 
-
     def scatter_sum_with_grad(self, ts: Sequence[torch.Tensor], what: str) -> None:
         return None  # the slices' instances are gathered: their sums, in one order, bitwise one device's
+
     def sums_in_order(self, groups: Sequence[Sequence[torch.Tensor]], what: str) -> None:
         raise NotImplementedError("the threads take turns: a sum completes when they meet, not in the background")
 

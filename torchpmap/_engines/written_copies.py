@@ -8,8 +8,9 @@ of the instances), the write would stay in the copy, and the caller's tensor wou
 between placements. So an engine notes its copies (:func:`copies`) and, after the function
 ran, writes back each copy whose version counter moved (:func:`write_back`).
 
-Only arguments an engine copied cost anything: the common case (a tensor already on the
-device, taken as a view) is never looked at.
+The vectorized engine looks only at the arguments it placed (the common case, a tensor
+already on the device, taken as a view, costs nothing); a device thread compares each
+slice with its argument (a type test and a device comparison).
 """
 from __future__ import annotations
 

@@ -30,7 +30,6 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from torchpmap._placement.sharded import ShardedTensor
-from torchpmap._state import torch_private as private
 
 
 def unaliased(outputs: list[torch.Tensor], arguments: Sequence[object]) -> list[torch.Tensor]:
@@ -127,18 +126,15 @@ def own_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shards_sharing_memory(t: ShardedTensor) -> set[int]:
-    """The positions of the shards whose memory another shard shares."""
-    first: dict[int, int] = {}
+    """The positions of the shards whose memory (see :func:`_memory`) another shard shares."""
+    first: dict[Hashable, int] = {}
     shared: set[int] = set()
     for k, s in enumerate(t.shards):
-        piece = s.tensor
-        if type(piece) is not torch.Tensor or not piece.numel() or private.is_functorch_wrapped(piece):
-            continue
-        ptr = piece.untyped_storage().data_ptr()
-        if ptr in first:
-            shared.update((first[ptr], k))
+        memory = _memory(s.tensor)
+        if memory in first:
+            shared.update((first[memory], k))
         else:
-            first[ptr] = k
+            first[memory] = k
     return shared
 
 
