@@ -325,6 +325,33 @@ def test_gradients_around_the_map_are_jax_gradients(cpu_devices, name, n_devices
     _assert_close(grads, list(want), f".backward() of {name} on {n_devices} devices")
 
 
+@pytest.mark.parametrize("n_devices", [1, 4])
+def test_jvp_around_the_map_in_debug_mode_is_the_vectorized_jvp(cpu_devices, n_devices):
+    """jvp around a shard_map whose collective runs over the mesh's second axis: debug
+    mode (positions one at a time, their collectives through the thread exchange) gives
+    the vectorized map's tangent, which is the plain math's. The thread exchange's
+    gather once took its devices as a tuple argument, which torch.func's generated
+    jvp-of-vmap rule flattened into one argument per device and then refused."""
+    cpu_devices(n_devices)
+    x, w, tangent = map(torch.from_numpy, _inputs([(8, 8), (8, 8), (8, 8)]))
+    mesh = tp.make_mesh((2, 4), NAMES)
+    axis = NAMES[1]
+    f = tp.shard_map(
+        lambda w, x: tp.psum(torch.tanh(x @ w), axis),
+        mesh=mesh, in_specs=(P(axis, None), P(NAMES[0], axis)), out_specs=P(NAMES[0]),
+    )
+
+    def plain(w):  # position (i, j): rows i of x, its columns j with w's rows j; summed over j
+        return sum(torch.tanh(x[:, 2 * j:2 * j + 2] @ w[2 * j:2 * j + 2]) for j in range(4))
+
+    _, want = torch.func.jvp(plain, (w,), (tangent,))
+    _, vectorized = torch.func.jvp(lambda w: torch.as_tensor(f(w, x)), (w,), (tangent,))
+    with tp.disable_vectorization():
+        _, debug = torch.func.jvp(lambda w: torch.as_tensor(f(w, x)), (w,), (tangent,))
+    torch.testing.assert_close(vectorized, want)
+    torch.testing.assert_close(debug, vectorized)
+
+
 def _where_blocks_run(f):
     """The devices ``f``'s positions ran on (the device each position's thread pins)."""
     seen = set()

@@ -129,6 +129,15 @@ class Rendezvous:
             raise PeerFailed(f"torchpmap: {what} was abandoned because {self.failure} failed")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Destinations:
+    """The participants' devices, as one argument of :class:`GatherAll` that is not a
+    pytree: torch.func's generated jvp-of-vmap rule pairs the flattened arguments with
+    their tangents one to one, and a tuple of devices would flatten into several."""
+
+    devices: tuple[torch.device, ...]
+
+
 class GatherAll(torch.autograd.Function):
     """``ts[i]`` from every participant -> for each participant, ``stack(ts)`` on its device.
 
@@ -140,12 +149,12 @@ class GatherAll(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(devices: tuple[torch.device, ...], *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.stack([t.to(dev) for t in ts]) for dev in devices)
+    def forward(to: _Destinations, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.stack([t.to(dev) for t in ts]) for dev in to.devices)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.devices, ctx.sources = inputs[0], [t.device for t in inputs[1:]]
+        ctx.devices, ctx.sources = inputs[0].devices, [t.device for t in inputs[1:]]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
@@ -232,5 +241,6 @@ def _gather_each(
 ) -> list[list[torch.Tensor]]:
     """``per_slice[i][k]`` (tensor k of slice i) -> result ``[i][k]``: tensor k of every
     slice, stacked on slice i's device. One GatherAll node per tensor, as a lone tensor gets."""
-    stacks = [GatherAll.apply(devices, *tensor_k) for tensor_k in zip(*per_slice)]  # stacks[k][i]
+    to = _Destinations(tuple(devices))
+    stacks = [GatherAll.apply(to, *tensor_k) for tensor_k in zip(*per_slice)]  # stacks[k][i]
     return [list(mine) for mine in zip(*stacks)]
