@@ -140,9 +140,13 @@ def resolve(requested: Sequence[DeviceLike] | DeviceLike | None) -> tuple[Device
             f"devices=[{requested!r}]"
         )
     # A pmap resolves the same devices= at every call: remember the answer for this set
-    # of known devices (compared by identity: a re-initialization makes new ones).
-    requested = tuple(requested)
+    # of known devices (compared by identity: a re-initialization makes new ones). A pmap
+    # passes the same tuple each time (its options'): found by identity first.
     known = (_multi_process(), _local_devices())
+    for seen_requested, seen_known, chosen in _resolved:
+        if seen_requested is requested and seen_known[0] is known[0] and seen_known[1] is known[1]:
+            return chosen
+    requested = tuple(requested)
     for seen_requested, seen_known, chosen in _resolved:
         if seen_known[0] is known[0] and seen_known[1] is known[1] and _same(seen_requested, requested):
             return chosen
