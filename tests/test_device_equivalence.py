@@ -522,6 +522,85 @@ def test_unsigned_reductions_give_the_same_numbers_eager_and_compiled(eight_devi
                 assert got.dtype == dtype and got[0].tolist() == want[name], (name, len(devices), jit, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64], ids=str)
+def test_unsigned_values_move_as_their_signed_bits(eight_devices, dtype):
+    """ppermute, and ppermute/all_to_all over a tuple of axes (an all_gather, then an
+    index_select), of unsigned integers: torch's CPU index kernels have none of 16 to 64
+    bits, so the eager engine raised where a compiled program and JAX give numbers. They
+    now move as the signed integers of their width, bit for bit (values above the signed
+    range included), the same on every placement, in debug mode and compiled."""
+    def unsigned(t: torch.Tensor) -> torch.Tensor:  # int64 -> dtype, bit for bit for uint64
+        return t.view(dtype) if dtype == torch.uint64 else t.to(dtype)
+
+    x = torch.arange(8 * 8).reshape(8, 8) * 100
+    x[7, 0] = -3 if dtype == torch.uint64 else 2 ** (8 * dtype.itemsize) - 3  # above the signed range
+    want_ppermute = torch.zeros(8, 8, dtype=torch.long)
+    for src, dst in [(0, 3), (3, 5), (7, 1)]:
+        want_ppermute[dst] = x[src]
+    want_all_to_all = x.T.contiguous()  # all_to_all(split 0, concat 0) over 8 instances: a transpose
+    x, want_ppermute, want_all_to_all = map(unsigned, (x, want_ppermute, want_all_to_all))
+    pairs = [(0, 3), (3, 5), (7, 1)]
+    programs = {
+        "ppermute": (lambda v: tp.ppermute(v, "i", pairs), want_ppermute),
+        "ppermute over (i, j)": (lambda v: tp.ppermute(v, ("i", "j"), pairs), want_ppermute),
+        "all_to_all over (i, j)": (lambda v: tp.all_to_all(v, ("i", "j"), 0, 0), want_all_to_all),
+    }
+    for name, (fun, want) in programs.items():
+        for devices in (eight_devices[:1], eight_devices[:4]):
+            inner = fun if name == "ppermute" else tp.pmap(fun, axis_name="j")
+            outer = tp.pmap(inner, "i", devices=devices)
+            args = x if name == "ppermute" else x.reshape(4, 2, 8)
+            for debug in (False, True):
+                with tp.disable_vectorization() if debug else contextlib.nullcontext():
+                    got = torch.as_tensor(outer(args)).reshape(8, 8)
+                assert got.dtype == dtype and _bits(got).equal(_bits(want)), (name, len(devices), debug, got)
+        if name == "ppermute":
+            for devices in (eight_devices[:1], eight_devices[:4]):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", tp.JitFallbackWarning)
+                    got = torch.as_tensor(tp.pmap(fun, "i", devices=devices, jit=True)(x))
+                assert got.dtype == dtype and _bits(got).equal(_bits(want)), (name, len(devices), "jit", got)
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 4])
+def test_pmax_refuses_a_tangent_under_no_grad_too(eight_devices, n_devices):
+    """pmax has no derivative (JAX's jvp refuses it). Under ``no_grad`` it used to skip its
+    guard, and forward mode, which grad mode does not stop, returned amax's tangent
+    silently, on every placement. Without a tangent, ``no_grad`` still gives the numbers."""
+    x = torch.tensor([[1.0, 5.0], [3.0, 2.0], [0.0, 7.0], [4.0, 4.5]])
+    g = tp.pmap(lambda v: tp.pmax(v * v, "i"), axis_name="i", devices=eight_devices[:n_devices])
+    with torch.no_grad():
+        assert torch.as_tensor(g(x))[0].tolist() == [16.0, 49.0]
+        with pytest.raises(NotImplementedError, match="pmax is not differentiable"):
+            torch.func.jvp(lambda v: torch.as_tensor(g(v)), (x,), (torch.ones_like(x),))
+        with torch.autograd.forward_ad.dual_level():
+            with pytest.raises(NotImplementedError, match="pmax is not differentiable"):
+                g(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 4])
+def test_forward_mode_inside_the_callers_dual_level(eight_devices, n_devices):
+    """A pmap called inside the caller's own ``forward_ad.dual_level()``: on several
+    devices the threads opened a second level, which torch refuses ("Nested forward mode
+    AD"), and the result, a ShardedTensor, dropped the tangents. Now the threads share the
+    caller's level and the tangents are one device's."""
+    fwd = torch.autograd.forward_ad
+    x, t = _data(4, 3), _data(4, 3, seed=1)
+    g = tp.pmap(lambda v: (tp.psum(v * v, "i"), v.sin()), axis_name="i", devices=eight_devices[:n_devices])
+    with fwd.dual_level():
+        plain = [torch.as_tensor(o) for o in g(x)]
+        duals = [fwd.unpack_dual(torch.as_tensor(o)) for o in g(fwd.make_dual(x, t))]
+    want = [(2 * x * t).sum(0).expand(4, 3), x.cos() * t]
+    torch.testing.assert_close(plain, [(x * x).sum(0).expand(4, 3), x.sin()])
+    torch.testing.assert_close([d.primal for d in duals], plain)
+    torch.testing.assert_close([d.tangent for d in duals], want)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An unsigned tensor's bits as the signed integers of its width (torch compares those)."""
+    return t.view({torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}[t.dtype])
+
+
 def _sparse(layout=torch.sparse_coo) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Sparse CSR tensor support is in beta state"

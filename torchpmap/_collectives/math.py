@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchpmap._collectives.binding import InputKind, Primitive
+from torchpmap._state import torch_private as private
 
 #: ``axis_index_groups``: the members of each group, or None for one group of all.
 Groups = tuple[tuple[int, ...], ...] | None
@@ -63,6 +64,20 @@ def _as_int64(
     Y = X.view(torch.int64)
     out, dim = compute(Y ^ _SIGN_BIT if ordered else Y)
     return (out ^ _SIGN_BIT if ordered else out).view(dtype), dim
+
+
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def moved_as_signed(move: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``move(x)`` for a function that only moves elements (``index_select``,
+    ``index_copy``, ``where`` with zeros): an unsigned ``x`` of 16 to 64 bits goes through
+    the signed integer of its width, bit for bit, since torch's CPU kernels of those ops
+    have no unsigned ones but ``uint8``."""
+    signed = _SIGNED.get(x.dtype)
+    if signed is None:
+        return move(x)
+    return move(x.view(signed)).view(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -180,6 +195,15 @@ class _NotDifferentiable(torch.autograd.Function):
         raise _not_differentiable(ctx.name)
 
 
+def _may_be_differentiated(x: torch.Tensor) -> bool:
+    """Whether a derivative may be asked of a value computed from ``x``: with grad mode on
+    (reverse mode), inside a torch.func transform (``x`` wrapped by it), or where ``x``
+    carries a forward-mode tangent, which ``no_grad`` does not stop."""
+    if torch.is_grad_enabled() or private.is_functorch_wrapped(x):
+        return True
+    return private.forward_ad_level() >= 0 and torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+
+
 def _not_differentiable(name: str) -> NotImplementedError:
     return NotImplementedError(
         f"{name} is not differentiable (JAX defines no derivative for it either). Use "
@@ -211,7 +235,7 @@ class Pextremum(Primitive):
             out, dim = _group_reduce(X, self.groups, self.op), 0
         else:
             out, dim = getattr(torch, self.op)(X, 0), None
-        if torch.is_grad_enabled() and out.is_floating_point():
+        if out.is_floating_point() and _may_be_differentiated(X):
             out = _NotDifferentiable.apply(self.name, out)
         return out, dim
 
@@ -329,6 +353,9 @@ class Ppermute(Primitive):
     name = "ppermute"
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        return moved_as_signed(self._moved, X), 0
+
+    def _moved(self, X: torch.Tensor) -> torch.Tensor:
         n = X.shape[0]
         source = [-1] * n
         for src, dst in self.perm:
@@ -339,7 +366,7 @@ class Ppermute(Primitive):
             to = torch.tensor(received, device=X.device)
             came_from = torch.tensor([source[d] for d in received], device=X.device)
             out = out.index_copy(0, to, X.index_select(0, came_from))
-        return out, 0
+        return out
 
     def transpose(self) -> Primitive:
         return dataclasses.replace(self, perm=tuple((dst, src) for src, dst in self.perm))

@@ -19,7 +19,17 @@ from typing import Any, cast
 import torch
 
 from torchpmap._collectives.binding import bind_many
-from torchpmap._collectives.math import AllGather, AllToAll, Groups, Pextremum, Ppermute, Psum, PsumScatter, Pvary
+from torchpmap._collectives.math import (
+    AllGather,
+    AllToAll,
+    Groups,
+    Pextremum,
+    Ppermute,
+    Psum,
+    PsumScatter,
+    Pvary,
+    moved_as_signed,
+)
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import context as _context
 from torchpmap._state.axis_env import AxisFrame
@@ -393,8 +403,12 @@ def _receive_from(ts: list[torch.Tensor], axis_name: AxisNames, source: list[int
     received = []
     for everyone in all_gather(ts, axis_name):
         mine = _per_instance(source, axis_name, everyone.device)
-        value = everyone.index_select(0, mine.clamp(min=0).reshape(1)).squeeze(0)
-        received.append(torch.where(mine >= 0, value, torch.zeros_like(value)))
+
+        def keep(everyone: torch.Tensor, mine: torch.Tensor = mine) -> torch.Tensor:
+            value = everyone.index_select(0, mine.clamp(min=0).reshape(1)).squeeze(0)
+            return torch.where(mine >= 0, value, torch.zeros_like(value))
+
+        received.append(moved_as_signed(keep, everyone))
     return received
 
 
@@ -476,7 +490,7 @@ def _my_pieces(
     if tiled:
         everyone = everyone.unflatten(1 + split, (n, everyone.shape[1 + split] // n))
     mine = axis_index(axis_name).reshape(1)
-    pieces = everyone.index_select(1 + split, mine).squeeze(1 + split)  # (source, *piece)
+    pieces = moved_as_signed(lambda e: e.index_select(1 + split, mine), everyone).squeeze(1 + split)  # (source, *piece)
     out = pieces.movedim(0, concat)
     return out.flatten(concat, concat + 1) if tiled else out
 

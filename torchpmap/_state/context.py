@@ -246,8 +246,9 @@ def _non_default_streams(devices: Sequence[Any]) -> tuple[Any, ...]:
 @contextlib.contextmanager
 def shared_forward_ad() -> Iterator[None]:
     """Opens the process' forward-AD level around the device threads of one call (see
-    the module docstring); a no-op where an enclosing ``jvp`` has opened it already."""
-    if private.jvp_nesting() > 0:
+    the module docstring); a no-op where an enclosing ``jvp``, or the caller's own
+    ``forward_ad.dual_level()``, has opened it already."""
+    if private.jvp_nesting() > 0 or private.forward_ad_level() >= 0:
         yield
         return
     with torch.autograd.forward_ad.dual_level(), private.jvp_nesting_raised():

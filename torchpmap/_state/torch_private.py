@@ -660,6 +660,20 @@ def forward_grad_set(enabled: bool) -> contextlib.AbstractContextManager:
     return torch.autograd.forward_ad._set_fwd_grad_enabled(enabled)
 
 
+def forward_ad_level() -> int:
+    """The process' open forward-AD level (``torch.autograd.forward_ad.dual_level``), or -1
+    when none is open. ``torch.func.jvp`` opens it at its outermost nesting; a user may
+    open it directly, to make dual tensors.
+
+    For: device threads share the open level instead of opening a second one (torch
+    refuses nested forward-AD levels); a collective with no derivative refuses a value
+    that carries a tangent under ``no_grad`` (forward AD ignores grad mode).
+    Public replacement: none (``forward_ad`` has no getter of its level).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.autograd.forward_ad._current_level``).
+    """
+    return torch.autograd.forward_ad._current_level
+
+
 def function_mode_stack() -> list[Any]:
     """The torch function modes in force in this thread, outermost first.
 
@@ -1182,6 +1196,20 @@ def _probe_forward_grad() -> None:
     _expect(_in_thread(toggled) == (False, True), "set for a block, then restored")
 
 
+def _probe_forward_ad_level() -> None:
+    _expect(forward_ad_level() == -1, "no level open")
+    with torch.autograd.forward_ad.dual_level():
+        _expect(forward_ad_level() >= 0, "open inside dual_level")
+    seen: list[int] = []
+
+    def noting(x: torch.Tensor) -> torch.Tensor:
+        seen.append(forward_ad_level())
+        return x * 2
+
+    torch.func.jvp(noting, (torch.ones(2),), (torch.ones(2),))
+    _expect(len(seen) == 1 and seen[0] >= 0 and forward_ad_level() == -1, f"open inside torch.func.jvp ({seen})")
+
+
 def _probe_function_modes() -> None:
     from torch.overrides import TorchFunctionMode
 
@@ -1512,6 +1540,7 @@ ENTRIES: dict[str, Entry] = {
         Entry("default_store", "torch.distributed.distributed_c10d._get_default_store", _probe_default_store),
         Entry("forward_grad_enabled", "torch._C._is_fwd_grad_enabled", _probe_forward_grad),
         Entry("forward_grad_set", "torch.autograd.forward_ad._set_fwd_grad_enabled", _probe_forward_grad),
+        Entry("forward_ad_level", "torch.autograd.forward_ad._current_level", _probe_forward_ad_level),
         Entry("function_mode_stack", "torch.overrides._get_current_function_mode_stack", _probe_function_modes),
         Entry("function_mode_pushed", "torch.overrides._push_mode, _pop_mode", _probe_function_modes),
         Entry(
