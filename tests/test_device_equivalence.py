@@ -317,6 +317,34 @@ def per_instance_grad_through_dropout(devices):
     return tp.pmap(f, randomness="per_instance", devices=devices)(X)
 
 
+# randomness="same": one draw for all the instances, the draw one device makes from the
+# caller's generator; the generator then stands where one device leaves it.
+
+
+def same_draws_and_the_generator_after(devices):
+    def draws(v):
+        return v + torch.rand(3, dtype=torch.float64), torch.randn(2), torch.randint(0, 100, (4,)), torch.rand_like(v)
+
+    inner = tp.pmap(lambda v: v * torch.rand(()), axis_name="j", randomness="same")
+    torch.manual_seed(7)
+    flat = tp.pmap(draws, randomness="same", devices=devices)(X)
+    nested = tp.pmap(lambda v: inner(v), axis_name="i", randomness="same", devices=devices)(_data(8, 2, 3, seed=16))
+    return flat, nested, torch.rand(3)
+
+
+def same_dropout_training(devices):
+    """Dropout under randomness="same": one mask for every instance, one device's."""
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(), torch.nn.Linear(16, 1)
+    ).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = tp.training.data_parallel_step(model, torch.nn.functional.mse_loss, opt, devices=devices, randomness="same")
+    xs, ys = _data(8, 4, 3, seed=14), _data(8, 4, 1, seed=15)
+    losses = [step((xs, ys)) for _ in range(4)]
+    return losses, model.state_dict(), torch.rand(2)
+
+
 # --------------------------------------------------------------------------- in-place writes to inputs
 # An instance may write its own slice of a mapped argument (the caller sees the write, as
 # with torch.func.vmap): the same on every placement. Each program returns the output and
@@ -361,6 +389,7 @@ PROGRAMS: dict[str, Program] = {
         backward_through_torch_ops,
         shared_module_data_parallel, batch_norm_training_step, dropout_eval_mode,
         per_instance_draws, per_instance_dropouts, per_instance_dropout_training, per_instance_grad_through_dropout,
+        same_draws_and_the_generator_after, same_dropout_training,
         write_contiguous, write_a_column_view, write_disjoint_views_of_one_tensor, write_an_input_passed_twice,
     ]
 }
@@ -373,7 +402,7 @@ PROGRAMS: dict[str, Program] = {
 ROUNDING = {
     "grad_around", "vjp_around", "backward_through_torch_ops", "enable_grad_inside_no_grad",
     "batch_norm_training_step", "grad_of_grad_around", "jacrev_around", "shared_module_data_parallel",
-    "per_instance_dropout_training",
+    "per_instance_dropout_training", "same_dropout_training",
 }
 
 

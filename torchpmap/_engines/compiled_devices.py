@@ -146,7 +146,8 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePro
     """Every device thread traces its slice (no thread waits for another: see
     :mod:`thread_ops`); each trace is cut at its exchanges, to be compiled at its first run."""
     k = call.size // len(devices)
-    rendezvous, seed = Rendezvous(config.collective_timeout, Baton()), call_seed(call.randomness)
+    rendezvous = Rendezvous(config.collective_timeout, Baton())
+    seed = call_seed(call.randomness, devices[0].torch_device)
     direct = each_instance_alone(call)
     stand_in = thread_ops.TracedThreadExchange(len(devices), reduces_locally=not config.bitwise_placement)
     options = _cache_options(call)
@@ -211,7 +212,7 @@ def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSli
     k = call.size // len(devices)
     rendezvous, group = Rendezvous(config.collective_timeout, Baton()), object()
     torch_devices = tuple(d.torch_device for d in devices)
-    seed = call_seed(call.randomness)
+    seed = call_seed(call.randomness, devices[0].torch_device)
 
     def one_device(d: int) -> list[torch.Tensor]:
         with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:

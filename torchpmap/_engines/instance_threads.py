@@ -96,7 +96,7 @@ def run(
         rendezvous, path, coords = parent.rendezvous, parent.path + (parent.nested_calls,), parent.coords
         frames, outer_along, mesh, outer_level = parent.frames, parent.along, mesh or parent.mesh, parent.outer_level
     devices = list(along(coords))
-    seed = call_seed(call.randomness)
+    seed = call_seed(call.randomness, devices[0].torch_device)
 
     def one_thread(j: int) -> list[torch.Tensor]:
         state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path, outer_level)

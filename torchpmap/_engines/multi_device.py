@@ -59,7 +59,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     k = call.size // len(devices)
     rendezvous, group = Rendezvous(config.collective_timeout, Baton()), object()
     torch_devices = tuple(d.torch_device for d in devices)
-    seed = call_seed(call.randomness)
+    seed = call_seed(call.randomness, devices[0].torch_device)
     direct = each_instance_alone(call)
 
     def one_device(d: int) -> list[torch.Tensor]:
@@ -228,6 +228,8 @@ def device_thread(
             )
             # at the end of the thread's turn: threads write back one at a time
             written_copies.write_back(call.mapped, mapped, copied, lambda i, t: t.narrow(call.in_dims[i], j * k, k))
+            if j == 0:
+                mode.finish_same()
     except BaseException:
         rendezvous.fail(slice_label(j, k, device))
         raise

@@ -9,11 +9,19 @@ stream is made at the thread's first draw). Other ops pass straight through. The
 in force while the function's body runs (see ``multi_device.device_thread``): each torch
 call it sees costs a Python call. Under ``randomness="error"`` the mode refuses
 random ops; ``"per_instance"`` streams are :mod:`torchpmap._engines.random_per_instance`'s.
+
+Under ``randomness="same"`` every instance draws what one device draws for all of them
+from the caller's generator: the threads' streams start from the caller's generator state
+(no seed is drawn), and when the call ends the caller's generator moves on to where the
+first thread's stream stopped, as if one device had drawn. Inside an enclosing device
+thread "the caller's generator" is that thread's stream.
 (Forward-mode AD, which PyTorch keeps per process, is shared by the device threads of a
 call: see :func:`torchpmap._state.context.shared_forward_ad`.)
 """
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import threading
 from typing import Any, cast
 
@@ -35,20 +43,37 @@ _lock = threading.Lock()
 _drawing = threading.local()  # .now: this thread is drawing from a device thread's stream
 
 
-def call_seed(randomness: str) -> int | None:
-    """One draw from the caller's generator for a call that may use random numbers."""
+def call_seed(randomness: str, first: torch.device | None = None) -> int | None:
+    """One draw from the caller's generator for a call that may use random numbers; for
+    ``"same"``, no draw: the caller's generator state (``first``: the call's first
+    device, whose CUDA generator one device would draw from) is where the device threads'
+    streams start (see :class:`_SameStart`)."""
     if randomness == "error":
         return None
+    if randomness == "same":
+        _same_start.set(_SameStart.of_caller(first))
+        return 0
     with functorch_layers_cleared():  # the draw is ours: an enclosing vmap must not batch (or refuse) it
         return int(torch.randint(0, 2**62, (), generator=torch.default_generator))
 
 
 class _DeviceThreadMode(TorchFunctionMode):
-    def __init__(self, seed: int | None, device: torch.device, refuse: bool = False, what: str = "pmap"):
+    def __init__(
+        self, seed: int | None, device: torch.device, refuse: bool = False, what: str = "pmap",
+        same: _SameStart | None = None,
+    ):
         super().__init__()
-        self.seed, self.refuse, self.what, self.device = seed, refuse, what, device
+        self.seed, self.refuse, self.what, self.device, self.same = seed, refuse, what, device, same
         self.generators: list[torch.Generator] = []
         self.states: list[torch.Tensor] = []  # the thread's streams, made at its first draw
+
+    def __enter__(self) -> _DeviceThreadMode:
+        _entered.__dict__.setdefault("modes", []).append(self)
+        return cast(_DeviceThreadMode, super().__enter__())
+
+    def __exit__(self, *exc: Any) -> None:
+        _entered.modes.pop()
+        super().__exit__(*exc)
 
     def _streams(self) -> list[torch.Tensor]:
         if not self.states:
@@ -56,10 +81,21 @@ class _DeviceThreadMode(TorchFunctionMode):
             if self.device.type == "cuda":
                 self.generators.append(torch.cuda.default_generators[self.device.index or 0])
             for g in self.generators:
+                if self.same is not None:  # the caller's state: one device's numbers
+                    self.states.append(self.same.state_for(g))
+                    continue
                 own = torch.Generator(device=g.device)
                 own.manual_seed(cast(int, self.seed))
                 self.states.append(own.get_state())
         return self.states
+
+    def finish_same(self) -> None:
+        """The first thread of a ``"same"`` call, at its end: the caller's generator moves
+        on to where this thread's stream stopped (nothing drawn: it stays)."""
+        if self.same is None or not self.states:
+            return
+        with _lock:
+            self.same.advance(self.generators, self.states)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = getattr(func, "__name__", None)
@@ -88,13 +124,54 @@ class _DeviceThreadMode(TorchFunctionMode):
                     g.set_state(state)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SameStart:
+    """Where the device threads of a ``randomness="same"`` call start their streams: the
+    caller's generator states (CPU, and the call's first CUDA device's), or those of the
+    enclosing device thread's streams (``outer``), which the call then advances."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    outer: _DeviceThreadMode | None
+
+    @classmethod
+    def of_caller(cls, first: torch.device | None) -> _SameStart:
+        modes = getattr(_entered, "modes", None)
+        outer = modes[-1] if modes else None
+        if outer is not None and outer.seed is not None:
+            states = outer._streams()
+            return cls(states[0], states[1] if len(states) > 1 else None, outer)
+        cuda = None
+        if first is not None and first.type == "cuda":
+            cuda = torch.cuda.default_generators[first.index or 0].get_state()
+        return cls(torch.default_generator.get_state(), cuda, None)
+
+    def state_for(self, generator: torch.Generator) -> torch.Tensor:
+        if generator.device.type != "cuda":
+            return self.cpu
+        return self.cuda if self.cuda is not None else generator.get_state()
+
+    def advance(self, generators: list[torch.Generator], states: list[torch.Tensor]) -> None:
+        if self.outer is not None:
+            self.outer.states = list(states) + self.outer.states[len(states):]
+            return
+        for g, state in zip(generators, states):
+            if g.device.type != "cuda" or self.cuda is not None:
+                g.set_state(state)
+
+
+_same_start: contextvars.ContextVar[_SameStart | None] = contextvars.ContextVar("same_start", default=None)
+_entered = threading.local()  # .modes: this thread's device-thread modes in force, innermost last
+
+
 def device_thread_mode(
     seed: int | None, index: int, randomness: str, device: torch.device, what: str = "pmap"
 ) -> _DeviceThreadMode:
     """The mode for device thread ``index``: its random stream is seed + index for
-    "different", seed for "same", none for "error" (random ops are refused, in messages
-    that name the map as ``what``) and for "per_instance" (each instance's own stream:
-    see :mod:`torchpmap._engines.random_per_instance`)."""
+    "different", the caller's generator state for "same" (see :func:`call_seed`), none
+    for "error" (random ops are refused, in messages that name the map as ``what``) and
+    for "per_instance" (each instance's own stream: see
+    :mod:`torchpmap._engines.random_per_instance`)."""
     if seed is not None and randomness == "per_instance":
         # Random ops are drawn per instance (see random_per_instance); what reaches this mode
         # comes from C++ (nn.LSTM's dropout) in an instance run without a vmap level, one
@@ -102,5 +179,6 @@ def device_thread_mode(
         seed = instance_seed(seed, index) ^ 1
     elif seed is not None and randomness == "different":
         seed += index
+    same = _same_start.get() if randomness == "same" else None
     # an instance run without vmap (one per device) has no vmap level to refuse random ops
-    return _DeviceThreadMode(seed, device, refuse=randomness == "error", what=what)
+    return _DeviceThreadMode(seed, device, refuse=randomness == "error", what=what, same=same)
