@@ -696,6 +696,46 @@ def test_fp16_grad_scaler_scales_and_skips_a_step_on_inf(devices):
     assert scaler.get_scale() == 2.0**7  # and the scale backed off
 
 
+def test_fp16_grad_scaler_skips_the_same_steps_on_one_and_on_two_devices(monkeypatch):
+    """A scale near float16's overflow: the step one device takes, two devices take too
+    (and two processes, and shard_params). One device used to fold the instances into one
+    product of the mean loss, whose scaled backward stays n times smaller than each
+    instance's: it took steps that the other placements skipped, silently."""
+    from torchpmap._placement import devices as _devices_module
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCHPMAP_NUM_CPU_DEVICES", "2")
+    _devices_module._local_devices.cache_clear()
+    try:
+        runs = []
+        for devices, sharded in ((tp.devices()[:1], False), (tp.devices(), False), (tp.devices()[:1], True)):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu", init_scale=3e5, growth_interval=1)
+            step = data_parallel_step(
+                model, F.cross_entropy, opt, grad_scaler=scaler, devices=devices, shard_params=sharded
+            )
+            g = torch.Generator().manual_seed(1)
+            scales = []
+            for _ in range(4):
+                x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    step(shard((x, y), n=4))
+                scales.append(scaler.get_scale())
+            if sharded:
+                step.gather_params()
+            runs.append((scales, [p.detach().clone() for p in model.parameters()]))
+    finally:
+        monkeypatch.undo()
+        _devices_module._local_devices.cache_clear()
+    (one_scales, one_weights), *others = runs
+    assert one_scales[0] == 1.5e5  # the first step overflows: skipped, the scale backed off
+    for scales, weights in others:
+        assert scales == one_scales
+        torch.testing.assert_close(weights, one_weights, rtol=1e-3, atol=1e-3)  # float16 rounding
+
+
 def test_one_device_eager_step_makes_no_per_instance_weight_gradient():
     """On one device the eager step takes the gradient of the mean loss outside the map:
     each weight's gradient is one product over every example, as in plain PyTorch on the

@@ -788,8 +788,16 @@ def data_parallel_step(
 
     def folds() -> bool:
         """Whether this call takes the one-device step: decided at the call, where pmap
-        resolves the devices it runs on (an enclosing device thread may pin them)."""
+        resolves the devices it runs on (an enclosing device thread may pin them).
+
+        Not under an enabled GradScaler: the scaled float16 backward overflows (and the
+        scaler skips the step) by the size of its products, which the fold changes (one
+        product of the mean over every sample, where the other placements take each
+        instance's scaled loss, as DDP's ranks do): one device would skip other steps
+        than two devices or two processes."""
         if randomness == "per_instance" or config.bitwise_placement or _devices.process_count() != 1:
+            return False
+        if grad_scaler is not None and grad_scaler.is_enabled():
             return False
         return len(devices if devices is not None else _devices.devices()) == 1
 
