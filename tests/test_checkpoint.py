@@ -489,6 +489,60 @@ def test_sharded_tensor_values_round_trip_on_every_placement(tmp_path, four_devi
     assert torch.equal(results[0]["doubled"], x * 2) and torch.equal(results[0]["list"][1][0], x.reshape(2, 2, 6) - 1)
 
 
+def test_a_sharded_steps_emptied_module_is_refused_naming_gather_params(tmp_path):
+    """Between the steps of data_parallel_step(shard_params=...) the module's parameters
+    are emptied (their values are the step's rows). checkpoint.save wrote those 0-element
+    tensors without a word, and checkpoint.load into such a module "succeeded" and
+    restored nothing; both now refuse, naming step.gather_params(), after which the
+    checkpoint is the whole model and resumes."""
+    from torchpmap.training import data_parallel_step, shard
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    model, opt = make()
+    step = data_parallel_step(model, F.cross_entropy, opt, shard_params=True)
+    step(shard((x, y), n=4))
+    path = tmp_path / "ckpt.pt"
+    with pytest.raises(ValueError, match=r"module 'model' has parameters .* emptied .*step.gather_params\(\)"):
+        checkpoint.save(path, {"model": model})
+    assert not path.exists()
+    step.gather_params()
+    checkpoint.save(path, {"model": model})
+    other, other_opt = make()
+    other_step = data_parallel_step(other, F.cross_entropy, other_opt, shard_params=True)
+    other_step(shard((x, y), n=4))
+    with pytest.raises(ValueError, match=r"module 'model' has parameters .* emptied .*step.gather_params\(\)"):
+        checkpoint.load(path, {"model": other})
+    other_step.gather_params()
+    checkpoint.load(path, {"model": other})
+    assert all(torch.equal(p, q) for p, q in zip(other.parameters(), model.parameters()))
+
+
+def test_a_sharded_optimizer_across_processes_is_refused_naming_its_whole_state():
+    """Across processes each process' sharded optimizer holds its own rows, and the one
+    file rank 0 writes gave every process rank 0's moments (a resumed run 0.026 off, on 2
+    processes). checkpoint refuses it there, naming step.optimizer_state_dict(); in one
+    process its state is every row and saves as documented."""
+    from torchpmap._frontend.sharded_params import steps_sharded_rows
+    from torchpmap.checkpoint import _check_not_sharded_step_state
+    from torchpmap.training import data_parallel_step, shard
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    assert not steps_sharded_rows(opt)
+    step = data_parallel_step(model, F.cross_entropy, opt, shard_params=True)
+    step(shard((torch.randn(16, 6), torch.randint(0, 3, (16,))), n=4))
+    assert steps_sharded_rows(opt)
+    _check_not_sharded_step_state({"optimizer": opt}, "save", processes=1)
+    for what in ("save", "load"):
+        with pytest.raises(ValueError, match=r"optimizer 'optimizer' steps the rows .*step.optimizer_state_dict\(\)"):
+            _check_not_sharded_step_state({"optimizer": opt}, what, processes=2)
+
+
 # --------------------------------------------------------------------------- two processes
 
 

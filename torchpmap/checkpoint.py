@@ -46,6 +46,13 @@ one (the beginning of an archive as ``torch.save`` writes, whose end is missing)
 file that is no such archive each raise a ``ValueError`` naming the path, what is wrong
 and what to do.
 
+**Sharded training state is refused.** The state of a
+``data_parallel_step(shard_params=...)`` is not replicated: between its steps the
+module's parameters are emptied (the values are the step's rows: call
+``step.gather_params()`` first), and across processes its optimizer holds each process'
+own rows (save ``step.optimizer_state_dict()``, the whole state, instead). :func:`save`
+and :func:`load` raise, saying so, rather than write or restore the wrong values.
+
 **Values on several devices.** A :class:`torchpmap.ShardedTensor` (a pmap's result on
 several devices), anywhere in the state, is saved as the plain tensor it stands for
 (gathered): a checkpoint holds plain tensors only, loads with
@@ -84,6 +91,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from torchpmap._frontend.sharded_params import emptied_parameters, steps_sharded_rows
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state import process_group as _process_group
 from torchpmap._state.log import logger
@@ -173,6 +181,32 @@ def _check_state(state: Any, what: str) -> None:
             f"checkpoint.{what}: state must be a dict from names (str) to objects with state_dict() (model, "
             f"optimizer, scheduler, loader, ...) or plain values (the step), got {type(state).__name__}"
         )
+
+
+def _check_not_sharded_step_state(state: Mapping[str, Any], what: str, processes: int) -> None:
+    """Refuses what a ``data_parallel_step(shard_params=...)`` holds in place of
+    replicated state: a module whose parameters it emptied (their values are in the
+    step's rows), and, across processes, an optimizer moved onto its rows (each process
+    holds other rows: the one file rank 0 writes would give every process rank 0's)."""
+    for name, value in state.items():
+        if isinstance(value, torch.nn.Module):
+            emptied = emptied_parameters(value)
+            if emptied:
+                shown = ", ".join(repr(k) for k in emptied[:3]) + (", ..." if len(emptied) > 3 else "")
+                raise ValueError(
+                    f"checkpoint.{what}: the module {name!r} has parameters that a "
+                    "data_parallel_step(shard_params=...) "
+                    f"emptied ({shown} have 0 elements: their values are in the step's rows). Call "
+                    "step.gather_params() first to write the whole values into the module."
+                )
+        if isinstance(value, torch.optim.Optimizer) and processes > 1 and steps_sharded_rows(value):
+            raise ValueError(
+                f"checkpoint.{what}: the optimizer {name!r} steps the rows of a data_parallel_step(shard_params=...), "
+                f"and each of the {processes} processes holds other rows, so one file cannot hold its state for every "
+                "process. Save step.optimizer_state_dict() (the whole state, every process calls it) in its place, "
+                "and restore it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict into a new "
+                "optimizer (see the training loop tutorial)."
+            )
 
 
 def _stateful(value: Any) -> bool:
@@ -400,6 +434,7 @@ def save(path: str | os.PathLike, state: Mapping[str, Any], *, rng: bool = True)
     _check_state(state, "save")
     path = os.fspath(path)
     rank, processes = _world()
+    _check_not_sharded_step_state(state, "save", processes)
     mine = _rng_state() if rng else None
     gathered: list | None = [mine]
     if processes > 1:  # entering together; rank 0 gets every process' generators
@@ -498,6 +533,7 @@ def load(
     _check_state(state, "load")
     path = os.fspath(path)
     rank, processes = _world()
+    _check_not_sharded_step_state(state, "load", processes)
     if processes > 1:
         _exchange(None, f"checkpoint.load of {path} (entering)")
     payload, failure = None, None

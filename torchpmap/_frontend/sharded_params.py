@@ -31,6 +31,23 @@ from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import Device, DeviceLike
 from torchpmap._placement.sharded import Shard, ShardedTensor
 
+# Marks (attributes) that let a checkpoint tell a sharded step's state from replicated
+# state: a module parameter the step emptied, and a piece the step's optimizer steps.
+_EMPTIED = "_torchpmap_emptied_by_sharded_step"
+_PIECE = "_torchpmap_sharded_step_piece"
+
+
+def emptied_parameters(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that a sharded step has emptied (its values
+    are in the step's rows until ``step.gather_params()``)."""
+    return [k for k, p in module.named_parameters() if p.numel() == 0 and getattr(p, _EMPTIED, False)]
+
+
+def steps_sharded_rows(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` has been moved onto a sharded step's rows (its state is this
+    process' rows, one entry per piece)."""
+    return any(getattr(p, _PIECE, False) for group in optimizer.param_groups for p in group["params"])
+
 
 @dataclasses.dataclass
 class ShardedParams:
@@ -72,6 +89,7 @@ class ShardedParams:
         for shards in pieces.values():
             for s in shards:
                 s.tensor.requires_grad_(True)  # a leaf the optimizer steps, as a Parameter is
+                setattr(s.tensor, _PIECE, True)
         return cls(model, layouts, pieces, first, count)
 
     # ------------------------------------------------------------------ the optimizer
@@ -122,6 +140,7 @@ class ShardedParams:
                 p = self.model.get_parameter(k)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
+                setattr(p, _EMPTIED, True)
         self.released = True
 
     def reload_from_module(self) -> None:
