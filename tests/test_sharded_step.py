@@ -262,6 +262,39 @@ def test_refusals_name_the_argument_and_the_fix():
         step(shard((x, y), 8))
 
 
+def test_freezing_or_unfreezing_after_the_first_call_is_refused_naming_the_parameters():
+    """The step splits the parameters that require grad at its first call. A parameter
+    unfrozen later was silently never trained, and one frozen later kept training (the
+    replicated step and plain PyTorch stop it): both now raise, naming the parameter."""
+    x, y = data()
+    for change, match in (
+        (lambda m: m[0].weight.requires_grad_(False), r"'0.weight' no longer requires grad"),
+        (lambda m: m[2].bias.requires_grad_(True), r"'2.bias' now requires grad"),
+    ):
+        model = mlp()
+        model[2].bias.requires_grad_(False)
+        step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=True)
+        step(shard((x, y), N))
+        step.gather_params()
+        change(model)
+        with pytest.raises(ValueError, match=match + r".*build a new optimizer and step"):
+            step(shard((x, y), N))
+
+
+def test_two_sharded_steps_cannot_share_one_optimizer():
+    """A second sharded step found the optimizer holding the first step's pieces and
+    trained on silently, its own rows never stepped (losses off the replicated steps')."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    first = data_parallel_step(model, F.mse_loss, opt, shard_params=True)
+    second = data_parallel_step(model, F.l1_loss, opt, shard_params=True)
+    first(shard((x, y), N))
+    first.gather_params()
+    with pytest.raises(ValueError, match=r"already steps the rows of another sharded step.*its own optimizer"):
+        second(shard((x, y), N))
+
+
 def test_a_checkpoint_of_gathered_weights_and_sharded_optimizer_state_resumes_exactly(placement, tmp_path):
     x, y = data()
 

@@ -736,6 +736,33 @@ def test_fp16_grad_scaler_skips_the_same_steps_on_one_and_on_two_devices(monkeyp
         torch.testing.assert_close(weights, one_weights, rtol=1e-3, atol=1e-3)  # float16 rounding
 
 
+@pytest.mark.parametrize("devices", _step_devices(), ids=["one", "all"])
+def test_a_parameter_frozen_between_steps_stops_moving_as_in_plain_pytorch(devices):
+    """requires_grad_(False) between steps (fine-tuning): plain PyTorch's zero_grad()
+    leaves the frozen weight no gradient, so SGD with momentum stops moving it. The step
+    left its gradient of the last step in place, and the optimizer applied it again at
+    every step (0.2 off after 3 more steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    step = data_parallel_step(model, F.cross_entropy, opt, devices=devices)
+    g = torch.Generator().manual_seed(1)
+    for i in range(5):
+        if i == 2:
+            model[0].weight.requires_grad_(False)
+            reference[0].weight.requires_grad_(False)
+        x, y = torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
+        step(shard((x, y), n=4))
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+    assert model[0].weight.grad is None
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_one_device_eager_step_makes_no_per_instance_weight_gradient():
     """On one device the eager step takes the gradient of the mean loss outside the map:
     each weight's gradient is one product over every example, as in plain PyTorch on the

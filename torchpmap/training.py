@@ -847,6 +847,9 @@ def data_parallel_step(
         run = folded_step if folds() else p_step
         grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
         with torch.no_grad():
+            if optimizer is not None:  # frozen since an earlier step: no gradient, as after zero_grad()
+                for k in frozen:
+                    named[k].grad = None
             for k in params:
                 if k not in grads:  # the loss does not reach it: no gradient, as after loss.backward()
                     if optimizer is not None:

@@ -97,6 +97,13 @@ class ShardedParams:
     def move_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Replaces each of the model's parameters in ``optimizer``'s param groups by
         its pieces, with its state (if any) split the same way."""
+        if steps_sharded_rows(optimizer):
+            raise ValueError(
+                "data_parallel_step(shard_params=...): the optimizer already steps the rows of another sharded step "
+                "(its param groups hold that step's pieces, not this model's parameters), so this step's rows would "
+                "not be what it steps. Give each sharded step its own optimizer, or one step a loss that combines "
+                "both objectives."
+            )
         names = {id(self.model.get_parameter(k)): k for k in self.pieces}
         for group in optimizer.param_groups:
             params: list[torch.Tensor] = []

@@ -236,9 +236,31 @@ class ShardedStep:
                 f"({params.count * _devices.process_count()} in all). Shard every batch into the same number of "
                 f"instances (torchpmap.training.shard(batch, n={params.count})), or build a new step."
             )
+        trained = {k for k, p in self.model.named_parameters() if p.requires_grad}
+        if trained != set(params.pieces):
+            raise ValueError(self._trained_set_changed(trained, set(params.pieces)))
         if not params.module_is_released():
             params.reload_from_module()
         return params
+
+    @staticmethod
+    def _trained_set_changed(now: set[str], sharded: set[str]) -> str:
+        def listed(names: set[str]) -> str:
+            shown = sorted(names)
+            return ", ".join(repr(k) for k in shown[:3]) + (", ..." if len(shown) > 3 else "")
+
+        changes = []
+        if now - sharded:
+            changes.append(f"{listed(now - sharded)} now require{'s' if len(now - sharded) == 1 else ''} grad")
+        if sharded - now:
+            changes.append(f"{listed(sharded - now)} no longer require{'s' if len(sharded - now) == 1 else ''} grad")
+        return (
+            "data_parallel_step(shard_params=...): the parameters that require grad changed since the step's first "
+            f"call ({'; '.join(changes)}). The step split the parameters that required grad then into rows, with "
+            "their optimizer state, and trains those: it would leave a newly unfrozen parameter as it is and keep "
+            "training a frozen one. To freeze or unfreeze, call step.gather_params() and keep "
+            "step.optimizer_state_dict(), then build a new optimizer and step (see the training loop tutorial)."
+        )
 
     # ------------------------------------------------------------------ the module's view
 
