@@ -3,8 +3,8 @@
 One process: the batches against a seeded permutation, padding and masks, resuming, the
 global RNG left alone, loaders and workers, the errors. Two gloo processes (this file
 run as a program by torchpmap.bench.launch, as torchrun would): every rank reads its own
-share through DistributedSampler, the ranks' shares of a step put together are the
-one-process global batch, every rank takes the same number of steps (with a collective
+consecutive share of every global batch, each instance the examples it holds in one
+process, every rank takes the same number of steps (with a collective
 in every step), padding covers every example exactly once, mismatched set-ups raise at
 once, and a rank whose data fails makes the other fail fast instead of hanging.
 """
@@ -174,15 +174,29 @@ def test_from_a_dataloader_takes_its_batch_size_shuffle_and_settings():
         return torch.stack([x for x, _ in items]), torch.tensor([i for _, i in items])
 
     ds = Indexed()
-    from_loader = ShardedLoader(DataLoader(ds, batch_size=B, shuffle=True, collate_fn=collate), n=2)
+    from_loader = ShardedLoader(DataLoader(ds, batch_size=B, shuffle=True, collate_fn=collate, drop_last=True), n=2)
     assert from_loader.global_batch_size == B and from_loader.shuffle
     assert epoch_of(from_loader) == epoch_of(ShardedLoader(ds, B, n=2, seed=0))
-    ordered = ShardedLoader(DataLoader(ds, batch_size=B), n=2)
+    ordered = ShardedLoader(DataLoader(ds, batch_size=B), n=2, last_batch="drop")
     assert not ordered.shuffle and epoch_of(ordered)[0] == list(range(B))
     # a DDP script's loader: its batch size is per process, its sampler has the seed
-    ddp = DataLoader(ds, batch_size=6, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=7))
+    ddp = DataLoader(ds, batch_size=6, sampler=DistributedSampler(ds, num_replicas=1, rank=0, seed=7), drop_last=True)
     assert ShardedLoader(ddp, n=2).global_batch_size == 6
     assert epoch_of(ShardedLoader(ddp, n=2)) == epoch_of(ShardedLoader(ds, 6, n=2, seed=7))
+
+
+def test_a_dataloader_keeping_its_last_partial_batch_needs_last_batch_chosen():
+    """DataLoader's default drop_last=False keeps its last partial batch, which a
+    ShardedLoader cannot yield: it dropped the examples silently (16 of 21). Now it asks
+    for last_batch when examples are left over; with 'pad' and a mask every example is
+    counted once, and a loader whose examples fill whole batches needs nothing."""
+    data = TensorDataset(torch.arange(21))
+    with pytest.raises(ValueError, match=r"drop_last=False.*global batch of 8.*21 examples leave 5.*last_batch='pad'"):
+        ShardedLoader(DataLoader(data, batch_size=8), n=4)
+    padded = ShardedLoader(DataLoader(data, batch_size=8), n=4, last_batch="pad", mask=True)
+    seen = [i for (x,), mask in padded for i in x[mask].tolist()]
+    assert sorted(seen) == list(range(21))
+    assert len(ShardedLoader(DataLoader(TensorDataset(torch.arange(24)), batch_size=8), n=4)) == 3
 
 
 # The suite's conftest imports JAX, whose threads make Python warn at every fork; the
@@ -302,8 +316,8 @@ def test_two_processes_read_their_shares_and_end_epochs_together(tmp_path):
             assert res["drop"]["len"] == 4 and len(res["drop"]["steps"][epoch]) == 4  # equal step counts
         for j, want in enumerate(whole):
             mine = [res["drop"]["steps"][epoch][j] for res in (r0, r1)]
-            # DistributedSampler deals the global batch out: rank r holds positions r, r + 2, ...
-            assert mine[0] == want[0::2] and mine[1] == want[1::2], (epoch, j)
+            # each rank holds its consecutive share of the global batch: the instances hold one process' examples
+            assert mine[0] == want[: B // 2] and mine[1] == want[B // 2 :], (epoch, j)
             assert [res["drop"]["psum"][epoch][j] for res in (r0, r1)] == [[B, sum(want)]] * 2
         for res in (r0, r1):  # the DDP-style loader gives the same
             assert res["ddp_loader"][epoch] == res["drop"]["steps"][epoch]
@@ -374,7 +388,8 @@ def scenario_shares(rank: int) -> dict:
         "drop": _run_epochs(ShardedLoader(ds, B, n=2, seed=3, mask=True)),
         "pad": _run_epochs(ShardedLoader(ds, B, n=2, seed=3, last_batch="pad", mask=True)),
     }
-    ddp = ShardedLoader(DataLoader(ds, batch_size=B // 2, sampler=DistributedSampler(ds, seed=3, drop_last=True)), n=2)
+    sampler = DistributedSampler(ds, seed=3, drop_last=True)
+    ddp = ShardedLoader(DataLoader(ds, batch_size=B // 2, sampler=sampler), n=2, last_batch="drop")
     out["ddp_loader"] = [[unshard(y).tolist() for _, y in ddp] for _ in range(2)]
     out["default_n"] = list(next(iter(ShardedLoader(ds, B)))[1].shape)
     out["split_error"] = _error(lambda: ShardedLoader(ds, 10, n=2))
@@ -384,7 +399,7 @@ def scenario_shares(rank: int) -> dict:
 
 def scenario_data_error(rank: int) -> dict:
     """Rank 1's dataset raises at one example (in its prefetch thread); rank 0 waits for it in a collective."""
-    # without shuffling rank 1 reads the odd examples: 31 is in its third step
+    # without shuffling rank 1 reads examples 6-11 of each step's 12: 31 is in its third step
     loader = ShardedLoader(Indexed(fail_at=31 if rank == 1 else None), B, n=2, shuffle=False)
     p_sum = tp.pmap(lambda y: tp.psum(y.sum(), "batch"), axis_name="batch")
     started = time.monotonic()

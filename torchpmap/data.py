@@ -8,13 +8,14 @@ to the device by :func:`torchpmap.training.prefetch_to_device`: exactly what
 
 * **One process**: a plain ``torch.utils.data.DataLoader`` over a seeded shuffle (a
   ``RandomSampler`` whose generator is seeded with ``seed + epoch``).
-* **Several processes** (after :func:`torchpmap.distributed.initialize`): each process
-  reads its own share through ``torch.utils.data.distributed.DistributedSampler``, with
-  the same ``seed`` and ``set_epoch(epoch)`` in every process, so every epoch has one
-  shuffle shared by all processes. Both orders are ``torch.randperm(len(dataset))`` of a
-  generator seeded with ``seed + epoch``: with ``last_batch="drop"``, global step ``j``
-  of an epoch covers the same examples (positions ``j*B .. (j+1)*B - 1`` of that
-  permutation) whatever the number of processes.
+* **Several processes** (after :func:`torchpmap.distributed.initialize`): every process
+  makes the same order (the same seeded ``RandomSampler``), and each reads only its own
+  consecutive share of every global batch, process 0's first. Global step ``j`` of an
+  epoch covers positions ``j*B .. (j+1)*B - 1`` of that order, and instance ``i`` of the
+  step (counted over the processes, process 0's instances first) the same ``b``
+  examples, whatever the number of processes: a model with per-instance state (batch
+  norm statistics) trains as in one process. (``DistributedSampler`` deals positions
+  ``r, r + P, ...`` to rank ``r``, which would give the instances other examples.)
 * **Equal steps.** The number of steps per epoch is a function of the dataset's size,
   the global batch size, the number of processes and ``last_batch`` alone, the same in
   every process by construction; building the loader checks (one small
@@ -46,7 +47,7 @@ _LAST_BATCH = ("drop", "pad")
 _OWN_ARGUMENTS = {
     "batch_size": "pass global_batch_size= (it is split over processes and instances)",
     "shuffle": "pass shuffle= to ShardedLoader",
-    "sampler": "ShardedLoader samples itself (DistributedSampler across processes); pass the dataset",
+    "sampler": "ShardedLoader samples itself (one seeded order, each process its share); pass the dataset",
     "batch_sampler": "ShardedLoader batches itself; pass the dataset and global_batch_size=",
     "drop_last": "pass last_batch='drop' or last_batch='pad'",
     "generator": "pass seed= (the shuffle and the workers' seeds derive from it)",
@@ -105,12 +106,10 @@ class ShardedLoader:
 
     * ``last_batch="drop"`` (the default, for training): the examples that do not fill a
       whole global batch are left out of that epoch (``len(dataset) // global_batch_size``
-      steps; a different shuffle leaves out others the next epoch). Across processes the
-      ``DistributedSampler`` is made with ``drop_last=True``, so no example is repeated.
+      steps; a different shuffle leaves out others the next epoch).
     * ``last_batch="pad"``: the epoch has ``ceil`` as many steps; the last one is filled
-      up to a whole batch with **repeated examples** (this process' first examples of
-      the epoch again, as ``DistributedSampler`` itself repeats examples to give every
-      process as many). Every example is seen, and a few twice: in a training step the
+      up to a whole batch with **repeated examples** (the first examples of the epoch's
+      order again). Every example is seen, and a few twice: in a training step the
       repeated ones weigh twice in the mean loss. For exact sums (evaluation), pass
       ``mask=True``: each item is then ``(batch, mask)``, where ``mask`` is a bool tensor
       of shape ``(n, b)``, True for a real example and False for a repeat, so that
@@ -134,7 +133,10 @@ class ShardedLoader:
             multiple of ``process_count() * n``. Required for a dataset.
         shuffle: a new random order every epoch (default True for a dataset).
         seed: the seed of the shuffle (default 0); the same in every process.
-        last_batch: ``"drop"`` or ``"pad"``, see above.
+        last_batch: ``"drop"`` (the default) or ``"pad"``, see above. From a
+            ``DataLoader`` that keeps its last partial batch (``drop_last=False``, its
+            default), it must be given when the examples do not fill whole global
+            batches: ShardedLoader cannot yield a partial one.
         mask: yield ``(batch, mask)`` instead of ``batch`` (see above).
         n: the number of local instances to shard into (default
             ``torchpmap.local_device_count()``); the same in every process.
@@ -180,7 +182,7 @@ class ShardedLoader:
         *,
         shuffle: bool | None = None,
         seed: int | None = None,
-        last_batch: str = "drop",
+        last_batch: str | None = None,
         mask: bool = False,
         n: int | None = None,
         prefetch: int = 2,
@@ -201,6 +203,16 @@ class ShardedLoader:
             dataset, global_batch_size, shuffle, seed = self._from_loader(
                 data, global_batch_size, shuffle, seed, processes
             )
+            if last_batch is None and not data.drop_last and hasattr(dataset, "__len__") and (
+                len(dataset) % global_batch_size
+            ):
+                raise ValueError(
+                    f"ShardedLoader: the DataLoader keeps its last partial batch (drop_last=False), but every step of "
+                    f"a ShardedLoader has the whole global batch of {global_batch_size}, and its {len(dataset)} "
+                    f"examples leave {len(dataset) % global_batch_size} over. Pass last_batch='drop' to leave them "
+                    "out of the epoch (as drop_last=True does), or last_batch='pad', mask=True to fill the last step "
+                    "with repeats that the mask tells apart (every example counted once, for evaluation)."
+                )
             settings = {k: getattr(data, k) for k in _LOADING_SETTINGS if hasattr(data, k)}
             if not settings.get("num_workers"):
                 for k in ("prefetch_factor", "persistent_workers", "timeout"):  # worker-only settings
@@ -221,6 +233,8 @@ class ShardedLoader:
                 "could not be given equal shares ending at the same step: split it yourself so that every process "
                 "yields the same number of batches, and pass them through torchpmap.training.prefetch_to_device."
             )
+        if last_batch is None:
+            last_batch = "drop"
         if last_batch not in _LAST_BATCH:
             raise ValueError(f"ShardedLoader: last_batch must be 'drop' or 'pad', got {last_batch!r}")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
@@ -251,31 +265,17 @@ class ShardedLoader:
         self._settings = settings
         self._processes, self._rank = processes, rank
         self._size = len(dataset)
-        if processes > 1:
-            self._sampler: Any = DistributedSampler(
-                dataset,
-                num_replicas=processes,
-                rank=rank,
-                shuffle=self.shuffle,
-                seed=seed,
-                drop_last=last_batch == "drop",
-            )
-            # DistributedSampler repeats the first examples of the epoch's order at its end so
-            # that every process gets as many: this process' positions rank, rank + P, ... < N
-            # are real, the others repeats.
-            share = len(self._sampler)
-            self._real = share if last_batch == "drop" else len(range(rank, self._size, processes))
-        else:
-            self._order = torch.Generator()
-            if self._size == 0:  # refused below, after the processes agree (RandomSampler refuses it in its own words)
-                self._sampler = SequentialSampler(dataset)
-            else:
-                self._sampler = (
-                    RandomSampler(dataset, generator=self._order) if self.shuffle else SequentialSampler(dataset)
-                )
-            share = self._real = self._size
-        b = self.process_batch_size
-        self.steps_per_epoch = share // b if last_batch == "drop" else -(-share // b)
+        # One order per epoch, the same in every process: a seeded RandomSampler (or the
+        # dataset's order); each global batch of it is dealt out in consecutive shares,
+        # process 0's first, so instance i of global step j holds the same examples in any
+        # number of processes (DistributedSampler deals positions r, r + P, ... to rank r,
+        # which would give the instances other examples than in one process).
+        self._order = torch.Generator()
+        self._sampler: Any = (
+            RandomSampler(dataset, generator=self._order) if self.shuffle and self._size else SequentialSampler(dataset)
+        )
+        B = global_batch_size
+        self.steps_per_epoch = self._size // B if last_batch == "drop" else -(-self._size // B)
         self._epoch, self._step = 0, 0
         self._agree(processes)
         if self._size == 0:
@@ -431,16 +431,17 @@ class ShardedLoader:
     # ----------------------------------------------------------------- iteration
 
     def _indices(self, epoch: int) -> list[int]:
-        """This process' dataset indices for ``epoch``, cut or padded to whole batches."""
-        if isinstance(self._sampler, DistributedSampler):
-            self._sampler.set_epoch(epoch)
-        else:
-            self._order.manual_seed(self.seed + epoch)
-        indices = list(self._sampler)
-        length = self.steps_per_epoch * self.process_batch_size
-        if len(indices) < length:  # pad: wrap around to this process' first examples of the epoch
-            indices = (indices * -(-length // len(indices)))[:length]
-        return indices[:length]
+        """This process' dataset indices for ``epoch``: of each global batch of the
+        epoch's order (cut to whole batches, or padded by wrapping around to its first
+        examples), this process' consecutive share."""
+        self._order.manual_seed(self.seed + epoch)
+        order = list(self._sampler)
+        B, b = self.global_batch_size, self.process_batch_size
+        length = self.steps_per_epoch * B
+        if len(order) < length:  # pad: the epoch's first examples again
+            order = (order * -(-length // len(order)))[:length]
+        first = self._rank * b
+        return [i for j in range(self.steps_per_epoch) for i in order[j * B + first : j * B + first + b]]
 
     def _worker_seed(self, epoch: int) -> int:
         return ((self.seed * 1_000_003 + epoch) * 1_009 + self._rank) % 2**63
@@ -455,9 +456,9 @@ class ShardedLoader:
             self.dataset, batch_size=b, sampler=indices, drop_last=False, generator=generator, **self._settings
         )
         for step, batch in enumerate(loader, start):
-            if self.mask:
-                positions = torch.arange(step * b, (step + 1) * b)
-                yield batch, positions < self._real
+            if self.mask:  # a position of the epoch's order past the dataset is a repeat
+                positions = step * self.global_batch_size + self._rank * b + torch.arange(b)
+                yield batch, positions < self._size
             else:
                 yield batch
 
