@@ -763,6 +763,34 @@ def test_a_parameter_frozen_between_steps_stops_moving_as_in_plain_pytorch(devic
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_a_trainable_tensor_outside_the_model_is_refused_and_trains_as_a_model_parameter():
+    """A learnable temperature that loss_fn uses, held by the optimizer but not by the
+    model, was silently never trained (the step differentiates the model's parameters).
+    The step refuses it; registered on the model, it trains as in plain PyTorch."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    temp = nn.Parameter(torch.tensor(1.0))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    with pytest.raises(ValueError, match=r"also holds 1 trainable tensor.*not parameters of the model.*never train"):
+        data_parallel_step(
+            model, lambda out, y: F.cross_entropy(out / temp, y), torch.optim.SGD([*model.parameters(), temp], lr=0.5)
+        )
+    model.temp = temp
+    reference = copy.deepcopy(model)
+    step = data_parallel_step(
+        model, lambda out, y: F.cross_entropy(out / model.temp, y), torch.optim.SGD(model.parameters(), lr=0.5)
+    )
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(3):
+        step(shard((x, y), n=4))
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(x) / reference.temp, y).backward()
+        ref_opt.step()
+    assert model.temp.item() != 1.0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_one_device_eager_step_makes_no_per_instance_weight_gradient():
     """On one device the eager step takes the gradient of the mean loss outside the map:
     each weight's gradient is one product over every example, as in plain PyTorch on the

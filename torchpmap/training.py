@@ -919,7 +919,10 @@ def _check_max_grad_norm(max_grad_norm: float | None, optimizer: torch.optim.Opt
 
 
 def _check_optimizer_holds_the_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Raises unless ``optimizer`` holds at least one of ``model``'s parameters."""
+    """Raises unless ``optimizer`` holds at least one of ``model``'s parameters, and no
+    trainable tensor that is not one of them: the step differentiates the model's
+    parameters only, so such a tensor (a learnable temperature that ``loss_fn`` uses)
+    would never get a gradient and never train."""
     mine = {id(p) for p in model.parameters()}
     held = [p for group in optimizer.param_groups for p in group["params"]]
     if not any(id(p) in mine for p in held):
@@ -928,6 +931,16 @@ def _check_optimizer_holds_the_model(model: torch.nn.Module, optimizer: torch.op
             f"{len(mine)} in the model), so the step would never change the model. Build it over this model's "
             "parameters, e.g. torch.optim.SGD(model.parameters(), ...), after moving the model to its device "
             "(.to() on a parameter that changes device makes a new tensor)."
+        )
+    outside = [p for p in held if id(p) not in mine and p.requires_grad]
+    if outside:
+        shapes = ", ".join(str(tuple(p.shape)) for p in outside[:3]) + (", ..." if len(outside) > 3 else "")
+        raise ValueError(
+            f"data_parallel_step: the optimizer also holds {len(outside)} trainable tensor(s) that are not parameters "
+            f"of the model (shapes {shapes}). The step differentiates the model's parameters only, so they would "
+            "never get a gradient and never train. Make them parameters of the model (e.g. model.temperature = "
+            "torch.nn.Parameter(...), used by loss_fn through the model), or give them an optimizer and a step of "
+            "their own."
         )
 
 
