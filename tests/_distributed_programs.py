@@ -420,6 +420,23 @@ def scenario_raise_jit(rank: int, nproc: int) -> dict:
         return scenario_raise(rank, nproc, jit=True)
 
 
+def scenario_cannot_vectorize(rank: int, nproc: int) -> dict:
+    """Two instances per process, writing a per-instance value into a tensor they share:
+    vmap refuses it; in one process the instances fall back to one at a time, across
+    processes the error says that they cannot, and what to do."""
+    def f(c, v):
+        c = c.clone()
+        c.add_((v > 0).sum())
+        return tp.psum(v, "i"), c
+
+    try:
+        tp.pmap(f, axis_name="i", in_axes=(None, 0), out_axes=(None, None))(torch.zeros((), dtype=torch.long),
+                                                                            torch.arange(4.0).reshape(2, 2) - 1)
+        return {"error": None}
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        return {"error": type(e).__name__, "notes": list(getattr(e, "__notes__", []))}
+
+
 def scenario_die(rank: int, nproc: int) -> dict:
     def f(v):
         if int(os.environ["RANK"]) == 1:

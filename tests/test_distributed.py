@@ -240,6 +240,16 @@ def test_raise_in_one_rank_names_it_in_the_others(scenario, nproc, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_function_vmap_cannot_run_says_why_it_cannot_fall_back_across_processes(tmp_path):
+    """In one process such a function runs its instances one at a time; across processes
+    (two instances each) vmap's error reached the user bare. It now says why and what to do."""
+    finished, results = _run("cannot_vectorize", 2, tmp_path, timeout=30)
+    for res in results.values():
+        assert res is not None and res["error"] == "RuntimeError", _logs(finished)
+        assert any("across processes, a process' instances run vectorized only" in n for n in res["notes"]), res
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["die", "die_jit"])
 def test_dead_rank_is_named_and_nobody_hangs(scenario, tmp_path):
     finished, results = _run(scenario, 2, tmp_path, timeout=30)

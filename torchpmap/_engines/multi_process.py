@@ -89,7 +89,12 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         elif part.size == 1 and _runs_directly(part):  # one instance per process: nothing to vectorize
             outputs = vectorized.run_one(part, offset=exchange.index, axis_size=exchange.size, exchange=exchange)
         else:
-            outputs = _run_slice(part, exchange, exchange)
+            try:
+                outputs = _run_slice(part, exchange, exchange)
+            except RuntimeError as failure:
+                if hasattr(failure, "add_note") and not isinstance(failure, pg.RankFailed):
+                    failure.add_note(_NO_FALLBACK)
+                raise
         exchange.settle()  # a call without collectives still checks the sizes
         return outputs
     except (SizeMismatch, ExchangeMismatch):
@@ -106,6 +111,15 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         raise
     finally:
         _context.process_axes.reset(token)
+
+
+_NO_FALLBACK = (
+    "torchpmap: across processes, a process' instances run vectorized only. In one process, a function that "
+    "torch.func.vmap cannot run (an in-place write of a per-instance value into a tensor the instances share, "
+    "data-dependent Python) falls back to running its instances one at a time; across processes their "
+    "collectives could not meet that way. If this error comes from vmap, give each process one instance (it then "
+    "runs without vmap), or write the value out of place (e.g. buffer = buffer + value, returned)."
+)
 
 
 def _run_slice(part: MappedCall, exchange: ProcessExchange, through: Any) -> list[torch.Tensor]:
