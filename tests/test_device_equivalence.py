@@ -625,6 +625,43 @@ def test_forward_mode_inside_the_callers_dual_level(eight_devices, n_devices):
     torch.testing.assert_close([d.tangent for d in duals], want)
 
 
+def test_pmax_of_a_shared_argument_is_a_value_of_its_own(eight_devices):
+    """pmax/pmin of an in_axes=None argument returned the argument's memory at its axis'
+    level: a write into the result overwrote the caller's tensor silently (axis size 1)
+    or was refused as a write into a shared argument (size 4 on one device), where other
+    placements return a value of its own, as psum and JAX do."""
+    for n in (1, 4):
+        for devices in (eight_devices[:1], eight_devices[:4]):
+            for reduce in (tp.pmax, tp.pmin):
+                w = torch.ones(3)
+                f = tp.pmap(lambda a, w: reduce(w, "i").mul_(-1) + a, "i", in_axes=(0, None), devices=devices)
+                out = torch.as_tensor(f(torch.zeros(n), w))
+                assert torch.equal(out, -torch.ones(n, 3)) and torch.equal(w, torch.ones(3)), (n, len(devices))
+
+
+def test_pshuffle_takes_its_permutation_from_an_iterator():
+    """A generator as perm was used up by the check and gave an empty permutation: zeros."""
+    x = torch.arange(1.0, 5.0)
+    f = tp.pmap(lambda v: tp.pshuffle(v, "i", (p for p in [3, 2, 1, 0])), axis_name="i")
+    assert torch.as_tensor(f(x)).tolist() == [4.0, 3.0, 2.0, 1.0]
+
+
+def test_pvary_gradient_inside_the_map_is_one_devices_or_refused(eight_devices, monkeypatch):
+    """The gradient of pvary(w) inside the map is the psum of the instances' cotangents
+    for a w the same on every instance: one device's numbers. An instance run without a
+    vmap level (one per device, by default) cannot tell whether w was the same, and gave
+    each instance its own cotangent, silently; it now refuses, naming the way out
+    (bitwise_placement runs it through vmap: one device's numbers again)."""
+    x, w = torch.arange(1.0, 9.0).reshape(4, 2), torch.tensor([2.0, -1.0])
+    f = lambda a: torch.func.grad(lambda b: (tp.pvary(b, "i") * a).sum())(w)  # noqa: E731
+    want = torch.tensor([16.0, 20.0]).expand(4, 2)
+    for devices in (eight_devices[:1], eight_devices[:2], eight_devices[:4]):  # bitwise: through vmap
+        assert torch.equal(torch.as_tensor(tp.pmap(f, "i", devices=devices)(x)), want)
+    monkeypatch.setattr(tp.config, "bitwise_placement", False)
+    with pytest.raises(NotImplementedError, match=r"gradient of pvary over axis 'i'.*bitwise_placement = True"):
+        tp.pmap(f, "i", devices=eight_devices[:4])(x)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """An unsigned tensor's bits as the signed integers of its width (torch compares those)."""
     return t.view({torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}[t.dtype])

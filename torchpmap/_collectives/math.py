@@ -168,6 +168,15 @@ class Pvary(Primitive):
         return x.unsqueeze(0).expand(self.frame.local_size, *x.shape), 0
 
     def transpose(self) -> Primitive:
+        if self.kind.invariant is None:
+            raise NotImplementedError(
+                f"the gradient of pvary over axis {self.frame.name!r} taken inside the map: it is the psum of the "
+                "instances' cotangents for an input that is the same on every instance, and each instance's own for "
+                "one that already varies, and this instance ran without a vmap level (one instance per device or per "
+                "process, or debug mode), which cannot tell the two apart. Take the gradient outside the map, or set "
+                "torchpmap.config.bitwise_placement = True (each instance then runs in a vmap of its own, as on one "
+                "device)."
+            )
         if self.kind.invariant:
             return Psum(self.frame, self.lead)
         return Pvary(self.frame, self.lead)
@@ -242,7 +251,7 @@ class Pextremum(Primitive):
     def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         if self.groups is not None:
             return super().compute_unbatched(x)
-        return x, None
+        return x.clone(), None  # a value of its own, as a reduction's: a write into it must not reach x
 
     def transpose(self) -> Primitive:
         raise _not_differentiable(self.name)

@@ -424,6 +424,7 @@ def pshuffle(x: PyTree, axis_name: AxisNames, perm: Sequence[int]) -> PyTree:
     """
     frames = _frames(axis_name, "pshuffle")
     n = _total_size(frames)
+    perm = list(perm)  # read once: an iterator's entries are checked, then used
     if sorted(int(p) for p in perm) != list(range(n)):
         raise ValueError(
             f"pshuffle: perm={list(perm)!r} must be a permutation of 0..{n - 1}, the indices of {_axis_phrase(frames)}"
