@@ -126,6 +126,54 @@ def test_exception_reaches_caller_and_pool_recovers(cpu_devices):
     assert threading.active_count() <= threads_before + 4  # the workers were reused, none left hanging
 
 
+def _within(seconds: float, fn):
+    """``fn()``'s result or exception, or a failure if it has not returned in ``seconds``."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"still running after {seconds} s: a deadlock"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+@pytest.mark.parametrize("n_devices", [1, 2, 4])
+def test_a_nested_map_failing_after_a_collective_over_the_outer_axis_neither_hangs_nor_differs(cpu_devices, n_devices):
+    """A nested map whose vectorized run fails, inside a device thread of the outer map:
+    its instances used to be rerun one at a time (to name the failing one, or as the
+    fallback of a function vmap cannot run), and their collective over the outer axis
+    waited for the other device threads while this one held their turn: a deadlock on 2
+    and 4 devices. The failure now goes to the outer map: the user's error at once, and
+    the fallback's numbers, as on one device."""
+    cpu_devices(n_devices)
+
+    def raises(v):
+        tp.psum(v, "i")
+        raise ValueError("user error after a collective")
+
+    with pytest.raises(ValueError, match="user error after a collective"):
+        _within(60, lambda: tp.pmap(tp.pmap(raises, axis_name="j"), axis_name="i")(torch.ones(2, 4, 3)))
+
+    def reads_a_value(v):  # .item(): vmap cannot run it, the instances fall back to one at a time
+        s = tp.psum(v, "i")
+        return s * 2 if v.sum().item() > 0 else -s
+
+    x = torch.arange(24.0).reshape(2, 4, 3) - 10
+    want = torch.stack([torch.where(x[i].sum(-1, keepdim=True) > 0, 2 * x.sum(0), -x.sum(0)) for i in range(2)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        got = _within(60, lambda: tp.pmap(tp.pmap(reads_a_value, axis_name="j"), axis_name="i")(x))
+    torch.testing.assert_close(torch.as_tensor(got), want)
+
+
 def test_collective_that_cannot_complete_times_out(cpu_devices, monkeypatch):
     cpu_devices(2)
     monkeypatch.setattr(tp.config, "collective_timeout", 0.5)

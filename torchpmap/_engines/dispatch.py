@@ -26,6 +26,7 @@ from torchpmap._engines import (
     multi_process,
     one_at_a_time,
     rerun_guard,
+    thread_exchange,
     thread_ops,
     vectorized,
 )
@@ -100,6 +101,12 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         # time already (naming them): a second such run nested in it would wait for the
         # baton that the enclosing instance holds
         named_outside = _context.instance_thread.get() is not None
+        if _inside_a_device_thread():
+            # instances run one at a time here would meet the other device threads at a
+            # collective over the enclosing axis while this thread holds their turn (a
+            # deadlock): the failure goes to the enclosing map, which falls back or names
+            # the instance as a whole
+            raise
         if why is None and outermost and not named_outside and _names_no_instance(failure):
             described = _described(failure)
             try:
@@ -115,6 +122,15 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         _remember_fallback(call, why)
         return one_at_a_time.run(call)
     return outputs
+
+
+def _inside_a_device_thread() -> bool:
+    """Whether an enclosing map's axis is split over device threads, this call running in
+    one of them (with its one instance, or its instances vectorized) outside an instance
+    thread of its own."""
+    if _context.instance_thread.get() is not None:
+        return False
+    return any(isinstance(f.exchange, thread_exchange.ThreadExchange) for f in _axis_env.current_frames())
 
 
 def _outermost_vectorized() -> bool:
