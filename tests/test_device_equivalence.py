@@ -294,19 +294,23 @@ def per_instance_dropouts(devices):
     return tp.pmap(drop, randomness="per_instance", devices=devices)(X, img)
 
 
-def per_instance_dropout_training(devices):
-    """A data-parallel training run with dropout: the same model on every placement."""
-    torch.manual_seed(5)
+def _dropout_training(devices, randomness: str, seed: int, make_opt, steps: int):
+    """A data-parallel training run of a model with dropout: its losses and weights."""
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(3, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(), torch.nn.Linear(16, 1)
     ).double()
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     step = tp.training.data_parallel_step(
-        model, torch.nn.functional.mse_loss, opt, devices=devices, randomness="per_instance"
+        model, torch.nn.functional.mse_loss, make_opt(model.parameters()), devices=devices, randomness=randomness
     )
-    xs, ys = _data(8, 4, 3, seed=12), _data(8, 4, 1, seed=13)
-    losses = [step((xs, ys)) for _ in range(5)]
+    xs, ys = _data(8, 4, 3, seed=seed + 7), _data(8, 4, 1, seed=seed + 8)
+    losses = [step((xs, ys)) for _ in range(steps)]
     return losses, model.state_dict()
+
+
+def per_instance_dropout_training(devices):
+    """A data-parallel training run with dropout: the same model on every placement."""
+    return _dropout_training(devices, "per_instance", 5, lambda ps: torch.optim.Adam(ps, lr=0.01), steps=5)
 
 
 def per_instance_grad_through_dropout(devices):
@@ -334,15 +338,8 @@ def same_draws_and_the_generator_after(devices):
 
 def same_dropout_training(devices):
     """Dropout under randomness="same": one mask for every instance, one device's."""
-    torch.manual_seed(8)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(3, 16), torch.nn.Dropout(0.3), torch.nn.ReLU(), torch.nn.Linear(16, 1)
-    ).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = tp.training.data_parallel_step(model, torch.nn.functional.mse_loss, opt, devices=devices, randomness="same")
-    xs, ys = _data(8, 4, 3, seed=14), _data(8, 4, 1, seed=15)
-    losses = [step((xs, ys)) for _ in range(4)]
-    return losses, model.state_dict(), torch.rand(2)
+    trained = _dropout_training(devices, "same", 8, lambda ps: torch.optim.SGD(ps, lr=0.05), steps=4)
+    return (*trained, torch.rand(2))
 
 
 # --------------------------------------------------------------------------- in-place writes to inputs
