@@ -553,8 +553,9 @@ def test_unsigned_values_move_as_their_signed_bits(eight_devices, dtype):
     """ppermute, and ppermute/all_to_all over a tuple of axes (an all_gather, then an
     index_select), of unsigned integers: torch's CPU index kernels have none of 16 to 64
     bits, so the eager engine raised where a compiled program and JAX give numbers. They
-    now move as the signed integers of their width, bit for bit (values above the signed
-    range included), the same on every placement, in debug mode and compiled."""
+    now move as signed integers (uint64 as the bits of an int64), bit for bit (values
+    above the signed range included), the same on every placement, in debug mode and
+    compiled. The map objects are reused across placements, as a program reuses them."""
     def unsigned(t: torch.Tensor) -> torch.Tensor:  # int64 -> dtype, bit for bit for uint64
         return t.view(dtype) if dtype == torch.uint64 else t.to(dtype)
 

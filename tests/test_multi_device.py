@@ -171,7 +171,12 @@ def test_a_nested_map_failing_after_a_collective_over_the_outer_axis_neither_han
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
         got = _within(60, lambda: tp.pmap(tp.pmap(reads_a_value, axis_name="j"), axis_name="i")(x))
-    torch.testing.assert_close(torch.as_tensor(got), want)
+        torch.testing.assert_close(torch.as_tensor(got), want)
+        # a map that fell back (remembered) on one device, reused inside the device threads
+        inner = tp.pmap(reads_a_value, axis_name="j")
+        for devices in (tp.devices()[:1], tp.devices()[:2]):
+            got = _within(60, lambda devices=devices: tp.pmap(inner, axis_name="i", devices=devices)(x))
+            torch.testing.assert_close(torch.as_tensor(got), want)
 
 
 def test_collective_that_cannot_complete_times_out(cpu_devices, monkeypatch):

@@ -66,18 +66,20 @@ def _as_int64(
     return (out ^ _SIGN_BIT if ordered else out).view(dtype), dim
 
 
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+_SIGNED = {torch.uint16: torch.int32, torch.uint32: torch.int64, torch.uint64: torch.int64}
 
 
 def moved_as_signed(move: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """``move(x)`` for a function that only moves elements (``index_select``,
     ``index_copy``, ``where`` with zeros): an unsigned ``x`` of 16 to 64 bits goes through
-    the signed integer of its width, bit for bit, since torch's CPU kernels of those ops
-    have no unsigned ones but ``uint8``."""
+    a signed integer dtype, since torch's CPU kernels of those ops have no unsigned ones
+    but ``uint8``: one that holds every value (uint64: int64, whose conversion keeps the
+    bits both ways), converted rather than viewed (``view(dtype)`` has no batching rule in
+    torch 2.11, and these ops run inside vmap)."""
     signed = _SIGNED.get(x.dtype)
     if signed is None:
         return move(x)
-    return move(x.view(signed)).view(x.dtype)
+    return move(x.to(signed)).to(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -84,7 +84,12 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         _log_engine(call, "distributed (this process' slice)")
         return multi_process.run(call)
 
-    if vectorization_disabled() or (call.vmap_fallback is not None and call.vmap_fallback.reason is not None):
+    fell_back = call.vmap_fallback is not None and call.vmap_fallback.reason is not None
+    # inside a device thread a remembered fallback is not taken: one at a time there, the
+    # instances' collectives over the enclosing axis would wait for the other device
+    # threads, whose turn this thread holds (a failure of the vectorized run goes to the
+    # enclosing map instead: see below)
+    if vectorization_disabled() or (fell_back and not _inside_a_device_thread()):
         _log_engine(call, "one instance at a time")
         return one_at_a_time.run(call)
     before = rerun_guard.note(call)  # see rerun_guard
