@@ -94,6 +94,7 @@ import torch.distributed as dist
 from torchpmap._frontend.sharded_params import emptied_parameters, steps_sharded_rows
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state import process_group as _process_group
+from torchpmap._state.listing import first_few
 from torchpmap._state.log import logger
 from torchpmap.data import ShardedLoader
 
@@ -192,7 +193,7 @@ def _check_not_sharded_step_state(state: Mapping[str, Any], what: str, processes
         if isinstance(value, torch.nn.Module):
             emptied = emptied_parameters(value)
             if emptied:
-                shown = ", ".join(repr(k) for k in emptied[:3]) + (", ..." if len(emptied) > 3 else "")
+                shown = first_few([repr(k) for k in emptied])
                 raise ValueError(
                     f"checkpoint.{what}: the module {name!r} has parameters that a "
                     "data_parallel_step(shard_params=...) "

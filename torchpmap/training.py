@@ -72,6 +72,7 @@ from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.config import config
+from torchpmap._state.listing import first_few
 from torchpmap._state.torch_private import pytree
 from torchpmap._state.type_aliases import AxisName, PyTree, Randomness
 
@@ -934,7 +935,7 @@ def _check_optimizer_holds_the_model(model: torch.nn.Module, optimizer: torch.op
         )
     outside = [p for p in held if id(p) not in mine and p.requires_grad]
     if outside:
-        shapes = ", ".join(str(tuple(p.shape)) for p in outside[:3]) + (", ..." if len(outside) > 3 else "")
+        shapes = first_few([str(tuple(p.shape)) for p in outside])
         raise ValueError(
             f"data_parallel_step: the optimizer also holds {len(outside)} trainable tensor(s) that are not parameters "
             f"of the model (shapes {shapes}). The step differentiates the model's parameters only, so they would "

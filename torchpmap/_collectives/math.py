@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from torchpmap._collectives.binding import InputKind, Primitive
+from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 
 #: ``axis_index_groups``: the members of each group, or None for one group of all.
@@ -210,9 +211,7 @@ def _may_be_differentiated(x: torch.Tensor) -> bool:
     """Whether a derivative may be asked of a value computed from ``x``: with grad mode on
     (reverse mode), inside a torch.func transform (``x`` wrapped by it), or where ``x``
     carries a forward-mode tangent, which ``no_grad`` does not stop."""
-    if torch.is_grad_enabled() or private.is_functorch_wrapped(x):
-        return True
-    return private.forward_ad_level() >= 0 and torch.autograd.forward_ad.unpack_dual(x).tangent is not None
+    return torch.is_grad_enabled() or private.is_functorch_wrapped(x) or _context.carries_tangent(x)
 
 
 def _not_differentiable(name: str) -> NotImplementedError:

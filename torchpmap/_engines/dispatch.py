@@ -100,18 +100,18 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         else:
             outputs = _run_vectorized(call)
     except Exception as failure:
-        why = _cannot_vectorize(failure)
-        outermost = _outermost_vectorized()
-        # inside an instance thread, an enclosing map is running its instances one at a
-        # time already (naming them): a second such run nested in it would wait for the
-        # baton that the enclosing instance holds
-        named_outside = _context.instance_thread.get() is not None
         if _inside_a_device_thread():
             # instances run one at a time here would meet the other device threads at a
             # collective over the enclosing axis while this thread holds their turn (a
             # deadlock): the failure goes to the enclosing map, which falls back or names
             # the instance as a whole
             raise
+        why = _cannot_vectorize(failure)
+        outermost = _outermost_vectorized()
+        # inside an instance thread, an enclosing map is running its instances one at a
+        # time already (naming them): a second such run nested in it would wait for the
+        # baton that the enclosing instance holds
+        named_outside = _context.instance_thread.get() is not None
         if why is None and outermost and not named_outside and _names_no_instance(failure):
             described = _described(failure)
             try:

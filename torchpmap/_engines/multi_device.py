@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
@@ -82,17 +83,10 @@ def assembled(devices: Sequence[Device], per_device: Sequence[Sequence[torch.Ten
     or, when a torch.func transform encloses the call (it carries tensors only) or the
     outputs carry forward-mode tangents (the caller's own ``forward_ad.dual_level()``:
     a ShardedTensor has no tangent), the leaves concatenated on the first device."""
-    if private.current_vmap_level() is not None or _carry_tangents(per_device):
+    if private.current_vmap_level() is not None or any(map(_context.carries_tangent, itertools.chain(*per_device))):
         first = devices[0].torch_device
         return [torch.cat([o.to(first) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
-
-
-def _carry_tangents(per_device: Sequence[Sequence[torch.Tensor]]) -> bool:
-    if private.forward_ad_level() < 0:  # the common case
-        return False
-    unpack = torch.autograd.forward_ad.unpack_dual
-    return any(isinstance(o, torch.Tensor) and unpack(o).tangent is not None for outs in per_device for o in outs)
 
 
 def check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:

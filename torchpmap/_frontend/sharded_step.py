@@ -39,6 +39,7 @@ from torchpmap._frontend.reached import reached
 from torchpmap._frontend.sharded_params import ShardedParams
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import Device, DeviceLike
+from torchpmap._state.listing import first_few
 from torchpmap._state.torch_private import pytree
 from torchpmap._state.type_aliases import PyTree, Randomness
 
@@ -246,8 +247,7 @@ class ShardedStep:
     @staticmethod
     def _trained_set_changed(now: set[str], sharded: set[str]) -> str:
         def listed(names: set[str]) -> str:
-            shown = sorted(names)
-            return ", ".join(repr(k) for k in shown[:3]) + (", ..." if len(shown) > 3 else "")
+            return first_few([repr(k) for k in sorted(names)])
 
         changes = []
         if now - sharded:
@@ -303,6 +303,6 @@ class ShardedStep:
         if empty:
             raise RuntimeError(
                 f"{type(module).__name__}: its parameters are held in shards by data_parallel_step(shard_params=...) "
-                f"and emptied in the module ({', '.join(empty[:3])}{', ...' if len(empty) > 3 else ''} have 0 "
+                f"and emptied in the module ({first_few(empty)} have 0 "
                 "elements). Call step.gather_params() first to write their values into the module."
             )

@@ -243,6 +243,15 @@ def _non_default_streams(devices: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(found)
 
 
+def carries_tangent(t: Any) -> bool:
+    """Whether ``t`` is a tensor with a forward-mode tangent at the open forward-AD level
+    (the caller's ``forward_ad.dual_level()``, or ``torch.func.jvp``'s): False at once
+    when no level is open, the common case."""
+    if private.forward_ad_level() < 0 or not isinstance(t, torch.Tensor):
+        return False
+    return torch.autograd.forward_ad.unpack_dual(t).tangent is not None
+
+
 @contextlib.contextmanager
 def shared_forward_ad() -> Iterator[None]:
     """Opens the process' forward-AD level around the device threads of one call (see
