@@ -61,16 +61,16 @@ def run(
     # each mapped argument goes in as a view of the caller's tensor, as a slice does on
     # several devices: an in-place change of its metadata (t_, unsqueeze_, resize_) then
     # changes the instances' view, not the caller's tensor (values written still reach it)
-    viewed = [t.view_as(t) if type(t) is torch.Tensor and (device is None or t.device == device) else None
-              for t in call.mapped]  # the common case: one call per argument
-    moved = [i for i, m in enumerate(viewed) if m is None]
-    copied = None
-    if moved:  # placed here (moved, gathered): a copy, whose writes are written back below
-        for i in moved:
-            viewed[i] = _own_view(call.mapped[i], device)
-        copied = written_copies.copies(call.mapped, viewed, moved)
-    mapped = cast("list[torch.Tensor]", viewed)
-    broadcast = [place(v, device) for v in call.broadcast]
+    mapped: list[torch.Tensor] = []
+    moved: list[int] = []
+    for t in call.mapped:  # a plain loop: this runs on every call
+        if type(t) is torch.Tensor and (device is None or t.device == device):
+            mapped.append(t.view_as(t))  # the common case: one call per argument
+        else:  # placed here (moved, gathered): a copy, whose writes are written back below
+            moved.append(len(mapped))
+            mapped.append(_own_view(t, device))
+    copied = written_copies.copies(call.mapped, mapped, moved) if moved else None
+    broadcast = [place(v, device) for v in call.broadcast] if call.broadcast else []
     here = device if device is not None else (mapped[0].device if mapped else None)
     # the axis token is an extra vmap input (see torchpmap._collectives.binding); an unnamed axis needs
     # none, unless each instance draws from its own random stream (it tells which instance)

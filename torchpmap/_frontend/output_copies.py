@@ -57,7 +57,7 @@ def _fresh(outputs: list[torch.Tensor], arguments: Sequence[object]) -> bool:
         elif isinstance(a, ShardedTensor):
             seen.update(_memory(t) for t in _tensors(a))
     for out in outputs:
-        if isinstance(out, ShardedTensor):  # its shards tell
+        if type(out) is not torch.Tensor and isinstance(out, ShardedTensor):  # its shards tell
             return False
         memory = _memory(out)
         if memory in seen:
@@ -122,7 +122,8 @@ def own_rows(t: torch.Tensor) -> torch.Tensor:
             for k, s in enumerate(t.shards)
         ]
         return ShardedTensor(list(zip(t.devices(), pieces)), t.shard_dim)
-    return t.contiguous() if _rows_shared(t) else t
+    # _rows_shared(t), inlined: this runs on every call
+    return t.contiguous() if t.dim() > 0 and t.stride(0) == 0 and t.shape[0] > 1 else t
 
 
 def _shards_sharing_memory(t: ShardedTensor) -> set[int]:

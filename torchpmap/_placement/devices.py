@@ -129,7 +129,7 @@ def resolve(requested: Sequence[DeviceLike] | DeviceLike | None) -> tuple[Device
     """The devices a pmap was asked to use, validated; all local devices for None."""
     if requested is None:  # every call of a pmap without devices=: no more calls than needed
         return _context.default_devices.get() or _this_process()
-    if current_default() is not None:
+    if _context.default_devices.get() is not None:  # current_default(), inlined: this runs on every call
         raise ValueError(
             "pmap: a pmap nested inside a multi-device pmap runs on the device of its enclosing instance, so it "
             "cannot take devices=. To spread nested axes over devices, use a Mesh with one named axis per pmap."
