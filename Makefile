@@ -69,7 +69,7 @@ $(foreach v,$(sort $(TORCH) $(TORCH_MAIN) $(TORCH_OLDEST) $(TORCH_COMPAT) $(TORC
 LINT_VENV := $(call venv_of,$(TORCH_MAIN))
 
 # pytest's exit status 5 (no test collected) fails the recipe like any other failure.
-PYTEST = -m pytest -q
+PYTEST = -m pytest -q --durations=8
 # $(call JIT_SWEEP,PYTHON,DEVICES): every JAX comparison again through pmap(jit=...) on
 # DEVICES CPU devices, where a fallback to eager fails. TORCHPMAP_TEST_JIT_BACKEND picks the
 # compiler: inductor (jit=True, on every device) or aot_eager (the default: Dynamo and
