@@ -266,6 +266,16 @@ def per_instance_dropout(d: dict) -> torch.Tensor:
     return tp.pmap(f, axis_name="i", randomness="per_instance")(d["x"])
 
 
+def under_autocast(d: dict) -> tuple:
+    """Under CPU autocast: a linear layer in bfloat16 and a log-softmax in float32, as
+    autocast casts them outside a map (its casts are corrected under vmap on every engine,
+    this process' slice of a distributed axis included)."""
+    w = torch.linspace(-1, 1, 6).reshape(2, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        f = lambda v: (torch.nn.functional.linear(v, w, w[0, :2]), torch.log_softmax(v, -1))  # noqa: E731
+        return tp.pmap(f, axis_name="i")(d["x"])
+
+
 def compared_programs(d: dict) -> dict[str, object]:
     """Every program whose results are compared between one process and several, on
     ``d`` (the global data in one process, a rank's share in several)."""
@@ -277,6 +287,7 @@ def compared_programs(d: dict) -> dict[str, object]:
     out["train_by_hand"] = train_by_hand(d)
     out["train_with_helper"] = train_with_helper(d)
     out["per_instance_dropout"] = per_instance_dropout(d)
+    out["under_autocast"] = under_autocast(d)
     return out
 
 

@@ -91,7 +91,9 @@ def _assert_same(name: str, got, want, bitwise: bool) -> None:
         if bitwise:
             assert torch.equal(g, w), f"{name}: not bitwise equal\n{g}\n{w}"
         else:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            # reduced precision: its own tolerances (one instance run alone rounds its product once)
+            tol = {} if g.dtype in (torch.bfloat16, torch.float16) else {"rtol": 1e-5, "atol": 1e-6}
+            torch.testing.assert_close(g, w, **tol, msg=lambda m: f"{name}: {m}")
 
 
 @contextlib.contextmanager
@@ -176,7 +178,7 @@ def test_collectives_and_training_match_one_process(nproc, bitwise_placement, al
         assert scatter["all_gather_bytes"] == 64 * scatter["all_gather"] and scatter["all_gather"] >= 1, scatter
     one_each = nproc == progs.G and bitwise_placement  # one instance per process, through vmap
     programs = list(progs.collective_programs(progs.global_data())) + [
-        "backward_outside", "grad_around", "pytree_backward", "per_instance_dropout",
+        "backward_outside", "grad_around", "pytree_backward", "per_instance_dropout", "under_autocast",
     ]
     for name in programs:
         _assert_same(name, _concat(per_rank, name), reference[name], bitwise=one_each and name not in NOT_BITWISE)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -82,7 +83,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     """
     if call.devices is not None and multi_process.active():  # several processes: one slice each (compiled or not)
         _log_engine(call, "distributed (this process' slice)")
-        return multi_process.run(call)
+        return _corrected(multi_process.run, call)
 
     fell_back = call.vmap_fallback is not None and call.vmap_fallback.reason is not None
     # inside a device thread a remembered fallback is not taken: one at a time there, the
@@ -94,11 +95,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         return one_at_a_time.run(call)
     before = rerun_guard.note(call)  # see rerun_guard
     try:
-        if batching_fixes.needed():
-            with batching_fixes.fixed():
-                outputs = _run_vectorized(call)
-        else:
-            outputs = _run_vectorized(call)
+        outputs = _corrected(_run_vectorized, call)
     except Exception as failure:
         if _inside_a_device_thread():
             # instances run one at a time here would meet the other device threads at a
@@ -216,6 +213,18 @@ def _rerun_naming_the_instance(call: MappedCall, failure: Exception) -> list[tor
                 f"{_described(failure)}"
             )
         raise exact from None
+
+
+def _corrected(
+    run_on_engine: Callable[[MappedCall], list[torch.Tensor]], call: MappedCall
+) -> list[torch.Tensor]:
+    """``run_on_engine(call)`` with :mod:`batching_fixes`' corrections in force while autocast
+    is on (autocast's casts under vmap, on every engine that vectorizes: one device,
+    device threads, this process' slice of a distributed axis)."""
+    if batching_fixes.needed():
+        with batching_fixes.fixed():
+            return run_on_engine(call)
+    return run_on_engine(call)
 
 
 def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
