@@ -264,3 +264,45 @@ def test_an_autocast_decorator_reentered_by_every_instance():
     got = torch.as_tensor(tp.pmap(decorated)(*inputs))
     assert got.dtype == looped.dtype == want.dtype
     _compare(got, want)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_autocast_region_the_function_enters_holds_under_the_callers(jit, placement):
+    """The caller's bfloat16 autocast around a map whose function turns autocast off for a
+    product, or enters a float16 one: plain PyTorch's dtypes and values. Compiled, the
+    program's own ops were cast again by the caller's autocast (bfloat16, 0.006 off)."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(3, 2, generator=g).to(here()), torch.randn(N, 5, 3, generator=g).to(here())
+
+    def regions(w: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(here().type, enabled=False):
+            off = v @ w
+        with torch.autocast(here().type, dtype=torch.float16):
+            half = v @ w
+        return off, half
+
+    with torch.autocast(here().type, dtype=torch.bfloat16):
+        per_instance = [regions(w, x[i]) for i in range(N)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tp.JitFallbackWarning)
+            got = [torch.as_tensor(t) for t in tp.pmap(regions, in_axes=(None, 0), jit=jit)(w, x)]
+    want = [torch.stack(t) for t in zip(*per_instance)]  # (autocast's cat refuses float16 under bfloat16)
+    for g_, w_ in zip(got, want):
+        assert g_.dtype == w_.dtype
+        _compare(g_.cpu(), w_.cpu())
+
+
+@pytest.mark.parametrize("how", ["eager", "debug", "jit"])
+def test_a_result_in_another_reduced_dtype_comes_back_as_it_is(how, placement):
+    """Under a bfloat16 autocast, a function that returns float16: debug mode on one device
+    put the instances' results together with autocast's ``cat``, which raised."""
+    f = tp.pmap(lambda v: v.half(), jit=how == "jit")
+    x = _r(N, 3)
+    with torch.autocast(here().type, dtype=torch.bfloat16):
+        if how == "debug":
+            with tp.disable_vectorization():
+                got = torch.as_tensor(f(x))
+        else:
+            got = torch.as_tensor(f(x))
+    assert got.dtype == torch.float16
+    assert torch.equal(got.cpu(), x.half().cpu())

@@ -162,7 +162,8 @@ def test_random_numbers_are_drawn_at_every_call_and_differ_per_instance():
     a, b = f(x), f(x)
     assert len(set(a.tolist())) == 4
     assert not torch.equal(a, b)
-    same = jit_pmap(lambda x: x + torch.rand(()), randomness="same")(x)
+    with pytest.warns(tp.JitFallbackWarning, match='randomness="same"'):  # torch's generator's numbers: eager
+        same = jit_pmap(lambda x: x + torch.rand(()), randomness="same")(x)
     assert len(set(same.tolist())) == 1
 
 
@@ -563,3 +564,16 @@ def test_a_closed_over_tensor_that_starts_requiring_grad_traces_again():
     eager_pmap(fun)(x).sum().backward()
     torch.testing.assert_close(compiled_grad, w.grad)
     assert traces == 2
+
+
+def test_randomness_same_draws_torchs_numbers_eagerly_with_a_warning():
+    """``randomness="same"`` promises the numbers of torch's generator, as one device draws
+    them eagerly: a compiled program draws from a stream of its own (it did, on one
+    device, while several devices ran eagerly), so the program runs eagerly."""
+    f = tp.pmap(lambda v: v + torch.randn(3), axis_name="i", randomness="same", jit=True, devices=tp.devices()[:1])
+    torch.manual_seed(1)
+    want = torch.randn(3)
+    torch.manual_seed(1)
+    with pytest.warns(tp.JitFallbackWarning, match='randomness="same"'):
+        got = torch.as_tensor(f(torch.zeros(4, 3)))
+    assert torch.equal(got, want.expand(4, 3))

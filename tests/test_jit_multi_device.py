@@ -344,3 +344,21 @@ def test_a_tensor_made_to_require_grad_inside_runs_eagerly(four_devices, name, s
             out = tp.pmap(fun, axis_name="i", devices=devices, jit=True)(x.clone())
         assert out.requires_grad
         torch.testing.assert_close(torch.as_tensor(out).detach(), torch.as_tensor(tp.pmap(fun)(x.clone())).detach())
+
+
+def test_attention_without_dropout_compiles(four_devices):
+    """CPU attention's flash kernel is tagged as drawing random numbers; with ``dropout_p=0``
+    it draws none, and each device's slice of a training step compiles (it ran eagerly,
+    with a warning)."""
+    from torchpmap.training import data_parallel_step, shard
+
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True, dropout=0.0)
+    x = torch.randn(8, 5, 8)
+    optimizer = torch.optim.SGD(attention.parameters(), lr=0.1)
+    step = data_parallel_step(attention, lambda out, v: out[0].pow(2).mean(), optimizer, jit=True,
+                              model_inputs=lambda v: {"query": v, "key": v, "value": v, "need_weights": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tp.JitFallbackWarning)
+        loss = step(shard(x, n=4))
+    assert torch.isfinite(torch.as_tensor(loss)).all()

@@ -309,7 +309,8 @@ class _Program:
         self.constants_traced = [_leaf_signature(c) for c in self.constants]
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
-        return self.compiled(*graph_inputs(call, self.tensor_slots), *self.constants)
+        with _context.autocast_off():  # the trace has the caller's casts (see _trace)
+            return self.compiled(*graph_inputs(call, self.tensor_slots), *self.constants)
 
     def release(self) -> None:
         """Frees what torch.compile keeps for this program (it is being evicted)."""
@@ -386,8 +387,19 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
 
 
 def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Program:
+    # The trace records the casts of the caller's autocast and of the regions the function
+    # enters itself (autocast(enabled=False) around a product, say); the program is then
+    # compiled and run with autocast off, where AOTAutograd's trace of the graph would
+    # cast its ops again, over those regions (_Program.__call__).
     traced = trace_graph(call, engine)
     graph, inputs, tensor_slots, constants = traced.graph, traced.inputs, traced.tensor_slots, traced.constants
+    draw = graph_rewrites.random_draw(graph) if call.randomness == "same" else None
+    if draw is not None:  # "same": torch's generator's numbers, which a compiled program would not draw
+        raise NotImplementedError(
+            f'randomness="same" draws the numbers of torch\'s generator, as one device does eagerly, and the '
+            f"program draws random numbers ({draw.target}), which a compiled program would draw from a stream "
+            "of its own"
+        )
     output_layout = traced.output_layout
     kwargs = {"fullgraph": True, "dynamic": False, **options}
     if graph_rewrites.start_exchanges_early(graph) and "mode" not in kwargs:  # a bucket starts once its gradients exist
@@ -399,7 +411,8 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
     if set(options) <= {"options"} and not graph_rewrites.writes_an_input(graph):  # no mode, backend or dynamic
         # Inductor alone: the signature decides everything Dynamo's guards would check, except
         # which inputs share memory, which a program that only reads them need not know
-        compiled = private.compile_graph(graph, distinct([*inputs, *constants]), kwargs.get("options", {}))
+        with _context.autocast_off():  # see above
+            compiled = private.compile_graph(graph, distinct([*inputs, *constants]), kwargs.get("options", {}))
         return _Program(compiled, tensor_slots, constants, output_layout)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **kwargs)

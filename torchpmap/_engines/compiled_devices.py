@@ -65,6 +65,7 @@ from torchpmap._engines.multi_device import (
 from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._placement.devices import Device
+from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.log import logger
@@ -85,7 +86,7 @@ class _SliceProgram:
     constants: list[torch.Tensor]
 
     def __call__(self, part: MappedCall, exchange: ThreadExchange) -> list[torch.Tensor]:
-        with thread_ops.live(exchange):
+        with thread_ops.live(exchange), _context.autocast_off():  # as compiled._Program's
             return list(self.module(*graph_inputs(part, self.tensor_slots), *self.constants))
 
 
@@ -190,7 +191,7 @@ def _compile_segment(
 ) -> Callable[..., Any]:
     """Inductor's program for a segment, for inputs like ``inputs`` (``options`` patch its
     config); one compilation at a time in the process, as for any program."""
-    with TRACING:
+    with TRACING, _context.autocast_off():  # as compiled._trace's
         return private.compile_graph(graph, distinct(inputs), inductor_options(options))
 
 
@@ -198,13 +199,12 @@ def _check_compilable(graph: torch.fx.GraphModule) -> None:
     """Raises :class:`_NotCompiled` for a slice's trace that this engine leaves eager."""
     if graph_rewrites.writes_an_input(graph):
         raise _NotCompiled("the program writes into one of its inputs, which only the one-device program compiles")
-    for node in graph.graph.nodes:
-        tags = getattr(node.target, "tags", ())
-        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags:
-            raise _NotCompiled(
-                f"the program draws random numbers ({node.target}); each device thread's eager stream is not "
-                "what a compiled program would draw"
-            )
+    draw = graph_rewrites.random_draw(graph)
+    if draw is not None:
+        raise _NotCompiled(
+            f"the program draws random numbers ({draw.target}); each device thread's eager stream is not "
+            "what a compiled program would draw"
+        )
 
 
 def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms) -> list[torch.Tensor]:

@@ -464,6 +464,32 @@ def writes_an_input(graph: torch.fx.GraphModule) -> bool:
     return False
 
 
+def random_draw(graph: torch.fx.GraphModule) -> torch.fx.Node | None:
+    """The first op of the traced program that draws random numbers, or None.
+
+    An op tagged ``nondeterministic_seeded`` draws unless its dropout probability
+    (``dropout_p``, or ``p`` of a dropout) is a constant 0: attention without dropout
+    (``scaled_dot_product_attention``'s kernels carry the tag) draws nothing.
+
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
+        >>> random_draw(make_fx(lambda x: x + torch.rand_like(x))(torch.ones(2))).target
+        <OpOverload(op='aten.rand_like', overload='default')>
+        >>> attention = torch.nn.functional.scaled_dot_product_attention
+        >>> random_draw(make_fx(lambda q: attention(q, q, q, dropout_p=0.0))(torch.ones(1, 2, 4)))
+    """
+    for n in graph.graph.nodes:
+        if n.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+            continue
+        schema = private.op_schema(n.target)
+        named = {a.name: (_args(n)[k] if k < len(_args(n)) else n.kwargs.get(a.name, a.default_value))
+                 for k, a in enumerate(schema.arguments)} if schema is not None else {}
+        probability = named.get("dropout_p", named.get("p"))
+        if isinstance(probability, (int, float)) and probability == 0:
+            continue
+        return n
+    return None
+
+
 def _nodes_in(value: Any) -> set[torch.fx.Node]:
     nodes: set[torch.fx.Node] = set()
     torch.fx.node.map_arg(value, nodes.add)

@@ -156,7 +156,7 @@ def _run_single(
 
 def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:
     if len(set(devices)) == 1:  # debug mode on one device: plain tensors, as the vectorized engine returns
-        return [_expanded(outs) if _one_view(outs) else torch.cat(outs) for outs in zip(*per_thread)]
+        return [_expanded(outs) if _one_view(outs) else _context.cat_as_they_are(outs) for outs in zip(*per_thread)]
     return assembled(devices, per_thread)  # as from the multi-device engine
 
 

@@ -85,7 +85,7 @@ def assembled(devices: Sequence[Device], per_device: Sequence[Sequence[torch.Ten
     a ShardedTensor has no tangent), the leaves concatenated on the first device."""
     if private.current_vmap_level() is not None or any(map(_context.carries_tangent, itertools.chain(*per_device))):
         first = devices[0].torch_device
-        return [torch.cat([o.to(first) for o in outs]) for outs in zip(*per_device)]
+        return [_context.cat_as_they_are([o.to(first) for o in outs]) for outs in zip(*per_device)]
     return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
 
 

@@ -41,6 +41,7 @@ import torch
 
 from torchpmap._placement.devices import Device
 from torchpmap._state import torch_private as private
+from torchpmap._state.context import cat_as_they_are
 from torchpmap._state.torch_private import pytree
 
 
@@ -435,7 +436,7 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
 def _concatenated(st: ShardedTensor, device: torch.device) -> torch.Tensor:
     """The shards' data in one plain tensor on ``device``, outside autograd."""
     with torch.no_grad():
-        return torch.cat([_part(s.tensor, device).detach().to(device) for s in st.shards], st.shard_dim)
+        return cat_as_they_are([_part(s.tensor, device).detach().to(device) for s in st.shards], st.shard_dim)
 
 
 def _part(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -540,7 +541,7 @@ class _Split(torch.autograd.Function):
         )
         if placed:
             return _wrap([Shard(d, g) for g, (d, _) in zip(grads, ctx.shard_devices)], ctx.dim)
-        return torch.cat([g.to(ctx.device) for g in grads], ctx.dim)
+        return cat_as_they_are([g.to(ctx.device) for g in grads], ctx.dim)
 
 
 class ShardedView(torch.Tensor):

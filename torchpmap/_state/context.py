@@ -115,6 +115,36 @@ AUTOCAST_DEVICE_TYPES: tuple[str, ...] = tuple(
 DEVICE_AUTOCAST_TYPES: tuple[str, ...] = tuple(t for t in AUTOCAST_DEVICE_TYPES if t in ("cpu", "cuda"))
 
 
+class autocast_off:  # lower case: used as a context manager, like torch.autocast
+    """A block in which no autocast region is in force: every device type's that is on is
+    turned off, and back on after. For torchpmap's own work on values whose casts are
+    decided already: a compiled program, traced with the caller's casts in it (run or
+    compiled again under autocast, its ops would be cast anew, over the regions the
+    function entered itself), and results put together as the instances returned them.
+    Nothing to do when autocast is off (the common case: two state reads)."""
+
+    __slots__ = ("_entered",)
+
+    def __enter__(self) -> None:
+        self._entered = [
+            torch.autocast(t, enabled=False) for t in DEVICE_AUTOCAST_TYPES if torch.is_autocast_enabled(t)
+        ]
+        for region in self._entered:
+            region.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for region in reversed(self._entered):
+            region.__exit__(None, None, None)
+
+
+def cat_as_they_are(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` of torchpmap's own assembling of results, in the parts' dtype also
+    under a caller's autocast (whose ``cat`` promotes, and refuses float16 parts under a
+    bfloat16 autocast: a float16 result would raise on one placement only)."""
+    with autocast_off():
+        return torch.cat(list(parts), dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class Autocast:
     device_type: str
