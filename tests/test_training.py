@@ -847,3 +847,22 @@ def test_a_loss_that_calls_the_model_again_is_differentiated_through_both_calls(
             step.gather_params()
         for p, q in zip(model.parameters(), plain.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_embedding_that_scales_by_frequency_counts_each_instances_indices(jit, placement):
+    """``nn.Embedding(scale_grad_by_freq=True)`` divides each row's gradient by how often
+    its index occurs in the batch: in each instance's batch, as each DDP rank counts. One
+    device used to fold the instances into one backward over every sample, which counted
+    the other instances' occurrences too (0.35 off the other placements)."""
+    torch.manual_seed(0)
+    model = nn.Embedding(6, 3, scale_grad_by_freq=True).double()
+    w = torch.randn(6, 3, dtype=torch.float64)
+    loss_fn = lambda out, t: (out * w[t]).sum() / t.numel()  # noqa: E731
+    t = torch.tensor([[1, 1, 2], [1, 3, 3], [1, 2, 2], [4, 4, 4], [1, 1, 1], [5, 2, 1], [3, 3, 1], [2, 2, 2]])
+    shards = t.reshape(4, 2, 3)
+    ref = copy.deepcopy(model)
+    want = sum(torch.autograd.grad(loss_fn(ref(s), s), ref.weight)[0] for s in shards) / len(shards)
+    step = data_parallel_step(model, loss_fn, None, model_inputs=lambda s: s, jit=jit)
+    step(shards)
+    torch.testing.assert_close(model.weight.grad, want)

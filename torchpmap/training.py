@@ -795,10 +795,17 @@ def data_parallel_step(
         scaler skips the step) by the size of its products, which the fold changes (one
         product of the mean over every sample, where the other placements take each
         instance's scaled loss, as DDP's ranks do): one device would skip other steps
-        than two devices or two processes."""
+        than two devices or two processes.
+
+        Not for a model with an ``nn.Embedding(scale_grad_by_freq=True)``: its gradient
+        divides by how often each index occurs, which over all samples at once (the fold)
+        counts the other instances' occurrences too, where each instance (and DDP's
+        ranks) counts its own."""
         if randomness == "per_instance" or config.bitwise_placement or _devices.process_count() != 1:
             return False
         if grad_scaler is not None and grad_scaler.is_enabled():
+            return False
+        if _counts_index_frequencies(model):
             return False
         return len(devices if devices is not None else _devices.devices()) == 1
 
@@ -964,6 +971,13 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, PyTree]:
                 "instances): wrap numbers with torch.tensor(...)"
             )
     return loss, aux
+
+
+def _counts_index_frequencies(model: torch.nn.Module) -> bool:
+    """Whether an embedding of ``model`` scales its gradient by its indices' frequencies
+    in the batch (``scale_grad_by_freq``), which the one-device fold would count over every
+    instance's batch."""
+    return any(isinstance(m, torch.nn.Embedding) and m.scale_grad_by_freq for m in model.modules())
 
 
 def _start_from_process_zero(model: torch.nn.Module, axis_name: Hashable) -> None:
