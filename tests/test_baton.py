@@ -13,7 +13,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
+import torchpmap as tp
 from torchpmap._engines.baton import Baton
 
 
@@ -78,3 +80,26 @@ def test_only_the_holder_gives_a_take_back():
     baton.release()
     with pytest.raises(RuntimeError, match="does not hold"):
         baton.release()
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["devices", "debug mode"])
+def test_the_threads_take_their_first_turns_in_their_order(placement, debug):
+    """Each instance's thread (debug mode) or device thread runs up to its first collective
+    in the order of the axis, as a loop does: a list the function appends to, or a buffer it
+    updates in place, ends the same on every run (the first free thread took the baton)."""
+    if not debug and tp.device_count() == 1:
+        pytest.skip("one device runs its instances vectorized, in one thread")
+    for _ in range(5):
+        order: list[int] = []
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            order.append(int(tp.axis_index("i")))
+            return tp.psum(x, "i")
+
+        mapped = tp.pmap(f, axis_name="i", devices=tp.devices()[: 1 if debug else 4])
+        if debug:
+            with tp.disable_vectorization():
+                mapped(torch.arange(8.0))
+        else:
+            mapped(torch.arange(4.0))
+        assert order == list(range(8 if debug else 4))

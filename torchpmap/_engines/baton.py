@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,20 @@ class Baton:
         self._cond = threading.Condition(threading.Lock())
         self._holder: int | None = None
         self._depth = 0
+        self._on_free: dict[int, Callable[[], None]] = {}  # holder -> called when its turn ends
+
+    def when_turn_ends(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` once, when the calling holder's present turn ends: it sets the
+        baton down (at a collective) or gives back its last take of it."""
+        with self._cond:
+            if self._holder != threading.get_ident():
+                raise RuntimeError("torchpmap: a thread watched a turn it does not hold (an engine bug)")
+            self._on_free[self._holder] = callback
+
+    def _turn_ended(self, holder: int | None) -> None:
+        callback = self._on_free.pop(holder, None) if holder is not None else None
+        if callback is not None:
+            callback()
 
     def acquire(self) -> None:
         """Waits for the baton and takes it (again, if this thread holds it)."""
@@ -55,6 +70,7 @@ class Baton:
             self._depth -= 1
             if self._depth == 0:
                 self._holder = None
+                self._turn_ended(threading.get_ident())
                 self._cond.notify()
 
     def __enter__(self) -> Baton:
@@ -69,6 +85,7 @@ class Baton:
         with self._cond:
             held = Held(self._holder, self._depth)
             self._holder, self._depth = None, 0
+            self._turn_ended(held.holder)
             self._cond.notify()
             return held
 
@@ -77,3 +94,28 @@ class Baton:
         with self._cond:
             self._cond.wait_for(lambda: self._holder is None)
             self._holder, self._depth = held.holder, held.depth
+
+
+class FirstTurns:
+    """The threads of one call take their first turns in their order (0, 1, 2, ...): thread
+    ``j`` starts once thread ``j - 1``'s first turn has ended (at its first collective, or
+    at its end). So a function without collectives runs its instances in order, as a loop
+    does (``print``, a list it appends to, a buffer it updates in place), and so does
+    every function up to its first collective. Later turns go to whichever thread a
+    collective frees first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._next = 0
+
+    def wait(self, j: int) -> None:
+        """Waits until the threads before ``j`` have had their first turns."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._next >= j)
+
+    def ended(self, j: int) -> None:
+        """Thread ``j``'s first turn ended (or it ended without one: it raised before)."""
+        with self._cond:
+            if self._next <= j:
+                self._next = j + 1
+                self._cond.notify_all()

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 
 from torchpmap._engines import batching_rules, module_guard, vectorized, written_copies
-from torchpmap._engines.baton import Baton
+from torchpmap._engines.baton import Baton, FirstTurns
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
 from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
@@ -175,17 +175,24 @@ def run_threads(
     is refused (see :mod:`torchpmap._engines.module_guard`).
     """
     state, context, watch = _context.CallerState.capture(devices), contextvars.copy_context(), module_guard.Watch()
+    first_turns = FirstTurns()  # in the threads' order: see FirstTurns
 
-    def in_turn(body: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-        with rendezvous.turn(), state.entered(), module_guard.watching(watch):
-            return body()
+    def in_turn(j: int, body: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        try:
+            first_turns.wait(j)
+            with rendezvous.turn(), state.entered(), module_guard.watching(watch):
+                if rendezvous.baton is not None:
+                    rendezvous.baton.when_turn_ends(functools.partial(first_turns.ended, j))
+                return body()
+        finally:
+            first_turns.ended(j)  # also when it raised before its turn ended
 
     module_guard.install()
     try:
         with _context.shared_forward_ad():
             futures = [
-                pool.submit(functools.partial(_context.run_in_copy, context, functools.partial(in_turn, body)))
-                for body in bodies
+                pool.submit(functools.partial(_context.run_in_copy, context, functools.partial(in_turn, j, body)))
+                for j, body in enumerate(bodies)
             ]
             with rendezvous.passing_turn() if nested else contextlib.nullcontext():
                 return collect(futures, devices, k)
