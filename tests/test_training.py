@@ -866,3 +866,24 @@ def test_an_embedding_that_scales_by_frequency_counts_each_instances_indices(jit
     step = data_parallel_step(model, loss_fn, None, model_inputs=lambda s: s, jit=jit)
     step(shards)
     torch.testing.assert_close(model.weight.grad, want)
+
+
+# vmap cannot run embedding_renorm_ on a weight the instances share: one at a time, then refused
+@pytest.mark.filterwarnings("ignore::torchpmap.VectorizationFallbackWarning")
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_a_forward_that_writes_its_parameters_is_refused_naming_the_parameter(placement):
+    """nn.Embedding(max_norm=...) renormalizes the rows it looks up in place: every
+    instance of the step shares the model's weight, so the write is refused on every
+    placement, with a note that says which parameter and what to do in a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Flatten(), nn.Linear(12, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(5)
+    step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1))
+    t, y = torch.tensor([[1, 2, 3], [1, 1, 1], [4, 5, 6], [1, 7, 8]]), torch.tensor([0, 1, 0, 1])
+    written = r"wrote in place to the memory of argument 'params' at \['0.weight'\]"
+    with pytest.raises(RuntimeError, match=written) as err:
+        step(shard((t, y), n=4))
+    if sys.version_info >= (3, 11):  # exception notes
+        note = "\n".join(getattr(err.value, "__notes__", []))
+        assert "data_parallel_step" in note and "trained parameter ['0.weight']" in note and "outside the step" in note

@@ -72,6 +72,7 @@ from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.sharded import ShardedTensor
 from torchpmap._state.config import config
+from torchpmap._state.faults import SharedWrite
 from torchpmap._state.listing import first_few
 from torchpmap._state.torch_private import pytree
 from torchpmap._state.type_aliases import AxisName, PyTree, Randomness
@@ -853,7 +854,11 @@ def data_parallel_step(
         if grad_scaler is not None and grad_scaler.is_enabled():
             scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
         run = folded_step if folds() else p_step
-        grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
+        try:
+            grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
+        except SharedWrite as refused:
+            _explain_model_write(refused)
+            raise
         with torch.no_grad():
             if optimizer is not None:  # frozen since an earlier step: no gradient, as after zero_grad()
                 for k in frozen:
@@ -971,6 +976,23 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, PyTree]:
                 "instances): wrap numbers with torch.tensor(...)"
             )
     return loss, aux
+
+
+def _explain_model_write(refused: SharedWrite) -> None:
+    """Adds to ``refused`` what it means in a ``data_parallel_step``, where the shared
+    arguments are the model's own parameters and buffers, and what to do."""
+    for argument, what in (("params", "trained parameter"), ("frozen", "frozen parameter"), ("other", "buffer")):
+        prefix = f"argument {argument!r}"
+        if refused.argument.startswith(prefix) and hasattr(refused, "add_note"):  # Python >= 3.11
+            where = refused.argument[len(prefix):].removeprefix(" at ")
+            refused.add_note(
+                f"torchpmap: in data_parallel_step, that is the model's {what} {where}: its forward writes into it "
+                "in place (nn.Embedding(max_norm=...) renormalizes the rows it looks up, for one), and every "
+                "instance of the step shares the model's tensors. Do that write outside the step (before calling "
+                "it, under torch.no_grad()), or compute the new value in the forward without writing it (e.g. "
+                "F.embedding on a renormalized copy of the weight). The model's tensors may hold the write."
+            )
+            return
 
 
 def _counts_index_frequencies(model: torch.nn.Module) -> bool:

@@ -38,6 +38,7 @@ import torch
 
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
+from torchpmap._state.faults import SharedWrite
 
 #: torch's reason for refusing a write to memory that several elements share.
 TORCH_REASON = (
@@ -86,7 +87,7 @@ class Watch:
         for s in self.shared:
             if s.version is not None and private.version_counter(s.counted) != s.version:
                 torch_says = f'torch refuses such a write on one device where it can tell: "{TORCH_REASON}"'
-                raise RuntimeError(self._message(s, torch_says, self._views_of(s)))
+                raise SharedWrite(self._message(s, torch_says, self._views_of(s)), self.label(s.slot)[0])
 
     def _views_of(self, s: _Shared) -> str:
         """The other arguments a write to ``s``'s memory may have gone through (views of one tensor share
@@ -109,7 +110,8 @@ class Watch:
         if not expanded:
             return None
         reason = (str(error).strip().splitlines() or [TORCH_REASON])[0]
-        return RuntimeError(self._message(expanded[0], f'torch refused the write: "{reason}"'))
+        message = self._message(expanded[0], f'torch refused the write: "{reason}"')
+        return SharedWrite(message, self.label(expanded[0].slot)[0])
 
     def _message(self, s: _Shared, torch_says: str, through: str = "") -> str:
         t = s.tensor

@@ -9,6 +9,21 @@ class PeerFailed(RuntimeError):
     """Raised in the threads (or processes) that were waiting when another instance failed."""
 
 
+class SharedWrite(RuntimeError):
+    """The mapped function wrote in place into memory that several of its instances share
+    (an ``in_axes=None`` argument, an expanded or overlapping view): refused on every
+    placement.
+
+    Attributes:
+        argument: how the message names the argument leaf (``"argument 'params' at
+            ['0.weight']"``).
+    """
+
+    def __init__(self, message: str, argument: str):
+        super().__init__(message)
+        self.argument = argument
+
+
 class SizeMismatch(ValueError):
     """The processes passed different numbers of local instances to a pmap (every process
     raises it, at the same point: they stay in step)."""
