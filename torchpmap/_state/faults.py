@@ -19,7 +19,7 @@ class SharedWrite(RuntimeError):
             ['0.weight']"``).
     """
 
-    def __init__(self, message: str, argument: str):
+    def __init__(self, message: str, argument: str = ""):
         super().__init__(message)
         self.argument = argument
 
