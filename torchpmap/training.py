@@ -806,9 +806,9 @@ def data_parallel_step(
             return False
         if grad_scaler is not None and grad_scaler.is_enabled():
             return False
-        if _counts_index_frequencies(model):
+        if len(devices if devices is not None else _devices.devices()) != 1:
             return False
-        return len(devices if devices is not None else _devices.devices()) == 1
+        return not _counts_index_frequencies(model)  # last: it walks the model's modules
 
     started = [False]  # across processes: process 0's parameters and buffers copied at the first call
 

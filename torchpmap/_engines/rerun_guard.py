@@ -60,11 +60,7 @@ def note(call: MappedCall) -> Before:
     fallback = call.vmap_fallback
     # each instance alone on a device, without vmap: a failure is the instance's own, never undone
     if fallback is None or fallback.ran.once or multi_device.each_instance_alone(call):  # the common case
-        try:  # versions(call), without the call: this runs on every call
-            counts = [t._version for t in call.mapped]
-        except RuntimeError:
-            counts = versions(call)
-        return Before(counts, None, generator)
+        return Before(versions(call), None, generator)
     return Before(versions(call), copies(call), generator)
 
 

@@ -122,8 +122,7 @@ def own_rows(t: torch.Tensor) -> torch.Tensor:
             for k, s in enumerate(t.shards)
         ]
         return ShardedTensor(list(zip(t.devices(), pieces)), t.shard_dim)
-    # _rows_shared(t), inlined: this runs on every call
-    return t.contiguous() if t.dim() > 0 and t.stride(0) == 0 and t.shape[0] > 1 else t
+    return t.contiguous() if _rows_shared(t) else t
 
 
 def _shards_sharing_memory(t: ShardedTensor) -> set[int]:
