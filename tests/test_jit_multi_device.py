@@ -9,6 +9,7 @@ The module makes its own 4 CPU devices, so it runs the same in the suite's 1-dev
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -342,8 +343,9 @@ def test_a_tensor_made_to_require_grad_inside_runs_eagerly(four_devices, name, s
         with warnings.catch_warnings():  # eagerly, or one at a time (vmap refuses requires_grad_ itself)
             warnings.simplefilter("ignore")
             out = tp.pmap(fun, axis_name="i", devices=devices, jit=True)(x.clone())
+            eager = tp.pmap(fun)(x.clone())  # one at a time too, where vmap refused
         assert out.requires_grad
-        torch.testing.assert_close(torch.as_tensor(out).detach(), torch.as_tensor(tp.pmap(fun)(x.clone())).detach())
+        torch.testing.assert_close(torch.as_tensor(out).detach(), torch.as_tensor(eager).detach())
 
 
 def test_attention_without_dropout_compiles(four_devices):
@@ -362,3 +364,45 @@ def test_attention_without_dropout_compiles(four_devices):
         warnings.simplefilter("error", tp.JitFallbackWarning)
         loss = step(shard(x, n=4))
     assert torch.isfinite(torch.as_tensor(loss)).all()
+
+
+def test_cpu_device_slices_compute_at_once_on_shared_cores(four_devices, monkeypatch):
+    """A compiled segment runs with its thread's turn set down, so the CPU devices'
+    kernels run at once, each with the caller's intra-op threads shared out (4 devices on
+    4 threads: one each; see ``compiled_devices._cores_per_device``); the caller's count,
+    and the one a new thread starts with, are the caller's again afterwards."""
+    from torchpmap._engines import compiled_devices, thread_ops
+
+    seen = []
+    real = compiled_devices._compile_segment
+
+    def spying(options, graph, inputs):
+        compiled = real(options, graph, inputs)
+
+        def run(*args):
+            baton = thread_ops._live.get().rendezvous.baton
+            seen.append((torch.get_num_threads(), baton._holder))
+            return compiled(*args)
+
+        return run
+
+    monkeypatch.setattr(compiled_devices, "_compile_segment", spying)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        f = tp.pmap(lambda v: tp.psum(v.sin(), "i").cos() * v, axis_name="i", jit=True)
+        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+        f(x)  # traced, and each segment compiled in its thread's turn
+        seen.clear()
+        out = f(x)
+        assert _compiled_slices(f) == 1 and len(seen) == 8  # 4 devices x 2 segments
+        assert seen == [(1, None)] * 8  # one thread each, no thread holding the turn
+        assert torch.get_num_threads() == 4
+        fresh = []
+        t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert fresh == [4]
+        torch.testing.assert_close(out, tp.pmap(lambda v: tp.psum(v.sin(), "i").cos() * v, axis_name="i")(x))
+    finally:
+        torch.set_num_threads(threads)

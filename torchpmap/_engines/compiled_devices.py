@@ -214,14 +214,44 @@ def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSli
     torch_devices = tuple(d.torch_device for d in devices)
     seed = call_seed(call.randomness, devices[0].torch_device)
 
+    threads = _cores_per_device(devices)
+
     def one_device(d: int) -> list[torch.Tensor]:
         with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
+            if threads is not None and torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)  # this thread's (and the next new thread's: restored below)
             return programs.slices[d](part, ThreadExchange(rendezvous, d, torch_devices, group))
 
     bodies = [functools.partial(one_device, d) for d in range(len(devices))]
-    per_device = run_threads(bodies, rendezvous, devices, k)
+    try:
+        per_device = run_threads(bodies, rendezvous, devices, k)
+    finally:
+        if threads is not None:
+            torch.set_num_threads(torch.get_num_threads())  # the process' default: the caller's again
     check_outputs_agree(per_device, devices)
     return assembled(devices, per_device)
+
+
+def _cores_per_device(devices: Sequence[Device]) -> int | None:
+    """How many intra-op threads each CPU device's slice uses: the caller's, shared out
+    (None: the caller's, as in the eager engine).
+
+    A CPU device's kernels run in its device thread, on OpenMP, which gives every thread
+    that starts a parallel region a team of threads of its own. The compiled slices of
+    CPU devices run at once (see :mod:`~torchpmap._engines.segments`); with the caller's
+    count each, N devices would start N times the threads the caller uses, on the same
+    cores. Worse, OpenMP's idle threads then stop spinning and sleep (libgomp does so
+    once a process has more threads than cores), and every parallel region pays for
+    waking them, in every thread of the process. So the caller's threads are shared out
+    between the CPU devices (2 devices on 2 cores: one each), which also keeps the
+    caller's own team fast after the call.
+
+    Not under ``config.bitwise_placement``, whose slices must reduce as one device does,
+    and not for CUDA devices, whose kernels do not run in the device thread.
+    """
+    if config.bitwise_placement or len(devices) < 2 or any(d.torch_device.type != "cpu" for d in devices):
+        return None
+    return max(1, torch.get_num_threads() // len(devices))
 
 
 def _fallback_message(call: MappedCall, failure: Exception) -> str:

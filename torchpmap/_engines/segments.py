@@ -18,6 +18,14 @@ exchange's single autograd node joins the devices, as it does in the eager engin
 
 A segment is compiled at its first call, on the tensors it gets then (the exchanges'
 outputs among them, with their ``requires_grad``), which the call's signature fixes.
+
+A compiled segment runs with its device thread's turn set down
+(:func:`~torchpmap._engines.thread_ops.turn_set_down`): the turn keeps Python code of
+two threads from interleaving (see :func:`~torchpmap._engines.multi_device.run_threads`),
+and a compiled segment runs none of the user's, only kernels on its own device's tensors.
+So the devices compute at once, CPU devices too (whose kernels, unlike CUDA's, run in
+the calling thread), and the first thread's exchange waits for the slowest device's
+kernels, not for the sum of every device's.
 """
 from __future__ import annotations
 
@@ -45,9 +53,11 @@ class _Segment(torch.nn.Module):
         self.compiled: Callable[..., Any] | None = None
 
     def forward(self, *args: torch.Tensor) -> Any:
-        if self.compiled is None:
+        if self.compiled is None:  # compiled in turn: one compilation at a time
             self.compiled = self.compile_segment(self.graph_module, args)
-        return self.compiled(*args)
+            return self.compiled(*args)
+        with thread_ops.turn_set_down():  # the devices' kernels run at once (module docstring)
+            return self.compiled(*args)
 
 
 def split_at_exchanges(graph: torch.fx.GraphModule, compile_segment: CompileSegment) -> torch.fx.GraphModule:

@@ -92,6 +92,19 @@ def live(exchange: ThreadExchange) -> Iterator[None]:
         _live.reset(token)
 
 
+@contextlib.contextmanager
+def turn_set_down() -> Iterator[None]:
+    """The running device thread sets its turn down for the block (nothing outside a
+    compiled slice): the other device threads run their own code meanwhile. For a block
+    that touches no Python state another thread could see, a compiled segment's kernels."""
+    exchange = _live.get()
+    if exchange is None:
+        yield
+        return
+    with exchange.rendezvous.passing_turn():
+        yield
+
+
 def gather_live(ts: Sequence[torch.Tensor], size: int, what: str) -> list[torch.Tensor]:
     """What a ``torchpmap::gather_threads`` node does when a compiled slice runs: the
     running thread's eager exchange (differentiable, one autograd node across devices)."""

@@ -16,6 +16,7 @@ import torch
 
 SUBJECT = "torchpmap"
 JIT = "torchpmap.jit"
+JIT_1DEV = "torchpmap.1dev.jit"
 
 #: Every column, in table order. The first is the subject, the others are baselines.
 COLUMNS: dict[str, str] = {
@@ -27,7 +28,14 @@ COLUMNS: dict[str, str] = {
     "torch.ddp": "torch DistributedDataParallel, 2 processes (gloo)",
     "torchpmap.1dev": "torchpmap.pmap on one device",
     "torchpmap.jit": "torchpmap.pmap(jit=True): traced once, compiled with torch.compile",
+    JIT_1DEV: "torchpmap.pmap(jit=True) on one device",
 }
+
+
+def jit_baseline(name: str) -> bool:
+    """Whether ``torchpmap.jit`` is compared with column ``name``: every column but
+    torchpmap's own, and its compiled one-device column."""
+    return name == JIT_1DEV or not name.startswith(SUBJECT)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from torchpmap.bench.core import COLUMNS, SUBJECT
+from torchpmap.bench.core import COLUMNS, jit_baseline
 
 Doc = dict[str, Any]
 Row = dict[str, Any]
@@ -79,7 +79,7 @@ def _check_cell(check: dict[str, Any]) -> str:
 def _jit_baselines(rows: list[Row]) -> list[str]:
     """The baselines that some row compares torchpmap.jit with."""
     compared = {name for row in rows for name in row.get("jit_ratios", {})}
-    return [name for name in COLUMNS if name in compared and not name.startswith(SUBJECT)]
+    return [name for name in COLUMNS if name in compared and jit_baseline(name)]
 
 
 def _ratio_cells(ratios: dict[str, Any], names: list[str]) -> list[str]:

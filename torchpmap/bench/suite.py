@@ -12,7 +12,19 @@ from collections.abc import Callable
 from typing import Any
 
 from torchpmap.bench import timing
-from torchpmap.bench.core import COLUMNS, JIT, NA, SUBJECT, Case, Config, Impl, Workload, all_close, max_abs_diff
+from torchpmap.bench.core import (
+    COLUMNS,
+    JIT,
+    NA,
+    SUBJECT,
+    Case,
+    Config,
+    Impl,
+    Workload,
+    all_close,
+    jit_baseline,
+    max_abs_diff,
+)
 
 Row = dict[str, Any]
 Log = Callable[[str], None]
@@ -108,12 +120,12 @@ def _cells_json(cells: dict[str, NA], errors: dict[str, str], measured: timing.M
 
 def _ratios_json(measured: timing.Measurement, subject: str = SUBJECT, baselines_only: bool = False) -> dict[str, Any]:
     """Paired ratios ``subject / X`` for every other measured column X (with
-    ``baselines_only``, the columns that are not torchpmap itself)."""
+    ``baselines_only``, those of :func:`~torchpmap.bench.core.jit_baseline`)."""
     if subject not in measured.samples:
         return {}
     ratios = {}
     for name in COLUMNS:
-        if name != subject and name in measured.samples and not (baselines_only and name.startswith(SUBJECT)):
+        if name != subject and name in measured.samples and (not baselines_only or jit_baseline(name)):
             stats = measured.ratio(subject, name)
             ratios[name] = {"median": stats.median, "q1": stats.q1, "q3": stats.q3}
     return ratios

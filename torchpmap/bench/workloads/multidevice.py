@@ -1,5 +1,6 @@
 """(f) The multi-device path: the MLP step of (b) over 2 CPU devices vs one device, eager
-and compiled (``jit=True``: each device thread runs its compiled slice).
+and compiled (``jit=True``: each device thread runs its compiled slice; ``jit/torchpmap.1dev.jit``
+is the compiled step on 2 devices against the compiled step on one).
 
 Needs torchpmap to offer several CPU devices (``TORCHPMAP_NUM_CPU_DEVICES``, which the
 suite sets to 2 unless it is set); until then the row reports why it is empty.
@@ -37,6 +38,7 @@ def build(cfg: Config) -> list[Case]:
         "torchpmap": fw.torch_impl(cpu_cfg, _mlp.torchpmap_step(devs[:DEVICES]), params, x, y),
         "torchpmap.1dev": fw.torch_impl(cpu_cfg, _mlp.torchpmap_step(devs[:1]), params, x, y),
         "torchpmap.jit": fw.torch_impl(cpu_cfg, _mlp.torchpmap_step(devs[:DEVICES], jit=True), params, x, y),
+        "torchpmap.1dev.jit": fw.torch_impl(cpu_cfg, _mlp.torchpmap_step(devs[:1], jit=True), params, x, y),
         "torch": fw.torch_impl(cpu_cfg, _mlp.plain_step, params, *_mlp.flatten_batch(x, y)),
     }
     return [Case("multidevice", f"multidevice[{DEVICES} cpu]", "step", columns, rtol=1e-4, atol=1e-5)]
