@@ -21,6 +21,7 @@ import torch
 
 from torchpmap._engines import (
     batching_fixes,
+    closure_writes,
     compiled_devices,
     mesh_axes,
     multi_device,
@@ -95,7 +96,8 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         return one_at_a_time.run(call)
     before = rerun_guard.note(call)  # see rerun_guard
     try:
-        outputs = _corrected(_run_vectorized, call)
+        with closure_writes.kept(before.journal):
+            outputs = _corrected(_run_vectorized, call)
     except Exception as failure:
         if _inside_a_device_thread():
             # instances run one at a time here would meet the other device threads at a

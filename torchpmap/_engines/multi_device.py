@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import torch
 
-from torchpmap._engines import batching_rules, module_guard, vectorized, written_copies
+from torchpmap._engines import batching_rules, closure_writes, module_guard, vectorized, written_copies
 from torchpmap._engines.baton import Baton, FirstTurns
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_thread import call_seed, device_thread_mode
@@ -180,7 +180,7 @@ def run_threads(
     def in_turn(j: int, body: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         try:
             first_turns.wait(j)
-            with rendezvous.turn(), state.entered(), module_guard.watching(watch):
+            with rendezvous.turn(), state.entered(), module_guard.watching(watch), closure_writes.entered():
                 if rendezvous.baton is not None:
                     rendezvous.baton.when_turn_ends(functools.partial(first_turns.ended, j))
                 return body()

@@ -27,6 +27,10 @@ same numbers. The failed attempt drew it already: the re-run would draw the next
 the first call after a fallback gave other numbers than a device that runs its instance
 alone, or ``disable_vectorization()``. :func:`note` keeps the generator's state for such
 calls (half a microsecond), and :func:`undo` rewinds it before the re-run.
+
+Writes into tensors that are not mapped arguments (a module's buffers the function
+closes over, an ``in_axes=None`` argument) are undone by a journal of the attempt's
+writes, kept on the same calls (:mod:`~torchpmap._engines.closure_writes`).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import dataclasses
 
 import torch
 
-from torchpmap._engines import multi_device
+from torchpmap._engines import closure_writes, multi_device
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._placement.sharded import ShardedTensor
 
@@ -47,11 +51,14 @@ class Before:
         versions: the mapped arguments' version counters (:func:`versions`).
         saved: copies of them while the function has not run vectorized (:func:`copies`).
         generator: the caller's generator state, for ``randomness="per_instance"``.
+        journal: what the attempt writes into other tensors, while copies are kept
+            (:mod:`~torchpmap._engines.closure_writes`; the attempt runs under it).
     """
 
     versions: list[int]
     saved: list[torch.Tensor | None] | None
     generator: torch.Tensor | None
+    journal: closure_writes.Journal | None = None
 
 
 def note(call: MappedCall) -> Before:
@@ -61,7 +68,8 @@ def note(call: MappedCall) -> Before:
     # each instance alone on a device, without vmap: a failure is the instance's own, never undone
     if fallback is None or fallback.ran.once or multi_device.each_instance_alone(call):  # the common case
         return Before(versions(call), None, generator)
-    return Before(versions(call), copies(call), generator)
+    journal = closure_writes.start(call.mapped) if call.programs is None else None  # jit=True: traced, not journaled
+    return Before(versions(call), copies(call), generator, journal)
 
 
 def undo(call: MappedCall, before: Before, why: str) -> None:
@@ -69,6 +77,8 @@ def undo(call: MappedCall, before: Before, why: str) -> None:
     attempt wrote into the mapped arguments, or raises RuntimeError when it cannot
     (:func:`undo_writes`), and rewinds the caller's generator to where it was."""
     undo_writes(call, before.versions, before.saved, why)
+    if before.journal is not None:
+        before.journal.undo()
     if before.generator is not None:
         torch.default_generator.set_state(before.generator)
 
