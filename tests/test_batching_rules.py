@@ -346,3 +346,69 @@ def test_resize_of_a_tensor_the_same_for_every_instance_stays_vectorized():
     with warnings.catch_warnings():
         warnings.simplefilter("error", tp.VectorizationFallbackWarning)
         torch.testing.assert_close(tp.pmap(grow, devices=tp.devices()[:1])(torch.zeros(4, 3)), torch.ones(4, 3))
+
+
+#: (weight per instance, indices per instance, F.embedding's options): the ways vmap's own
+#: rule batches the op; the first and the padded per-instance ones gave other gradients
+#: than a loop through a ``.backward()`` on one device.
+EMBEDDINGS = {
+    "shared weight, scale_grad_by_freq": (False, True, dict(scale_grad_by_freq=True)),
+    "shared weight, padding_idx": (False, True, dict(padding_idx=1)),
+    "shared weight": (False, True, {}),
+    "weight per instance, scale_grad_by_freq": (True, True, dict(scale_grad_by_freq=True)),
+    "weight per instance, padding_idx": (True, True, dict(padding_idx=1)),
+    "weight per instance, padding_idx, scale_grad_by_freq": (True, True, dict(padding_idx=1, scale_grad_by_freq=True)),
+    "weight per instance": (True, True, {}),
+    "weight per instance, shared indices, scale_grad_by_freq": (True, False, dict(scale_grad_by_freq=True)),
+    "weight per instance, shared indices, padding_idx": (True, False, dict(padding_idx=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDINGS))
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_embedding_gradient_taken_outside_the_map_is_that_of_a_loop(placement, name, jit):
+    per_weight, per_index, options = EMBEDDINGS[name]
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([[1, 1, 2, 3], [1, 4, 4, 4], [0, 0, 0, 1], [2, 2, 2, 2]])
+    if not per_index:
+        idx = idx[1]
+    w = torch.randn(*((4,) if per_weight else ()), 5, 3, generator=g, requires_grad=True)
+    scale = torch.arange(1.0, 4.0)
+
+    def one(k):
+        return F.embedding(idx[k] if per_index else idx, w[k] if per_weight else w, **options)
+
+    (torch.stack([one(k) for k in range(4)]) * scale).sum().backward()
+    want, want_values = w.grad.clone(), torch.stack([one(k) for k in range(4)]).detach()
+    w.grad = None
+    in_axes = (0 if per_weight else None, 0 if per_index else None)
+    f = tp.pmap(lambda wi, ii: F.embedding(ii, wi, **options), in_axes=in_axes, jit=jit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.JitFallbackWarning)  # a lone instance per device compiles nothing
+        out = torch.as_tensor(f(w, idx))
+    assert torch.equal(out.detach(), want_values)
+    (out * scale).sum().backward()
+    assert torch.equal(w.grad, want), (w.grad - want).abs().max()
+
+
+@pytest.mark.parametrize("name", sorted(EMBEDDINGS))
+def test_embedding_rule_under_grad_and_nested_vmaps_is_a_loops(name):
+    """Inside ``torch.func.grad`` (vmap's rule for the backward) and in a vmap of a vmap."""
+    per_weight, per_index, options = EMBEDDINGS[name]
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 5, (2, 3, 4), generator=g)
+    w = torch.randn(*((2, 3) if per_weight else ()), 5, 3, generator=g)
+    if not per_index:
+        idx = idx[0, 0]
+
+    def loss(wi, ii):
+        return (F.embedding(ii, wi, **options) * torch.arange(1.0, 4.0)).sum()
+
+    in_dims = (0 if per_weight else None, 0 if per_index else None)
+    got = vmap(vmap(grad(loss), in_dims=in_dims), in_dims=in_dims)(w, idx)
+    want = torch.stack([
+        torch.stack([
+            grad(loss)(w[a, b] if per_weight else w, idx[a, b] if per_index else idx) for b in range(3)
+        ]) for a in range(2)
+    ])
+    assert torch.equal(got, want)

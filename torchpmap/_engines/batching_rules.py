@@ -41,6 +41,12 @@ Two more kinds of rule send fewer functions to one instance at a time:
   This one replaces torch's rule; under a plain ``torch.func.vmap`` the read is still
   refused, as torch refuses it.
 
+One rule replaces vmap's where its single call left a wrong gradient for a
+``.backward()`` through the map's results: **embeddings** (``aten::embedding``) with
+``scale_grad_by_freq`` and a shared weight, or ``padding_idx`` and a weight per
+instance, call once per instance (see :func:`_embedding`); every other embedding makes
+vmap's one call.
+
 And rules refuse what vmap gets silently wrong: ``resize_``, ``resize_as_``,
 ``as_strided_`` and ``set_`` of a batched tensor (see :func:`_install_metadata_writes`),
 so that the map runs its instances one at a time.
@@ -87,6 +93,7 @@ def install() -> None:
     _install_value_reads(_library)
     _install_metadata_writes(_library)
     _install_recurrent(_library)
+    _install_embedding(_library)
     flash = private.cpu_flash_attention()
     if flash is None:
         return
@@ -472,6 +479,65 @@ def same_bits(stacked: torch.Tensor) -> bool:
     if rows.dtype.is_floating_point or rows.dtype.is_complex:
         rows = rows.contiguous().view(torch.uint8)
     return bool((rows == rows[:1]).all())
+
+
+def _install_embedding(library: torch.library.Library) -> None:
+    """Replaces vmap's rule for ``aten::embedding`` with :func:`_embedding`."""
+    with warnings.catch_warnings():  # torch's own rule is replaced on purpose (torch warns)
+        warnings.simplefilter("ignore")
+        library.impl(torch.ops.aten.embedding.default, _embedding, "FuncTorchBatched")
+
+
+def _embedding(
+    weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> torch.Tensor:
+    """The rule for ``aten::embedding`` (``nn.Embedding``, ``F.embedding``): vmap's own,
+    but where its one call for all instances gave a ``.backward()`` through the map's
+    results another gradient than each instance's call. The forward is a gather either
+    way; what differs is the autograd node that call leaves for the levels below:
+
+    * a weight shared by every instance, ``scale_grad_by_freq=True``: vmap's call looked
+      the indices of every instance up at once, so the backward divided each row's
+      gradient by its count over all instances, not over the instance's own batch (a
+      row's gradient 6.0 off with 4 instances on one device, exact on 4 devices, which
+      run one instance each). It now calls once per instance.
+    * a weight per instance and per-instance indices, ``padding_idx`` set: vmap's call
+      stacked the weights into one table and shifted each instance's indices by its
+      offset, but kept one ``padding_idx``, so only the first instance's padding row got
+      no gradient (3.0 off). It now calls once per instance.
+
+    Otherwise one call, as vmap's rule makes it (a shared weight: the batched indices as
+    they are; a weight per instance: the instances in the embedding dim for shared
+    indices, or the weights stacked into one table with offset indices), bit for bit
+    its results. Under ``torch.func.grad`` inside the map the gradient never sees these
+    calls (vmap's rule for the backward counts per instance).
+    """
+    op = torch.ops.aten.embedding.default
+    level = private.current_vmap_level()
+    table, table_dim = private.unwrap_batched(weight, level)
+    index, index_dim = private.unwrap_batched(indices, level)
+    per_table = table_dim is not None and table_dim >= 0
+    per_index = index_dim is not None and index_dim >= 0
+    with private.batching_excluded():
+        if not per_table and not per_index:  # nothing batched at this level: the op, for the levels below
+            return op(table, index, padding_idx, scale_grad_by_freq, sparse)
+        if not per_table and not scale_grad_by_freq:
+            return private.add_batch_dim(op(table, index, padding_idx, False, sparse), index_dim, level)
+        if per_table and not per_index:  # the instances side by side in the embedding dim
+            size = table.shape[table_dim]
+            out = op(table.movedim(table_dim, 1).flatten(1, 2), index, padding_idx, scale_grad_by_freq, sparse)
+            return private.add_batch_dim(out.unflatten(-1, (size, -1)), out.dim() - 1, level)
+        ids = index.movedim(index_dim, 0)
+        size = ids.shape[0]
+        tables = _instances_first(table, table_dim, size)
+        if per_table and padding_idx < 0:  # one table, each instance's indices offset to its own rows
+            rows = tables.shape[1]
+            offsets = torch.arange(size, device=ids.device, dtype=ids.dtype).mul_(rows)
+            shifted = ids + offsets.view(size, *([1] * (ids.dim() - 1)))
+            return private.add_batch_dim(op(tables.flatten(0, 1), shifted, -1, scale_grad_by_freq, sparse), 0, level)
+        out = torch.stack([op(tables[i], ids[i], padding_idx, scale_grad_by_freq, sparse) for i in range(size)])
+        return private.add_batch_dim(out, 0, level)
 
 
 def _install_recurrent(library: torch.library.Library) -> None:
