@@ -88,6 +88,19 @@ def test_writes_are_undone_last_first_and_the_attempts_own_are_not_kept():
     assert x.tolist() == [[2.0] * 3] * 4  # the rerun guard puts arguments back
 
 
+def test_views_from_list_results_are_not_the_attempts_own():
+    """``split`` returns views of its input in a list: a write into one of them writes
+    into the closed-over tensor, and is undone."""
+    state = torch.zeros(4)
+    journal = closure_writes.start([])
+    with closure_writes.kept(journal):
+        _, second = state.split(2)
+        second.add_(1)
+    assert state.tolist() == [0.0, 0.0, 1.0, 1.0]
+    journal.undo()
+    assert state.tolist() == [0.0] * 4
+
+
 def test_a_function_that_ran_vectorized_runs_without_a_journal(monkeypatch):
     """Only the calls before a first vectorized run pay for the journal."""
     started = []

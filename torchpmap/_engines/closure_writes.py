@@ -112,10 +112,12 @@ class _Watch(private.TorchDispatchMode):
                 for t in _tensors(value):
                     self.journal.before_write(t)
         out = func(*args, **kwargs)
-        inputs = {a for v in (*args, *kwargs.values()) for t in _tensors(v) if (a := _storage(t)) is not None}
-        for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)):
-            if _storage(t) not in inputs:  # a view of an input, or the input written in place, is not new
-                self.journal.made(t)
+        returns = schema.returns
+        results = (out,) if len(returns) == 1 else out  # one result: a tensor, or a list of them (split)
+        for returned, value in zip(returns, results):
+            if returned.alias_info is None:  # not a view of an input, nor an input written in place
+                for t in _tensors(value):
+                    self.journal.made(t)
         return out
 
 
