@@ -637,6 +637,57 @@ def test_pmax_of_a_shared_argument_is_a_value_of_its_own(eight_devices):
                 assert torch.equal(out, -torch.ones(n, 3)) and torch.equal(w, torch.ones(3)), (n, len(devices))
 
 
+#: Float sums whose one-device result depended on how the values lay in memory, or on
+#: whether they were the same on every instance (one device multiplied, the others add
+#: the copies): each ``(function, in_axes, arguments)``.
+FLOAT_SUMS = {
+    "psum, instances in the last dim": (lambda v: tp.psum(v, "i"), -1, lambda: (_data(16, 8, dtype=torch.float32),)),
+    "pmean, instances in the last dim": (lambda v: tp.pmean(v, "i"), -1, lambda: (_data(16, 8, dtype=torch.float32),)),
+    "psum_scatter, instances in the last dim": (
+        lambda v: tp.psum_scatter(v, "i", tiled=True), -1, lambda: (_data(16, 8, dtype=torch.float32),)
+    ),
+    "psum in groups, instances in the last dim": (
+        lambda v: tp.psum(v, "i", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]), -1,
+        lambda: (_data(16, 8, dtype=torch.float32),),
+    ),
+    "psum of a pmean": (lambda v: tp.psum(tp.pmean(v, "i"), "i"), 0, lambda: (_data(8, 5, dtype=torch.float32),)),
+    "pmean of a pmin": (lambda v: tp.pmean(tp.pmin(v, "i"), "i"), 0, lambda: (_data(8, 5, dtype=torch.float32),)),
+    "psum of a shared argument": (
+        lambda v, w: tp.psum(w * 0.1, "i") + v, (0, None),
+        lambda: (_data(8, 5, dtype=torch.float32), _data(5, seed=1, dtype=torch.float32)),
+    ),
+}
+
+
+@pytest.mark.parametrize("bitwise", [True, False])
+@pytest.mark.parametrize("name", sorted(FLOAT_SUMS))
+def test_float_sums_add_in_one_order_on_every_placement(eight_devices, monkeypatch, name, bitwise):
+    """The sums above gave 3e-8 to 2.4e-7 other numbers on one device than on 2, 4 and 8
+    devices and in debug mode (which agreed with each other). Now every placement adds
+    the instances' values in their order, from the same layout."""
+    monkeypatch.setattr(tp.config, "bitwise_placement", bitwise)
+    fun, in_axes, arguments = FLOAT_SUMS[name]
+    one = tp.pmap(fun, "i", in_axes=in_axes, devices=eight_devices[:1])(*arguments())
+    for n in (2, 4, 8) if bitwise else (2, 4):
+        assert_same(one, tp.pmap(fun, "i", in_axes=in_axes, devices=eight_devices[:n])(*arguments()), f"{name}, {n}")
+    with tp.disable_vectorization():
+        assert_same(one, tp.pmap(fun, "i", in_axes=in_axes, devices=eight_devices[:1])(*arguments()), f"{name}, debug")
+
+
+@pytest.mark.parametrize("placement", ["1", "2", "4", "debug"])
+@pytest.mark.parametrize("reduce", [tp.pmax, tp.pmin])
+def test_pmax_of_a_value_the_same_everywhere_is_not_differentiable_on_any_placement(eight_devices, placement, reduce):
+    """A ``.backward()`` through ``pmax(pmean(v))`` gave a gradient on one device (pmax of
+    a value that is the same on every instance skipped the refusal), where every other
+    placement and JAX refuse it."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    devices = eight_devices[: 1 if placement == "debug" else int(placement)]
+    f = tp.pmap(lambda v: reduce(tp.pmean(v, "i"), "i"), "i", devices=devices)
+    with tp.disable_vectorization() if placement == "debug" else contextlib.nullcontext():
+        with pytest.raises(NotImplementedError, match="is not differentiable"):
+            torch.as_tensor(f(x)).sum().backward()
+
+
 def test_pshuffle_takes_its_permutation_from_an_iterator():
     """A generator as perm was used up by the check and gave an empty permutation: zeros."""
     x = torch.arange(1.0, 5.0)

@@ -34,7 +34,7 @@ def _group_reduce(X: torch.Tensor, groups: tuple[tuple[int, ...], ...], op: str)
     index = gid.view(n, *([1] * (X.dim() - 1))).expand_as(X)
     init = torch.zeros((len(groups), *X.shape[1:]), dtype=X.dtype, device=X.device)
     if op == "sum":
-        out = init.scatter_add(0, index, X)
+        out = init.scatter_add(0, index, _in_row_order(X))
     else:
         out = init.scatter_reduce(0, index, X, reduce=op, include_self=False)
     return out.index_select(0, gid)
@@ -42,6 +42,18 @@ def _group_reduce(X: torch.Tensor, groups: tuple[tuple[int, ...], ...], op: str)
 
 def _sum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.int64 if x.dtype == torch.bool else x.dtype
+
+
+def _in_row_order(X: torch.Tensor) -> torch.Tensor:
+    """The instances' values ``X`` laid out instance after instance (contiguous), as the
+    placements that gather them hold them, so that a float sum over the instances adds
+    in the same order on every placement. torch's CPU sum picks its order by the
+    layout: one device's ``X`` is the batched value as the function left it (``in_axes=-1``
+    puts the instances in the last, densest dim), and its sum was 2.4e-7 off what 2 and
+    4 devices and debug mode gave. Integers add exactly in any order (no copy)."""
+    if X.is_contiguous() or not (X.is_floating_point() or X.is_complex()):
+        return X
+    return X.contiguous()
 
 
 #: Unsigned integers that torch's CPU reductions (sum, amax, scatter_add) have no kernel
@@ -103,10 +115,13 @@ class Psum(Primitive):
         X = X.to(_sum_dtype(X))
         if self.groups is not None:
             return _group_reduce(X, self.groups, "sum"), 0
-        return X.sum(0, dtype=X.dtype), None
+        return _in_row_order(X).sum(0, dtype=X.dtype), None
 
     def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        if self.groups is not None or x.dtype in _UNSIGNED:
+        """An integer sum of equal values is a product; a float one is the sum of the
+        copies, as every placement that gathers them adds it (the product rounded
+        differently: 2.4e-7 off for ``psum(pmean(v))`` on one device)."""
+        if self.groups is not None or x.dtype in _UNSIGNED or x.is_floating_point() or x.is_complex():
             return super().compute_unbatched(x)
         return x.to(_sum_dtype(x)) * self.frame.local_size, None
 
@@ -252,6 +267,8 @@ class Pextremum(Primitive):
     def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         if self.groups is not None:
             return super().compute_unbatched(x)
+        if x.is_floating_point() and _may_be_differentiated(x):  # refused on every placement, as compute's
+            return _NotDifferentiable.apply(self.name, x), None  # (a copy of x)
         return x.clone(), None  # a value of its own, as a reduction's: a write into it must not reach x
 
     def transpose(self) -> Primitive:
@@ -305,7 +322,7 @@ class PsumScatter(Primitive):
         axis' ``size`` positions and moved first: ``(size, ...)``."""
         at = self.lead + self.dimension  # position in the summed value (member dim gone)
         X = X.to(_sum_dtype(X))
-        summed = X.sum(0, dtype=X.dtype)  # torch.sum would widen int32 to int64
+        summed = _in_row_order(X).sum(0, dtype=X.dtype)  # torch.sum would widen int32 to int64
         if self.tiled:
             summed = summed.unflatten(at, (size, summed.shape[at] // size))
         return summed.movedim(at, 0)
