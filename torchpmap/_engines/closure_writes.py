@@ -135,7 +135,7 @@ def kept(journal: Journal | None) -> Iterator[None]:
         return
     token = _active.set(journal)
     try:
-        with _Watch(journal):
+        with entered():
             yield
     finally:
         _active.reset(token)
@@ -143,7 +143,8 @@ def kept(journal: Journal | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def entered() -> Iterator[None]:
-    """A device thread of an attempt enters its caller's journal (dispatch modes are per thread)."""
+    """This thread enters the journal of the attempt it runs in, if any: the caller's
+    thread, and each device thread of the attempt (dispatch modes are per thread)."""
     journal = _active.get()
     if journal is None:
         yield

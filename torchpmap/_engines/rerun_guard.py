@@ -28,9 +28,10 @@ the first call after a fallback gave other numbers than a device that runs its i
 alone, or ``disable_vectorization()``. :func:`note` keeps the generator's state for such
 calls (half a microsecond), and :func:`undo` rewinds it before the re-run.
 
-Writes into tensors that are not mapped arguments (a module's buffers the function
-closes over, an ``in_axes=None`` argument) are undone by a journal of the attempt's
-writes, kept on the same calls (:mod:`~torchpmap._engines.closure_writes`).
+Writes into tensors that are not arguments (a module's buffers the function closes
+over) are undone by a journal of the attempt's writes, kept on the same calls
+(:mod:`~torchpmap._engines.closure_writes`). A write into an ``in_axes=None`` argument
+is refused on every placement (see :mod:`torchpmap._frontend.aliasing`).
 """
 from __future__ import annotations
 
