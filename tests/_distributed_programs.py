@@ -1082,6 +1082,69 @@ def scenario_sharded_step_checkpoint(rank: int, nproc: int) -> dict:
     return {"bytes": sum(step.bytes_per_device().values())}
 
 
+class HeapPeak:
+    """The most bytes malloc held beyond what it held on entering, sampled after every
+    aten op of this thread (glibc's ``mallinfo2``: arena chunks in use and mmapped
+    blocks; CPU tensors of this size are malloc'd and freed as they come and go)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in (
+                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                "keepcost")]
+
+        self._mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+        self._mallinfo2.restype = Info
+
+    def held(self) -> int:
+        info = self._mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def during(self, fn) -> int:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class Sample(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                top[0] = max(top[0], meter.held() - start)
+                return out
+
+        top = [0]
+        start = self.held()
+        with Sample():
+            fn()
+        return top[0]
+
+
+def scenario_sharded_step_peak(rank: int, nproc: int) -> dict:
+    """The allocator's peak in each process during one step (after two), of the
+    replicated step and the sharded one, for stacks of 6 and 12 square layers of 1 MiB:
+    the sharded step gathers each layer as it runs (torchpmap._frontend.layer_gather)."""
+    from torchpmap.training import data_parallel_step, shard
+
+    meter = HeapPeak()
+    torch.manual_seed(1)
+    x, y = torch.randn(4 * nproc, 512), torch.randn(4 * nproc, 512)
+    x, y = local(x, rank, nproc), local(y, rank, nproc)
+    peaks = {}
+    for depth in (6, 12):
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                *(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh()) for _ in range(depth))
+            )
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+            step = data_parallel_step(model, torch.nn.functional.mse_loss, opt, shard_params=sharded)
+            for _ in range(2):
+                step(shard((x, y), n=1))
+            peaks[(depth, sharded)] = meter.during(lambda step=step: step(shard((x, y), n=1)))
+    return {"peaks": peaks, "layer": (512 * 512 + 512) * 4}
+
+
 def scenario_sharded_step_clipped(rank: int, nproc: int) -> dict:
     return scenario_sharded_step(rank, nproc, clipped=True)
 

@@ -696,6 +696,26 @@ def test_a_sharded_steps_checkpoint_from_two_processes_resumes_in_one(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the allocator's peak is read from glibc's mallinfo2")
+def test_a_sharded_steps_peak_grows_with_depth_by_gradient_rows_only(tmp_path):
+    """The allocator's peak in each of 2 processes during one step, for 6 and for 12
+    layers of 1 MiB: the sharded step (which gathers each layer as it runs) peaks below
+    the replicated step, and 6 more layers raise its peak by about their gradient rows
+    (half a layer each, kept until the step ends, and once more as the mean), not by their
+    weights: every parameter gathered before the forward raised it by several MiB per
+    layer, the replicated step raises it by two."""
+    per_rank, _ = _ranks_finished("sharded_step_peak", 2, tmp_path, timeout=120)
+    for r, res in enumerate(per_rank):
+        peaks, layer = res["peaks"], res["layer"]
+        print(f"\nrank {r}: peak MiB during one step", {k: round(v / 2**20, 2) for k, v in peaks.items()})
+        for depth in (6, 12):
+            assert peaks[(depth, True)] < peaks[(depth, False)], (r, depth, peaks)
+        grown = peaks[(12, True)] - peaks[(6, True)]
+        assert grown <= 6 * 2 * layer / 2 + layer, (r, grown / layer, peaks)
+        assert peaks[(12, True)] <= 8 * layer + 12 * 2 * layer / 2, (r, peaks)
+
+
+@pytest.mark.slow
 def test_sharded_step_on_two_processes_trains_one_process_model(tmp_path):
     """data_parallel_step(shard_params=True) on 2 processes of 2 instances each: the
     weights (gathered after 3 AdamW steps), losses and metrics of the replicated step

@@ -604,14 +604,18 @@ def data_parallel_step(
     is flattened, zero-padded to ``N * s`` elements (``s = ceil(numel / N)``, ``N`` the
     instances of every process) and split into ``N`` rows; instance ``i`` holds row
     ``i``, and each device the rows of its own instances (a flat layout, as ZeRO-3's and
-    FSDP's flat parameters: any shape, any ``N``). A step gathers the rows of every
-    parameter (one ``all_gather`` before the forward) and differentiates with respect to
-    the rows: ``all_gather``'s transpose is ``psum_scatter``, so each instance receives
-    its row of the averaged gradient, and the optimizer steps the rows. Between steps
-    each device holds ``1/N`` of the parameters, their gradients and the optimizer's
-    state (plus the last row's padding); during a step, the gathered weights that
-    autograd saves live until their backward. The weights equal the replicated step's
-    to rounding. What changes:
+    FSDP's flat parameters: any shape, any ``N``). In a step each of PyTorch's own layers
+    (``Linear``, ``Conv*d``, ``ConvTranspose*d``, ``Bilinear``, ``Embedding``,
+    ``LayerNorm``, ``GroupNorm``, ``RMSNorm``) gathers its rows (an ``all_gather``) as
+    it runs and lets the gathered weight go after it; its backward gathers them again
+    and runs the layer once more (activation checkpointing of that layer). The other
+    trained parameters are gathered before the forward. The step differentiates with
+    respect to the rows: ``all_gather``'s transpose is ``psum_scatter``, so each
+    instance receives its row of the averaged gradient, and the optimizer steps the
+    rows. Between steps each device holds ``1/N`` of the parameters, their gradients
+    and the optimizer's state (plus the last row's padding); during a step, besides
+    that, the gradient's rows and one layer's weight and gradient at a time (and the
+    activations). The weights equal the replicated step's to rounding. What changes:
 
     * the returned step is a :class:`ShardedStep` (``torchpmap.training.ShardedStep``);
       after its first call the module's trained parameters are *emptied* (0 elements,
@@ -672,19 +676,22 @@ def data_parallel_step(
     with_loss = _ModelAndLoss(model, loss_fn)
 
     def run_model(
-        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
+        params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any,
+        module: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, PyTree, Tensors]:
         """One instance's loss (and aux) and its own copy of the buffers after the forward.
         The copy is made inside the transform that calls this, so that modules may update
         it in place (batch norm does). RNNs called without a state get one of zeros
-        batched like their input (see torchpmap._engines.recurrent)."""
+        batched like their input (see torchpmap._engines.recurrent). ``module``: the
+        model and loss as one module (a sharded step's shadow of it), by default
+        ``with_loss``."""
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
         state = {k: v.clone() for k, v in {**floating, **other}.items()}
         tensors = {f"model.{k}": v for k, v in {**params, **frozen, **state}.items()}
         with recurrent.zero_states_supplied(stateful):
             # the loss runs with the model's tensors swapped in too: a loss_fn that calls
             # the model again (a consistency term) is differentiated through both calls
-            out = functional_call(with_loss, tensors, (inputs, seen_by_loss))
+            out = functional_call(with_loss if module is None else module, tensors, (inputs, seen_by_loss))
         loss, aux = _loss_and_aux(out, has_aux)
         return loss, aux, state
 
@@ -837,7 +844,7 @@ def data_parallel_step(
     if sharded_axis is not None:
         assert optimizer is not None  # checked by _sharded_axis
         return ShardedStep(
-            model, optimizer, grad_scaler, run_model=run_model, prepare=prepare, start=start,
+            model, optimizer, grad_scaler, run_model=run_model, module=with_loss, prepare=prepare, start=start,
             write_buffers=write_buffers, split_buffers=lambda: _split_buffers(model), axis_name=sharded_axis,
             devices=devices, jit=jit, randomness=randomness, has_aux=has_aux, max_grad_norm=max_grad_norm,
         )

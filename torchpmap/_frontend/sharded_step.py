@@ -4,11 +4,13 @@ Every instance of the data axis holds ``1/N`` of every trained parameter (a flat
 see :mod:`~torchpmap._frontend.flat_shards`), of its gradient and of the optimizer's
 state for it. A step, on every instance:
 
-1. ``all_gather`` of the rows (one exchange for all the parameters), cut back to each
-   parameter's shape: the whole parameters, for this step's forward and backward;
-2. the loss of the instance's batch through ``functional_call`` with those parameters,
-   and its gradient with respect to the *rows*: autograd's transpose of ``all_gather``
-   is ``psum_scatter``, so each instance receives the sum over the instances of its own
+1. the forward, with the model's layers of PyTorch's own (``Linear``, ``Conv*d``,
+   ``Embedding``, the norms without buffers) gathering their own rows as each runs and
+   letting the gathered weight go after it; the backward gathers them again, layer by
+   layer (:mod:`~torchpmap._frontend.layer_gather`). The other trained parameters
+   (a batch norm's, a custom module's) are gathered at the start, in one ``all_gather``;
+2. the gradient with respect to the *rows*: autograd's transpose of ``all_gather`` is
+   ``psum_scatter``, so each instance receives the sum over the instances of its own
    row's gradient, divided by ``N`` here: the averaged gradient, already split;
 3. ``pmean`` of the loss, the buffers' changes and ``aux``, as the replicated step.
 
@@ -16,24 +18,20 @@ Then the optimizer steps the rows (it holds them in place of the parameters, see
 :mod:`~torchpmap._frontend.sharded_params`), which is the replicated step's update only
 for an elementwise optimizer (:mod:`~torchpmap._frontend.elementwise_optimizers`).
 
-Why every parameter is gathered before the forward, not layer by layer as it is used:
-the step runs the instances of several devices in threads that take turns at
-collectives, with the one module swapped to each instance's tensors by
-``functional_call`` for the length of a turn. A collective inside the forward would
-hand the turn over with this instance's tensors swapped in. And under ``torch.func``
-transforms saved-tensor hooks are off, so a gathered weight that autograd saves for the
-backward lives until that backward whenever it was gathered: gathering per layer would
-not lower the step's peak.
+Each device thread runs the forward on a shadow of the module of its own
+(:class:`layer_gather.Shadow`): a layer's gather is a collective inside the forward,
+and the threads take turns at collectives (see ``layer_gather``'s docstring).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.func import grad_and_value
 
 from torchpmap._collectives.public import all_gather, pmean, psum
+from torchpmap._frontend import layer_gather
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.reached import reached
 from torchpmap._frontend.sharded_params import ShardedParams
@@ -45,9 +43,19 @@ from torchpmap._state.type_aliases import PyTree, Randomness
 
 Tensors = dict[str, torch.Tensor]
 
-#: One instance's forward: ``(params, frozen, floating buffers, other buffers, batch) ->
-#: (loss, aux, the buffers after the forward)`` (``data_parallel_step``'s ``run_model``).
-RunModel = Callable[[Tensors, Tensors, Tensors, Tensors, Any], tuple[torch.Tensor, PyTree, Tensors]]
+
+
+class RunModel(Protocol):
+    """One instance's forward: ``(params, frozen, floating buffers, other buffers, batch,
+    module) -> (loss, aux, the buffers after the forward)``, through ``module`` (by
+    default the model and loss as one module, or a shadow of it) (``data_parallel_step``'s
+    ``run_model``)."""
+
+    def __call__(
+        self, params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any,
+        module: torch.nn.Module | None = None,
+    ) -> tuple[torch.Tensor, PyTree, Tensors]: ...
+
 
 #: The step's result for the gradients, loss, buffer changes, counters, aux, the squared
 #: L2 norm of the whole averaged gradient (None unless the step clips) and the number of
@@ -57,12 +65,18 @@ StepOut = tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree, torch.Tensor | 
 
 def sharded_instance_step(
     run_model: RunModel, params: ShardedParams, axis_name: Hashable, has_aux: bool, clips: bool = False,
-    counts_nonfinite: bool = False,
+    counts_nonfinite: bool = False, module: torch.nn.Module | None = None,
+    layers: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Callable[..., StepOut]:
     """One instance's step on its rows: gather, loss, gradient of the rows, means (and,
     when the step ``clips``, the psum over the instances of its rows' squared norms; when
-    it ``counts_nonfinite``, the psum of its rows' inf and NaN elements)."""
+    it ``counts_nonfinite``, the psum of its rows' inf and NaN elements).
+
+    ``layers`` (paths in ``module``, see :func:`layer_gather.layers`): the modules that
+    gather their own rows as they run; the other rows are gathered at the start."""
     layouts = params.layouts
+    layers = dict(layers or {})
+    by_layer = {k for names in layers.values() for k in names.values()}
 
     def instance_step(
         rows: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
@@ -70,10 +84,21 @@ def sharded_instance_step(
         found: list[str] = []
 
         def loss_of(rows: Tensors) -> tuple[torch.Tensor, tuple[Tensors, torch.Tensor, PyTree]]:
-            gathered = all_gather(rows, axis_name, tiled=True)
-            whole = {k: layouts[k].unflatten(gathered[k]) for k in rows}
-            loss, aux, state = run_model(whole, frozen, floating, other, batch)
-            found.extend(reached(loss, whole))
+            at_start = {k: v for k, v in rows.items() if k not in by_layer}
+            gathered = all_gather(at_start, axis_name, tiled=True) if at_start else {}
+            whole = {k: layouts[k].unflatten(gathered[k]) for k in at_start}
+            if not by_layer:
+                loss, aux, state = run_model(whole, frozen, floating, other, batch)
+                found.extend(reached(loss, whole))
+            else:
+                # this thread's own module objects: see layer_gather's docstring
+                assert module is not None
+                own = layer_gather.Shadow(module, layers)
+                with layer_gather.rows_for(layer_gather.LayerRows(rows, layouts, axis_name)) as used:
+                    loss, aux, state = run_model(whole, frozen, floating, other, batch, own.root)
+                own.write_back()
+                met = used.reached(loss, whole)
+                found.extend(k for k in rows if k in met)
             return (loss if scale is None else loss * scale), (state, loss, aux)
 
         grads, (_, (state, loss, aux)) = grad_and_value(loss_of, has_aux=True)(rows)
@@ -118,6 +143,7 @@ class ShardedStep:
         grad_scaler: torch.amp.GradScaler | None,
         *,
         run_model: RunModel,
+        module: torch.nn.Module,
         prepare: Callable[[PyTree], tuple[PyTree, int]],
         start: Callable[[], None],
         write_buffers: Callable[[Tensors, Tensors, Tensors], None],
@@ -132,6 +158,10 @@ class ShardedStep:
         self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
         self.max_grad_norm = max_grad_norm
         self._run_model, self._prepare, self._start = run_model, prepare, start
+        self._module = module
+        #: The modules that gather their parameters as they run, by path in the model
+        #: (see :mod:`~torchpmap._frontend.layer_gather`), known at the first call.
+        self.layers: dict[str, dict[str, str]] = {}
         self._write_buffers, self._split_buffers = write_buffers, split_buffers
         self.axis_name, self._devices, self._jit, self._randomness = axis_name, devices, jit, randomness
         self.has_aux = has_aux
@@ -149,7 +179,8 @@ class ShardedStep:
             self._step = pmap(
                 sharded_instance_step(
                     self._run_model, params, self.axis_name, self.has_aux, clips=self.max_grad_norm is not None,
-                    counts_nonfinite=scaled and _devices.process_count() > 1,
+                    counts_nonfinite=scaled and _devices.process_count() > 1, module=self._module,
+                    layers={f"model.{p}" if p else "model": names for p, names in self.layers.items()},
                 ),
                 axis_name=self.axis_name,
                 in_axes=(0, None, 0, None, 0, None),
@@ -167,9 +198,10 @@ class ShardedStep:
             assert self.grad_scaler is not None
             device = next(iter(params.pieces.values()))[0].tensor.device
             scale = self.grad_scaler.scale(torch.ones((), device=device))
-        grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
-            params.values(), frozen, per_instance, other, batch, scale
-        )
+        with layer_gather.read_on_demand(self.model, params.layouts):  # code reading them directly gathers them
+            grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
+                params.values(), frozen, per_instance, other, batch, scale
+            )
         with torch.no_grad():
             params.set_grads(grads)
             self._write_buffers(buffer_change, counters, floating)
@@ -226,6 +258,7 @@ class ShardedStep:
             names = [k for k, p in self.model.named_parameters() if p.requires_grad]
             params = ShardedParams.split(self.model, names, n, self.axis_name, self._devices)
             params.move_optimizer(self.optimizer)
+            self.layers = layer_gather.layers(self.model, params.layouts)
             params.release_module()
             self.params = params
             return params
@@ -297,7 +330,7 @@ class ShardedStep:
 
     def _refuse_released(self, module: torch.nn.Module, args: Any) -> None:
         """A forward pre-hook: the module called with its parameters emptied by the step."""
-        if self.params is None:
+        if self.params is None or module is not self.model:  # the step's own shadows: see layer_gather
             return
         empty = self.params.released_in(module)
         if empty:

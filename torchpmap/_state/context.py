@@ -152,6 +152,25 @@ class Autocast:
     cache_enabled: bool
 
 
+def autocast_regions() -> tuple[Autocast, ...]:
+    """The autocast regions in force in this thread: one per device type whose autocast is on."""
+    cache = torch.is_autocast_cache_enabled()
+    return tuple(
+        Autocast(t, torch.get_autocast_dtype(t), cache) for t in AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(t)
+    )
+
+
+@contextlib.contextmanager
+def autocast_as(regions: Sequence[Autocast]) -> Iterator[None]:
+    """A block with exactly ``regions`` in force (see :func:`autocast_regions`): any other
+    autocast turned off, e.g. to run again what ran under the regions captured then."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(autocast_off())
+        for a in regions:
+            stack.enter_context(torch.autocast(a.device_type, dtype=a.dtype, cache_enabled=a.cache_enabled))
+        yield
+
+
 @dataclasses.dataclass(frozen=True)
 class CallerState:
     """The calling thread's torch state that a device thread must share.
@@ -186,17 +205,11 @@ class CallerState:
     def capture(cls, devices: Sequence[Any] = ()) -> CallerState:
         """The calling thread's state; ``devices`` (torchpmap Devices): those of the call,
         whose current CUDA streams are captured."""
-        cache = torch.is_autocast_cache_enabled()
-        autocast = tuple(
-            Autocast(t, torch.get_autocast_dtype(t), cache)
-            for t in AUTOCAST_DEVICE_TYPES
-            if torch.is_autocast_enabled(t)
-        )
         return cls(
             grad_enabled=torch.is_grad_enabled(),
             inference_mode=torch.is_inference_mode_enabled(),
             forward_grad_enabled=private.forward_grad_enabled(),
-            autocast=autocast,
+            autocast=autocast_regions(),
             function_modes=tuple(private.function_mode_stack()),
             transforms=tuple(private.functorch_layers()),
             intra_op_threads=torch.get_num_threads(),

@@ -940,7 +940,9 @@ class ``cls`` with the given metadata and no storage of its own; every aten op o
 reaches ``cls.__torch_dispatch__``.
 
 For: :class:`torchpmap.ShardedTensor`, a ``torch.Tensor`` whose data lives in shards on
-several devices (so ``torch.as_tensor`` and autograd treat it as the tensor it is).
+several devices (so ``torch.as_tensor`` and autograd treat it as the tensor it is); and
+the sharded step's ``Unread`` placeholders (``_frontend/layer_gather.py``), parameters
+gathered where they are read.
 Public replacement: none (DTensor and every torch wrapper subclass use it; what we'd
 need: a public constructor for wrapper subclasses).
 Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.Tensor._make_wrapper_subclass``)."""

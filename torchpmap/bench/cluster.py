@@ -17,8 +17,9 @@ processes then run :func:`torchpmap.bench.ddp.run_ddp_comparison`'s columns inte
 * ``torchpmap.by_hand``: the step written as ``pmap`` with ``pmean(grad(...))``, whose
   exchange starts after the backward (against ``torchpmap``: what the overlap gains);
 * ``torchpmap.fsdp``: ``data_parallel_step(..., shard_params=True)`` (ZeRO-3: each host
-  holds half of the parameters, gradients and optimizer state; one all-gather of every
-  parameter before the forward, the gradients reduce-scattered), and ``fsdp2``: PyTorch's
+  holds half of the parameters, gradients and optimizer state; each linear layer
+  gathers its weights as it runs and again for its backward, not prefetched, the
+  gradients reduce-scattered layer by layer), and ``fsdp2``: PyTorch's
   ``fully_shard`` on each linear layer and the model (gathered layer by layer, prefetched).
 
 Then a tensor-parallel MLP step (:mod:`torchpmap.bench.tensor_parallel`), its hidden layer

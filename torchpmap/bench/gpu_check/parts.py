@@ -8,11 +8,12 @@ from collections.abc import Callable, Mapping
 
 #: Test files run with CUDA as the device (the issue's list: equivalence, API, sharded, multi-device; then
 #: what was added on the CPU since the last GPU session: the sharded step, autocast under the map, shard_map,
-#: results in memory of their own, writes into copies of the arguments' slices).
+#: results in memory of their own, writes into copies of the arguments' slices, the sharded step's layer by layer
+#: gathering).
 TEST_FILES = (
     "tests/test_device_equivalence.py", "tests/test_api.py", "tests/test_sharded.py", "tests/test_multi_device.py",
     "tests/test_sharded_step.py", "tests/test_autocast_policy.py", "tests/test_shard_map.py",
-    "tests/test_output_copies.py", "tests/test_written_copies.py",
+    "tests/test_output_copies.py", "tests/test_written_copies.py", "tests/test_layer_gather.py",
 )
 #: The RNN and value-read rules' tests, a part of their own: their compiled steps unroll the
 #: sequence, and Triton compiles them for minutes on an H200 (196 s of the 286 s that all the
