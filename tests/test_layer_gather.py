@@ -84,27 +84,32 @@ def test_layers_are_pytorchs_own_layers_holding_only_trained_parameters():
     }
 
 
-def run(model: torch.nn.Module, sharded: bool, devices, steps: int = 3) -> tuple[list[torch.Tensor], dict]:
+def run(
+    model: torch.nn.Module, sharded: bool, devices, steps: int = 3, reshard: bool = True
+) -> tuple[list[torch.Tensor], dict]:
     """``steps`` training steps, then one in eval mode (no dropout, batch norm's running
     statistics): the step sees a change made to the model between steps."""
     x, y = tokens()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    kw = {"reshard_after_forward": reshard} if sharded else {}
     step = data_parallel_step(
-        model, F.cross_entropy, opt, shard_params=sharded, devices=devices, randomness="per_instance"
+        model, F.cross_entropy, opt, shard_params=sharded, devices=devices, randomness="per_instance", **kw
     )
     torch.manual_seed(7)
     losses = [step(shard((x, y), N)) for _ in range(steps)]
     model.eval()
     losses.append(step(shard((x, y), N)))
     if sharded:
-        assert set(step.layers) == {"embed", "norm", "qkv", "proj", "conv", "head"}
+        assert set(step.layers) == ({"embed", "norm", "qkv", "proj", "conv", "head"} if reshard else set())
         step.gather_params()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_layer_by_layer_training_gives_the_replicated_steps_weights(placement):
+@pytest.mark.parametrize("reshard", [True, False], ids=["layer-by-layer", "all-first"])
+def test_layer_by_layer_training_gives_the_replicated_steps_weights(placement, reshard):
+    """reshard_after_forward=False gathers every parameter before the forward instead."""
     want_losses, want = run(Block(), False, placement[:1])
-    losses, got = run(Block(), True, None)
+    losses, got = run(Block(), True, None, reshard=reshard)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
@@ -264,3 +269,35 @@ def test_attributes_the_forward_sets_reach_the_users_module(placement):
     for _ in range(2):
         step(shard((x, y), N))
     assert model[0].calls == 2 and set(step.layers) == {"1"}
+
+
+def test_a_layer_called_with_keywords_and_none_gets_them(placement):
+    """Arguments travel through the gathering as they were given: a keyword, a None."""
+
+    class Up(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.up = torch.nn.ConvTranspose1d(2, 2, 3, stride=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.up(x, output_size=None)[..., :8] + self.up(input=x, output_size=[1, 2, 10])[..., :8]
+
+    x, y = torch.randn(8, 2, 4), torch.randn(8, 2, 8)
+    runs = {}
+    for sharded in (False, True):
+        model = Up()
+        step = data_parallel_step(
+            model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=sharded,
+            devices=None if sharded else placement[:1],
+        )
+        runs[sharded] = torch.stack([step(shard((x, y), N)) for _ in range(3)])
+        if sharded:
+            assert set(step.layers) == {"up"}
+    torch.testing.assert_close(runs[True], runs[False], rtol=1e-5, atol=1e-6)
+
+
+def test_reshard_after_forward_without_shard_params_is_refused():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=False is an option of the sharded step.*shard_params"):
+        data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), reshard_after_forward=False)

@@ -478,6 +478,7 @@ def data_parallel_step(
     has_aux: bool = False,
     shard_params: AxisName | bool | None = None,
     max_grad_norm: float | None = None,
+    reshard_after_forward: bool = True,
 ) -> Callable[[PyTree], Any]:
     """A data-parallel training step for an ``nn.Module``, a loss and a torch optimizer.
 
@@ -599,6 +600,12 @@ def data_parallel_step(
             or not, the norm is that of the whole gradient (with ``shard_params``, the
             rows' squared norms are summed over every instance, across devices and
             processes). Without an optimizer, clip ``p.grad`` yourself.
+        reshard_after_forward: with ``shard_params``, whether each layer lets its
+            gathered weights go after its forward and gathers them again for its
+            backward (True, the default: the least memory, as FSDP2's option of that
+            name), or every parameter is gathered once, before the forward, and kept
+            for the backward (False: fewer, larger exchanges and no layer run twice;
+            the whole weights live through the step).
 
     **Sharded parameters** (``shard_params=True``): every parameter that requires grad
     is flattened, zero-padded to ``N * s`` elements (``s = ceil(numel / N)``, ``N`` the
@@ -615,7 +622,9 @@ def data_parallel_step(
     rows. Between steps each device holds ``1/N`` of the parameters, their gradients
     and the optimizer's state (plus the last row's padding); during a step, besides
     that, the gradient's rows and one layer's weight and gradient at a time (and the
-    activations). The weights equal the replicated step's to rounding. What changes:
+    activations); ``reshard_after_forward=False`` gathers every parameter once, before
+    the forward, instead (faster, the whole weights held through the step). The weights
+    equal the replicated step's to rounding. What changes:
 
     * the returned step is a :class:`ShardedStep` (``torchpmap.training.ShardedStep``);
       after its first call the module's trained parameters are *emptied* (0 elements,
@@ -670,6 +679,12 @@ def data_parallel_step(
     if optimizer is not None:
         _check_optimizer_holds_the_model(model, optimizer)
     sharded_axis = _sharded_axis(shard_params, axis_name, optimizer)
+    if reshard_after_forward is not True and sharded_axis is None:
+        raise ValueError(
+            f"data_parallel_step: reshard_after_forward={reshard_after_forward!r} is an option of the sharded "
+            "step; without shard_params every instance holds the whole parameters. Pass shard_params=True too, "
+            "or leave reshard_after_forward out."
+        )
     _check_max_grad_norm(max_grad_norm, optimizer)
 
     stateful = recurrent.modules_needing_state(model)
@@ -847,6 +862,7 @@ def data_parallel_step(
             model, optimizer, grad_scaler, run_model=run_model, module=with_loss, prepare=prepare, start=start,
             write_buffers=write_buffers, split_buffers=lambda: _split_buffers(model), axis_name=sharded_axis,
             devices=devices, jit=jit, randomness=randomness, has_aux=has_aux, max_grad_norm=max_grad_norm,
+            reshard_after_forward=reshard_after_forward,
         )
 
     def step(batch: PyTree) -> Any:

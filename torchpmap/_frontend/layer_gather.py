@@ -95,6 +95,9 @@ def _is_layer(module: torch.nn.Module) -> bool:
     return not (isinstance(module, torch.nn.Embedding) and (module.max_norm is not None or module.sparse))
 
 
+_TENSOR = object()  # where a tensor goes among a layer call's leaves
+
+
 @dataclasses.dataclass
 class _LayerCall:
     """What one call of a layer needs besides its tensors: the layer, how its arguments
@@ -103,7 +106,7 @@ class _LayerCall:
 
     layer: torch.nn.Module
     spec: pytree.TreeSpec  # of (args, kwargs)
-    constants: list[Any]  # the non-tensor leaves of (args, kwargs), None where a tensor goes
+    constants: list[Any]  # the non-tensor leaves of (args, kwargs), _TENSOR where a tensor goes
     names: tuple[str, ...]  # the layer's own attribute names of its parameters, in the rows' order
     layouts: tuple[FlatLayout, ...]
     axis_name: Any
@@ -118,7 +121,7 @@ class _LayerCall:
         gathered = all_gather(tuple(rows), self.axis_name, tiled=True)
         weights = {a: layout.unflatten(g) for a, layout, g in zip(self.names, self.layouts, gathered)}
         it = iter(inputs)
-        leaves = [next(it) if c is None else c for c in self.constants]
+        leaves = [next(it) if c is _TENSOR else c for c in self.constants]
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         own: dict[str, Any] = self.layer._parameters  # tensors, not Parameters, for one call
         before = {a: own[a] for a in self.names}
@@ -195,7 +198,7 @@ class LayerRows:
         """``layer(*args, **kwargs)`` with its parameters gathered from their rows."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-        constants = [None if isinstance(t, torch.Tensor) else t for t in leaves]
+        constants = [_TENSOR if isinstance(t, torch.Tensor) else t for t in leaves]
         rows = []
         for k in names.values():
             seen = self.rows[k].view_as(self.rows[k])  # a node of its own: reached() finds this use

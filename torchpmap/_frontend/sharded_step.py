@@ -154,9 +154,10 @@ class ShardedStep:
         randomness: Randomness,
         has_aux: bool,
         max_grad_norm: float | None = None,
+        reshard_after_forward: bool = True,
     ) -> None:
         self.model, self.optimizer, self.grad_scaler = model, optimizer, grad_scaler
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.reshard_after_forward = max_grad_norm, reshard_after_forward
         self._run_model, self._prepare, self._start = run_model, prepare, start
         self._module = module
         #: The modules that gather their parameters as they run, by path in the model
@@ -258,7 +259,7 @@ class ShardedStep:
             names = [k for k, p in self.model.named_parameters() if p.requires_grad]
             params = ShardedParams.split(self.model, names, n, self.axis_name, self._devices)
             params.move_optimizer(self.optimizer)
-            self.layers = layer_gather.layers(self.model, params.layouts)
+            self.layers = layer_gather.layers(self.model, params.layouts) if self.reshard_after_forward else {}
             params.release_module()
             self.params = params
             return params
