@@ -301,3 +301,22 @@ def test_reshard_after_forward_without_shard_params_is_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match=r"reshard_after_forward=False is an option of the sharded step.*shard_params"):
         data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), reshard_after_forward=False)
+
+
+def test_a_loss_calling_a_batch_norm_model_again_names_reshard_after_forward(placement):
+    """Its second call runs on the model's own buffers (the step's forward runs on a
+    shadow): refused, naming the option that runs the forward on the model itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+
+    def loss_fn(out, y):
+        return F.mse_loss(out, y) + model(y[:, :1].expand(-1, 6)).pow(2).mean()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="reshard_after_forward=False"):
+        data_parallel_step(model, loss_fn, opt, shard_params=True)(shard((x, y), N))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data_parallel_step(model, loss_fn, opt, shard_params=True, reshard_after_forward=False)(shard((x, y), N))

@@ -126,6 +126,16 @@ def sharded_instance_step(
     return instance_step
 
 
+_WRITES_THE_MODULE = (
+    "data_parallel_step(shard_params=...): code in the step wrote into a buffer of the model itself (batch norm's "
+    "running statistics, say), not into the step's copy of it. Gathering layer by layer, the step runs its forward "
+    "on module objects of its own (see torchpmap._frontend.layer_gather), so a loss that calls the model again "
+    "(through a closure) runs it on the model's own buffers. Pass reshard_after_forward=False (every parameter "
+    "gathered before the forward, the forward run on the model itself), or compute that term inside the model's "
+    "forward."
+)
+
+
 class ShardedStep:
     """``data_parallel_step(..., shard_params=...)``: call it with a sharded batch as
     the replicated step; between calls the parameters, gradients and optimizer state
@@ -200,9 +210,14 @@ class ShardedStep:
             device = next(iter(params.pieces.values()))[0].tensor.device
             scale = self.grad_scaler.scale(torch.ones((), device=device))
         with layer_gather.read_on_demand(self.model, params.layouts):  # code reading them directly gathers them
-            grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
-                params.values(), frozen, per_instance, other, batch, scale
-            )
+            try:
+                grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
+                    params.values(), frozen, per_instance, other, batch, scale
+                )
+            except RuntimeError as e:
+                if self.layers and "mutate a captured Tensor" in str(e):
+                    raise RuntimeError(_WRITES_THE_MODULE) from e
+                raise
         with torch.no_grad():
             params.set_grads(grads)
             self._write_buffers(buffer_change, counters, floating)
