@@ -303,20 +303,27 @@ def test_reshard_after_forward_without_shard_params_is_refused():
         data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), reshard_after_forward=False)
 
 
-def test_a_loss_calling_a_batch_norm_model_again_names_reshard_after_forward(placement):
-    """Its second call runs on the model's own buffers (the step's forward runs on a
-    shadow): refused, naming the option that runs the forward on the model itself."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
-    x, y = torch.randn(8, 6), torch.randn(8, 3)
+def test_a_loss_calling_a_batch_norm_model_again_updates_the_steps_statistics(placement):
+    """Its second call runs on the model itself, whose buffers stand for the instance's
+    copies that the step's forward updates (as the replicated step's swapped-in copies)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    runs = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
 
-    def loss_fn(out, y):
-        return F.mse_loss(out, y) + model(y[:, :1].expand(-1, 6)).pow(2).mean()
+        def loss_fn(out, y, model=model):
+            return F.mse_loss(out, y) + 0.1 * model(y[:, :1].expand(-1, 6)).pow(2).mean()
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match="reshard_after_forward=False"):
-        data_parallel_step(model, loss_fn, opt, shard_params=True)(shard((x, y), N))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data_parallel_step(model, loss_fn, opt, shard_params=True, reshard_after_forward=False)(shard((x, y), N))
+        step = data_parallel_step(
+            model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=sharded,
+            devices=None if sharded else placement[:1],
+        )
+        losses = torch.stack([step(shard((x, y), N)) for _ in range(3)])
+        if sharded:
+            step.gather_params()
+        runs[sharded] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
+    for k, want in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][k], want, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")

@@ -178,11 +178,22 @@ class LayerRows:
     from them that tell which of them the loss reaches (see
     :func:`torchpmap._frontend.reached.reached`)."""
 
-    def __init__(self, rows: Mapping[str, torch.Tensor], layouts: Mapping[str, FlatLayout], axis_name: Any):
+    def __init__(
+        self, rows: Mapping[str, torch.Tensor], layouts: Mapping[str, FlatLayout], axis_name: Any,
+        shadow: Shadow | None = None,
+    ):
         self.rows, self.layouts, self.axis_name = rows, layouts, axis_name
         self.used: list[tuple[str, torch.Tensor]] = []
         self.open = False  # while the instance's forward runs (see rows_for)
         self.read: dict[str, torch.Tensor] = {}  # parameters gathered where read directly (see Unread)
+        self.shadow = shadow  # the module objects the forward runs on, and their buffers
+
+    def value_of(self, placeholder: Unread) -> torch.Tensor:
+        """What an :class:`Unread` placeholder stands for in this instance's forward."""
+        if placeholder.owner is None:
+            return self.whole(placeholder.param)
+        assert self.shadow is not None
+        return self.shadow.copy_of(placeholder.owner)._buffers[placeholder.attr]  # type: ignore[return-value]
 
     def whole(self, name: str) -> torch.Tensor:
         """Parameter ``name`` whole, gathered from its rows at its first direct read in
@@ -254,6 +265,11 @@ class Shadow:
     def __init__(self, module: torch.nn.Module, gathered: Mapping[str, Mapping[str, str]]):
         self.pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         self.root = self._copy(module, gathered, "")
+        self._copies = {id(m): c for m, c in reversed(self.pairs)}  # a module at two paths: its first copy
+
+    def copy_of(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The shadow of one of the module's submodules."""
+        return self._copies[id(module)]
 
     def _copy(self, module: torch.nn.Module, gathered: Mapping[str, Mapping[str, str]], path: str) -> torch.nn.Module:
         copy = object.__new__(type(module))
@@ -309,19 +325,26 @@ _METADATA: frozenset[Any] = frozenset(
 
 
 class Unread(torch.Tensor):
-    """A trained parameter in the user's module while a sharded step runs: code that reads
-    it directly, not through the call of its layer (a penalty over
-    ``model.parameters()`` in the loss, ``F.linear(h, self.embed.weight)``, the model
-    called again by the loss), gets its whole value, gathered from the rows of the
-    instance it runs for at its first read. Its shape, dtype and device answer without
-    gathering. It holds no data: outside a step's forward it refuses to be read."""
+    """A tensor of the user's module while a sharded step runs, in place of a trained
+    parameter or (gathering layer by layer) a buffer. Code that reads it directly, not
+    through the call of its layer (a penalty over ``model.parameters()`` in the loss,
+    ``F.linear(h, self.embed.weight)``, the model called again by the loss), gets the
+    value of the instance it runs for: a parameter's whole value, gathered from that
+    instance's rows at its first read; a buffer as the instance's own copy of it, the one
+    the step's forward reads and writes. Its shape, dtype and device answer without
+    that. It holds no data: outside a step's forward it refuses to be read."""
 
     param: str  # its name in the model
+    owner: torch.nn.Module | None  # a buffer's module (None for a parameter)
+    attr: str  # a buffer's name in its module
 
     @staticmethod
-    def __new__(cls, name: str, layout: FlatLayout, like: torch.Tensor) -> Unread:
-        out = make_wrapper_subclass(cls, layout.shape, dtype=like.dtype, device=like.device, requires_grad=True)
-        out.param = name
+    def __new__(cls, name: str, like: torch.Tensor, shape: torch.Size, owner: torch.nn.Module | None = None,
+                attr: str = "") -> Unread:
+        out = make_wrapper_subclass(
+            cls, shape, dtype=like.dtype, device=like.device, requires_grad=owner is None and like.requires_grad
+        )
+        out.param, out.owner, out.attr = name, owner, attr
         return out
 
     def __repr__(self) -> str:  # type: ignore[override]
@@ -338,12 +361,11 @@ class Unread(torch.Tensor):
         if rows is None:
             name = next(t.param for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Unread))
             raise RuntimeError(
-                f"torchpmap: the parameter {name!r} was read while a data_parallel_step(shard_params=...) ran, "
-                "outside the forward of any of its instances (another thread, or autograd's backward): its "
-                "values are the step's rows. Read parameters inside the model or the loss, or after "
-                "step.gather_params()."
+                f"torchpmap: the model's tensor {name!r} was read while a data_parallel_step(shard_params=...) "
+                "ran, outside the forward of any of its instances (another thread, or autograd's backward): its "
+                "values are the step's. Read it inside the model or the loss, or after step.gather_params()."
             )
-        args, kwargs = pytree.tree_map_only(Unread, lambda t: rows.whole(t.param), (args, kwargs))
+        args, kwargs = pytree.tree_map_only(Unread, rows.value_of, (args, kwargs))
         return func(*args, **kwargs)
 
     @classmethod
@@ -352,28 +374,35 @@ class Unread(torch.Tensor):
     ) -> Any:
         name = next(t.param for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Unread))
         raise RuntimeError(
-            f"torchpmap: {func} reached the parameter {name!r} below torch functions, where a sharded step "
-            "cannot gather it. Read it through a torch function or method, or train with the replicated step "
-            "(leave shard_params out)."
+            f"torchpmap: {func} reached the model's tensor {name!r} below torch functions, where a sharded step "
+            "cannot give it its value. Read it through a torch function or method, or train with the replicated "
+            "step (leave shard_params out)."
         )
 
 
 @contextlib.contextmanager
-def read_on_demand(model: torch.nn.Module, layouts: Mapping[str, FlatLayout]) -> Iterator[None]:
+def read_on_demand(
+    model: torch.nn.Module, layouts: Mapping[str, FlatLayout], buffers: bool = False
+) -> Iterator[None]:
     """While the block runs, every trained parameter of ``model`` (at every module that
-    holds it) is an :class:`Unread` placeholder, the emptied ``Parameter`` again after."""
+    holds it), and with ``buffers`` every buffer, is an :class:`Unread` placeholder; the
+    module's own tensors again after."""
     names = {id(p): k for k, p in model.named_parameters() if k in layouts}
-    held = [
-        (module, attr, p)
-        for module in model.modules()
-        for attr, p in module._parameters.items()
-        if p is not None and id(p) in names
-    ]
-    placeholders = {k: Unread(k, layouts[k], model.get_parameter(k)) for k in set(names.values())}
+    placeholders = {k: Unread(k, model.get_parameter(k), layouts[k].shape) for k in set(names.values())}
+    held: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and id(p) in names:
+                held.append((module._parameters, attr, p, placeholders[names[id(p)]]))
+        if buffers:
+            for attr, b in module._buffers.items():
+                if b is not None:
+                    name = f"{path}.{attr}" if path else attr
+                    held.append((module._buffers, attr, b, Unread(name, b, b.shape, module, attr)))
     try:
-        for module, attr, p in held:
-            module._parameters[attr] = placeholders[names[id(p)]]  # type: ignore[assignment]
+        for where, attr, _, placeholder in held:
+            where[attr] = placeholder
         yield
     finally:
-        for module, attr, p in held:
-            module._parameters[attr] = p
+        for where, attr, tensor, _ in held:
+            where[attr] = tensor

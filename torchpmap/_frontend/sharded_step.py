@@ -94,7 +94,7 @@ def sharded_instance_step(
                 # this thread's own module objects: see layer_gather's docstring
                 assert module is not None
                 own = layer_gather.Shadow(module, layers)
-                with layer_gather.rows_for(layer_gather.LayerRows(rows, layouts, axis_name)) as used:
+                with layer_gather.rows_for(layer_gather.LayerRows(rows, layouts, axis_name, own)) as used:
                     loss, aux, state = run_model(whole, frozen, floating, other, batch, own.root)
                 own.write_back()
                 met = used.reached(loss, whole)
@@ -124,16 +124,6 @@ def sharded_instance_step(
         return grads, loss, buffer_change, counters, aux, squared_norm, nonfinite
 
     return instance_step
-
-
-_WRITES_THE_MODULE = (
-    "data_parallel_step(shard_params=...): code in the step wrote into a buffer of the model itself (batch norm's "
-    "running statistics, say), not into the step's copy of it. Gathering layer by layer, the step runs its forward "
-    "on module objects of its own (see torchpmap._frontend.layer_gather), so a loss that calls the model again "
-    "(through a closure) runs it on the model's own buffers. Pass reshard_after_forward=False (every parameter "
-    "gathered before the forward, the forward run on the model itself), or compute that term inside the model's "
-    "forward."
-)
 
 
 class ShardedStep:
@@ -209,15 +199,11 @@ class ShardedStep:
             assert self.grad_scaler is not None
             device = next(iter(params.pieces.values()))[0].tensor.device
             scale = self.grad_scaler.scale(torch.ones((), device=device))
-        with layer_gather.read_on_demand(self.model, params.layouts):  # code reading them directly gathers them
-            try:
-                grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
-                    params.values(), frozen, per_instance, other, batch, scale
-                )
-            except RuntimeError as e:
-                if self.layers and "mutate a captured Tensor" in str(e):
-                    raise RuntimeError(_WRITES_THE_MODULE) from e
-                raise
+        # code reading the model's tensors directly gets the step's values of them
+        with layer_gather.read_on_demand(self.model, params.layouts, buffers=bool(self.layers)):
+            grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
+                params.values(), frozen, per_instance, other, batch, scale
+            )
         with torch.no_grad():
             params.set_grads(grads)
             self._write_buffers(buffer_change, counters, floating)
