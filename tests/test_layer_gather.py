@@ -6,6 +6,7 @@ The allocator's peak across processes is in tests/test_distributed.py.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import pytest
@@ -322,6 +323,65 @@ def test_a_loss_calling_a_batch_norm_model_again_updates_the_steps_statistics(pl
         )
         losses = torch.stack([step(shard((x, y), N)) for _ in range(3)])
         if sharded:
+            step.gather_params()
+        runs[sharded] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)
+    for k, want in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][k], want, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class OldWeightNorm(torch.nn.Module):
+    """``torch.nn.utils.weight_norm``: a forward pre-hook makes ``weight`` from the
+    trained ``weight_g`` and ``weight_v``; the layer is not gathered by itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations.weight_norm
+            self.a = torch.nn.utils.weight_norm(torch.nn.Linear(6, 8))
+        self.b = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class Encoder(torch.nn.Module):
+    """A transformer encoder with dropout: attention reads its output projection's
+    weight directly (a placeholder gathers it) inside a random op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True)
+        self.inp, self.o = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+        self.enc = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.enc(self.inp(x).view(-1, 2, 8)).reshape(-1, 8))
+
+
+# attention's dropout has no per_instance rule: its instances run one at a time, and say so
+@pytest.mark.filterwarnings("ignore::torchpmap.VectorizationFallbackWarning")
+@pytest.mark.parametrize("make", [OldWeightNorm, Encoder], ids=["old-weight-norm", "encoder-dropout"])
+def test_hooks_and_random_ops_around_the_layers_as_the_replicated_step(placement, make):
+    """Found by a hunt: the layer under the old weight_norm was gathered by itself (its
+    pre-hook's weight never reached the gradient: other weights after 3 steps); dropout
+    in attention under per_instance randomness hung (the placeholder's gather ran inside
+    the random stream's lock)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    runs = {}
+    for sharded in (False, True):
+        model = make()
+        step = data_parallel_step(
+            model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), shard_params=sharded,
+            devices=None if sharded else placement[:1], randomness="per_instance",
+        )
+        torch.manual_seed(7)
+        losses = torch.stack([step(shard((x, y), N)) for _ in range(3)])
+        if sharded:
+            assert "a" not in step.layers
             step.gather_params()
         runs[sharded] = losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-5, atol=1e-6)

@@ -41,6 +41,15 @@ def instance_seed(seed: int, index: int) -> int:
     return (seed ^ ((index + 1) * _MIX)) % (1 << 63)
 
 
+def resolves_first(types: Any) -> bool:
+    """Whether an argument of an op is of a tensor class that asks torch function modes
+    to let its own ``__torch_function__`` go first (``torchpmap_resolves_first``: the
+    sharded step's placeholders, whose read may run a collective, which must not happen
+    while a random stream's lock is held). The mode returns NotImplemented then, and sees
+    the op again with the values."""
+    return any(getattr(t, "torchpmap_resolves_first", False) for t in types)
+
+
 class InstanceStreams(TorchFunctionMode):
     """Draws the random numbers of instances ``first .. first + count - 1`` of a call.
 
@@ -68,6 +77,8 @@ class InstanceStreams(TorchFunctionMode):
         rule = _RULES.get(getattr(func, "__name__", ""))
         if rule is None:
             return func(*args, **kwargs)
+        if resolves_first(types):
+            return NotImplemented
         name = func.__name__
         if kwargs.get("generator") is torch.default_generator:  # torchpmap's own call seed of a nested pmap
             return func(*args, **kwargs)

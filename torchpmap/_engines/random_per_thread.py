@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch.overrides import TorchFunctionMode
 
-from torchpmap._engines.random_per_instance import instance_seed
+from torchpmap._engines.random_per_instance import instance_seed, resolves_first
 from torchpmap._state.torch_private import functorch_layers_cleared
 
 _DRAWING_OPS = frozenset(
@@ -105,6 +105,8 @@ class _DeviceThreadMode(TorchFunctionMode):
                 f"{self.what}: called random operation {name} while in randomness error mode (randomness='error'); "
                 "pass randomness='different', 'same' or 'per_instance' to draw random numbers"
             )
+        if name in _RANDOM_OPS and resolves_first(types):  # before the lock: see resolves_first
+            return NotImplemented
         if self.seed is None or name not in _RANDOM_OPS or getattr(_drawing, "now", False):
             # (a mode of an enclosing device thread sees the op that an inner one draws:
             # the innermost stream is the one that draws)

@@ -88,9 +88,15 @@ def layers(model: torch.nn.Module, sharded: Mapping[str, FlatLayout]) -> dict[st
 
 
 def _is_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs its class's own forward on its own ``weight`` and ``bias``
+    (not on a weight made by a forward pre-hook from others, as the old
+    ``torch.nn.utils.weight_norm``'s ``weight_g`` and ``weight_v``), with no pre-hook
+    that could change them first."""
     if getattr(type(module), "forward", None) not in LAYER_FORWARDS or "forward" in module.__dict__:
         return False
-    if module._buffers or module._modules:
+    if module._buffers or module._modules or module._forward_pre_hooks:
+        return False
+    if not set(module._parameters) <= {"weight", "bias"} or any(a in module.__dict__ for a in ("weight", "bias")):
         return False
     return not (isinstance(module, torch.nn.Embedding) and (module.max_norm is not None or module.sparse))
 
@@ -333,6 +339,11 @@ class Unread(torch.Tensor):
     instance's rows at its first read; a buffer as the instance's own copy of it, the one
     the step's forward reads and writes. Its shape, dtype and device answer without
     that. It holds no data: outside a step's forward it refuses to be read."""
+
+    #: Torch function modes that would hold a lock or a turn across the op (a random
+    #: stream's) let it go first (see random_per_instance.resolves_first): its read may
+    #: gather, a collective.
+    torchpmap_resolves_first = True
 
     param: str  # its name in the model
     owner: torch.nn.Module | None  # a buffer's module (None for a parameter)
