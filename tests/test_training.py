@@ -849,6 +849,42 @@ def test_a_loss_that_calls_the_model_again_is_differentiated_through_both_calls(
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_a_module_used_twice_keeps_its_parameter_and_trains_as_plain_pytorch(placement):
+    """One nn.Linear at two places of a Sequential: torch.func.functional_call left it
+    holding the tensor swapped in for the step, so the optimizer stepped a parameter the
+    model no longer used (found by a hunt: other losses from the third step on).
+    Replicated and sharded, 1 and 4 devices."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+
+    def make():
+        torch.manual_seed(0)
+        twice = torch.nn.Linear(6, 6)
+        return torch.nn.Sequential(twice, torch.nn.Tanh(), twice, torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+    plain = make()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    want = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = torch.stack([F.mse_loss(plain(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4))]).mean()
+        loss.backward()
+        opt.step()
+        want.append(loss.detach())
+    for sharded in (False, True):
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = data_parallel_step(model, F.mse_loss, opt, shard_params=sharded)
+        losses = torch.stack([step(shard((x, y), n=4)) for _ in range(4)])
+        torch.testing.assert_close(losses, torch.stack(want), rtol=1e-5, atol=1e-6)
+        if sharded:
+            step.gather_params()
+        else:
+            assert model[0].weight is opt.param_groups[0]["params"][0]
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_an_embedding_that_scales_by_frequency_counts_each_instances_indices(jit, placement):
     """``nn.Embedding(scale_grad_by_freq=True)`` divides each row's gradient by how often

@@ -703,10 +703,19 @@ def data_parallel_step(
         inputs, seen_by_loss = (model_inputs(batch), batch) if model_inputs is not None else batch
         state = {k: v.clone() for k, v in {**floating, **other}.items()}
         tensors = {f"model.{k}": v for k, v in {**params, **frozen, **state}.items()}
-        with recurrent.zero_states_supplied(stateful):
-            # the loss runs with the model's tensors swapped in too: a loss_fn that calls
-            # the model again (a consistency term) is differentiated through both calls
-            out = functional_call(with_loss if module is None else module, tensors, (inputs, seen_by_loss))
+        target = with_loss if module is None else module
+        # functional_call leaves a module that sits at two paths (one nn.Linear used twice
+        # in a Sequential) holding the swapped-in tensor: its slots are put back after
+        held = [(m, dict(m._parameters), dict(m._buffers)) for m in target.modules()]
+        try:
+            with recurrent.zero_states_supplied(stateful):
+                # the loss runs with the model's tensors swapped in too: a loss_fn that calls
+                # the model again (a consistency term) is differentiated through both calls
+                out = functional_call(target, tensors, (inputs, seen_by_loss))
+        finally:
+            for m, own_params, own_buffers in held:
+                m._parameters.update(own_params)
+                m._buffers.update(own_buffers)
         loss, aux = _loss_and_aux(out, has_aux)
         return loss, aux, state
 
