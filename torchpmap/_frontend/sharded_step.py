@@ -44,7 +44,6 @@ from torchpmap._state.type_aliases import PyTree, Randomness
 Tensors = dict[str, torch.Tensor]
 
 
-
 class RunModel(Protocol):
     """One instance's forward: ``(params, frozen, floating buffers, other buffers, batch,
     module) -> (loss, aux, the buffers after the forward)``, through ``module`` (by
