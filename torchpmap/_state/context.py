@@ -240,8 +240,7 @@ class CallerState:
                 stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             stack.enter_context(private.forward_grad_set(self.forward_grad_enabled))
-            for a in self.autocast:
-                stack.enter_context(torch.autocast(a.device_type, dtype=a.dtype, cache_enabled=a.cache_enabled))
+            stack.enter_context(autocast_as(self.autocast))
             for mode in self.function_modes:
                 stack.enter_context(private.function_mode_pushed(mode))
             for stream in self.cuda_streams:
