@@ -98,17 +98,32 @@ else
 test: test-main
 endif
 
-# $(call suite,PYTHON,TORCH VERSION[,PYTEST ARGS]): the whole suite on one device, then the
-# device-spanning parts again on 4 CPU devices (with the optional arguments: -m "not slow"
-# leaves out the several-process tests, the examples and the Hugging Face models there),
-# then the inductor jit sweep (jit=True's own path, generated code) on one device.
+# $(call in_halves,COMMAND): a pytest COMMAND run as two processes at once, one a core:
+# TORCHPMAP_TEST_SHARD=1/2 and 2/2 (tests/conftest.py deals whole files to the two, the same
+# way every run, so each half's order never changes; a single file's tests are dealt out one
+# by one). The second half's output follows the first's; either failing fails the recipe.
+define in_halves
+	@echo "(in two halves at once) $(1)"
+	@second_log=$$(mktemp); \
+	TORCHPMAP_TEST_SHARD=2/2 $(1) > $$second_log 2>&1 & second=$$!; \
+	TORCHPMAP_TEST_SHARD=1/2 $(1); first_rc=$$?; \
+	wait $$second; second_rc=$$?; \
+	echo "-- the second half (TORCHPMAP_TEST_SHARD=2/2), exit status $$second_rc:"; cat $$second_log; rm -f $$second_log; \
+	test $$first_rc -eq 0 && test $$second_rc -eq 0
+endef
+
+# $(call suite,PYTHON,TORCH VERSION[,PYTEST ARGS]): the whole suite on one device, then
+# tests/ again on 4 CPU devices, less what pins its own devices (tests/conftest.py; with the
+# optional arguments: -m "not slow" leaves out the several-process tests, the examples and
+# the Hugging Face models there), then the inductor jit sweep (jit=True's own path,
+# generated code) on one device.
 define suite
-	@echo "== $$(date +%T) torch $(2): whole suite, 1 device"
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(1) $(PYTEST)
+	@echo "== $$(date +%T) torch $(2): tests and doctests, 1 device"
+	$(call in_halves,TORCHPMAP_NUM_CPU_DEVICES=1 $(1) $(PYTEST))
 	@echo "== $$(date +%T) torch $(2): tests/, 4 CPU devices $(3)"
-	TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) $(3) tests
+	$(call in_halves,TORCHPMAP_NUM_CPU_DEVICES=4 $(1) $(PYTEST) $(3) tests)
 	@echo "== $$(date +%T) torch $(2): jit sweep, inductor, 1 device"
-	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),1)
+	$(call in_halves,TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),1))
 endef
 
 # The inductor jit sweep on 4 CPU devices (compiled device slices, collectives between
@@ -116,14 +131,14 @@ endef
 # on every release; the whole sweep (about 4 minutes) on the oldest, for CI's hour.
 define devices_sweep
 	@echo "== $$(date +%T) torch $(2): jit sweep, inductor, 4 CPU devices"
-	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),4)
+	$(call in_halves,TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(1),4))
 endef
 
 # The jit sweep through Dynamo and AOTAutograd (the aot_eager backend: the trace, without
 # generated code), on one device: $(call aot_eager_sweep,PYTHON,TORCH VERSION).
 define aot_eager_sweep
 	@echo "== $$(date +%T) torch $(2): jit sweep, aot_eager, 1 device"
-	$(call JIT_SWEEP,$(1),1)
+	$(call in_halves,$(call JIT_SWEEP,$(1),1))
 endef
 
 # The whole suite on $(TORCH) (TORCH_MAIN unless given), with every jit sweep.
@@ -146,14 +161,16 @@ test-oldest: $(OLDEST_VENV)/.stamp-test
 		GPU_CHECK_OUT=build/gpu-check-quick
 
 # The release between the oldest and the newest, which run everything: the private torch
-# APIs' probes, then the quick pass (tests and doctests not marked slow, on one device).
-# It shows that the package installs on this release and that every module runs; the
-# full pass here took CI past its hour.
+# APIs' probes, then the doctests (they import every module), the public API's tests and
+# the JAX comparisons, on one device. It shows that the package installs on this release
+# and that its modules run; more here took CI past its 90 minutes (`make test-quick` runs
+# everything but the slow tests on this release, the one the virtual environment `.venv`
+# holds).
 test-short: $(VENV)/.stamp-test
 	@echo "== $$(date +%T) torch $(TORCH_MAIN): private torch API probes"
 	$(PY) -c "from torchpmap._state import torch_private; torch_private.check()"
-	@echo "== $$(date +%T) torch $(TORCH_MAIN): quick pass (not slow), 1 device"
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -m "not slow"
+	@echo "== $$(date +%T) torch $(TORCH_MAIN): doctests, tests/test_api.py, JAX comparisons, 1 device"
+	$(call in_halves,TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) torchpmap tests/test_api.py tests/test_jax_differential.py)
 
 # The newest release: as the oldest, but its 4-device pass leaves out the slow tests (the
 # oldest runs them on 4 devices; CI's hour), and no 4-device or aot_eager jit sweep.

@@ -34,3 +34,104 @@ def placement(request, monkeypatch):
 def four_devices(monkeypatch):
     """Four CPU devices for this test, whatever TORCHPMAP_NUM_CPU_DEVICES the run uses."""
     yield from _cpu_devices(monkeypatch, 4)
+
+
+# --------------------------------------------------------------------------- what a pass runs
+
+# A test marked ``same_on_every_placement`` never reads TORCHPMAP_NUM_CPU_DEVICES: it pins
+# its devices (the ``placement`` and ``four_devices`` fixtures mark it so by themselves),
+# or runs no map at all. The passes that set TORCHPMAP_NUM_CPU_DEVICES above 1 (`make
+# test`'s 4-device passes) leave it out: the 1-device pass ran it just the same.
+_PINNING_FIXTURES = {"placement", "four_devices"}
+
+# TORCHPMAP_TEST_SHARD=K/N runs the K-th of N parts of what was selected (`make test` runs
+# two parts at once, one a core). The parts are fixed, so that each runs its tests in the
+# same order every time: whole files, the heaviest first, each to the part with the least
+# weight so far; a run of one file is dealt out test by test. A file's weight is the
+# seconds listed here (its 1-device pass on the 2-core machine, torch 2.13, Nov 2026), or a
+# quarter of a second a test for the files not listed (about their mean).
+_FILE_SECONDS = {
+    "test_distributed.py": 540,
+    "test_recurrent_rules.py": 215,
+    "test_bench.py": 150,
+    "test_docs.py": 115,
+    "test_torch_private.py": 80,
+    "test_jit_multi_device.py": 70,
+    "test_shard_map.py": 66,
+    "test_jax_differential.py": 62,
+    "test_checkpoint.py": 48,
+    "test_batching_rules.py": 41,
+    "test_jit_cache.py": 40,
+    "test_device_equivalence.py": 32,
+    "test_sharded_step.py": 32,
+    "test_examples.py": 31,
+    "test_properties.py": 26,
+    "test_autocast_policy.py": 25,
+    "test_training.py": 23,
+}
+_SECONDS_A_TEST = 0.25
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "same_on_every_placement: pins its own devices; passes on more than 1 device leave it out"
+    )
+
+
+def _devices_from_environment() -> int:
+    return int(os.environ.get("TORCHPMAP_NUM_CPU_DEVICES", "1") or "1")
+
+
+def _pins_its_devices(item: pytest.Item) -> bool:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    return bool(fixtures & _PINNING_FIXTURES) or item.get_closest_marker("same_on_every_placement") is not None
+
+
+def _shard() -> tuple[int, int] | None:
+    spec = os.environ.get("TORCHPMAP_TEST_SHARD", "")
+    if not spec:
+        return None
+    k, _, n = spec.partition("/")
+    part, parts = int(k), int(n)
+    if not 1 <= part <= parts:
+        raise pytest.UsageError(f"TORCHPMAP_TEST_SHARD={spec!r}: expected K/N with 1 <= K <= N, e.g. 1/2")
+    return part, parts
+
+
+def _part_of_each_file(items: list[pytest.Item], collected: list[pytest.Item], parts: int) -> dict[str, int]:
+    """Whole files to parts (0-based), heaviest first, each to the lightest part so far. A
+    listed file's seconds count in the share of its collected tests that ``items`` keeps."""
+    kept: dict[str, int] = {}
+    for item in items:
+        kept[str(item.path)] = kept.get(str(item.path), 0) + 1
+    every: dict[str, int] = {}
+    for item in collected:
+        every[str(item.path)] = every.get(str(item.path), 0) + 1
+    weight = {}
+    for path, count in kept.items():
+        listed = _FILE_SECONDS.get(os.path.basename(path))
+        weight[path] = _SECONDS_A_TEST * count if listed is None else listed * count / every[path]
+    load = [0.0] * parts
+    part_of: dict[str, int] = {}
+    for path in sorted(weight, key=lambda p: (-weight[p], p)):
+        part_of[path] = min(range(parts), key=lambda k: (load[k], k))
+        load[part_of[path]] += weight[path]
+    return part_of
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep = items
+    if _devices_from_environment() > 1:
+        keep = [item for item in keep if not _pins_its_devices(item)]
+    shard = _shard()
+    if shard is not None:
+        part, parts = shard
+        if len({item.path for item in keep}) == 1:
+            keep = keep[part - 1 :: parts]
+        else:
+            part_of = _part_of_each_file(keep, items, parts)
+            keep = [item for item in keep if part_of[str(item.path)] == part - 1]
+    if len(keep) < len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
+        items[:] = keep

@@ -20,6 +20,9 @@ from torchpmap._state import torch_private as private
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "torchpmap" / "_state" / "torch_private.py"
 
+# the probes and the source scan map nothing: one pass of them is enough
+pytestmark = pytest.mark.same_on_every_placement
+
 
 @pytest.mark.parametrize("name", list(private.ENTRIES))
 def test_entry_works_on_this_torch(name):

@@ -101,6 +101,13 @@ class _Watch(private.TorchDispatchMode):
         super().__init__()
         self.journal = journal
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile inside the attempt compiles as without the journal, which sees the
+        compiled code's ops when it runs (a mode that does not say so makes Dynamo skip
+        every frame it meets: a ``fullgraph=True`` function then fails to compile)."""
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         schema = func._schema
