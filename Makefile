@@ -185,10 +185,10 @@ test-jit-inductor: $(VENV)/.stamp-test
 
 # The inner loop while working: everything but the tests marked slow (several processes,
 # the examples, Hugging Face models, the longest sweeps), tests and doctests, on one
-# device and torch $(TORCH) only (TORCH_MAIN unless given); under 5 minutes on a busy
-# 2-core machine. Stops at the first failure. `make test` runs the slow tests too.
+# device and torch $(TORCH) only (TORCH_MAIN unless given), in two halves at once; each
+# half stops at its first failure. `make test` runs the slow tests too.
 test-quick: $(VENV)/.stamp-test
-	TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -x -m "not slow"
+	$(call in_halves,TORCHPMAP_NUM_CPU_DEVICES=1 $(PY) $(PYTEST) -x -m "not slow")
 
 bench: $(VENV)/.stamp-test
 	$(PY) -m torchpmap.bench

@@ -923,3 +923,36 @@ def test_a_forward_that_writes_its_parameters_is_refused_naming_the_parameter(pl
     if sys.version_info >= (3, 11):  # exception notes
         note = "\n".join(getattr(err.value, "__notes__", []))
         assert "data_parallel_step" in note and "trained parameter ['0.weight']" in note and "outside the step" in note
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        lambda m: m[2].register_full_backward_hook(lambda module, grad_in, grad_out: None),
+        lambda m: m[2].register_full_backward_pre_hook(lambda module, grad_out: None),
+        lambda m: m.register_full_backward_hook(lambda module, grad_in, grad_out: None),
+        lambda m: nn.modules.module.register_module_full_backward_hook(lambda module, grad_in, grad_out: None),
+    ],
+    ids=["full", "pre", "on_the_model", "every_module"],
+)
+def test_a_backward_hook_is_refused_on_every_placement_and_the_step_runs_once_it_is_removed(placement, register):
+    """torch.func runs no module backward hook: on one device the step ignored it (plain
+    PyTorch calls it once a step), on 4 devices torch raised about setup_context. Now every
+    placement, replicated or sharded, names the module and the fix, and trains once the
+    hook is removed (a hook registered after the first step is seen too)."""
+    g = torch.Generator().manual_seed(0)
+    batch = shard((torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)), n=4)
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=sharded)
+        first = step(batch)
+        handle = register(model)
+        try:
+            with pytest.raises(NotImplementedError, match=r"backward (pre-)?hook.*torch\.func.*remove") as info:
+                step(batch)
+        finally:
+            handle.remove()
+        if "every module" not in str(info.value):
+            assert "'2' (Linear)" in str(info.value) or "the model (Sequential)" in str(info.value)
+        assert torch.isfinite(first) and torch.isfinite(step(batch))

@@ -71,6 +71,7 @@ from torchpmap._frontend.sharded_step import ShardedStep
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.faults import SharedWrite
 from torchpmap._state.listing import first_few
@@ -850,6 +851,7 @@ def data_parallel_step(
 
     def prepare(batch: PyTree) -> tuple[PyTree, int]:
         """The batch as the instances take it, and its number of instances."""
+        _refuse_backward_hooks(model)
         if model_inputs is None:
             batch = _pair(batch)
         leaves = pytree.tree_leaves(batch)
@@ -920,6 +922,33 @@ def data_parallel_step(
         return loss.detach()
 
     return step
+
+
+def _refuse_backward_hooks(model: torch.nn.Module) -> None:
+    """Raises NotImplementedError when a module of ``model`` (or every module) has a
+    backward hook. The step differentiates with torch.func, whose transforms run no module
+    backward hook: on one device the hooks were silently never called, on several devices
+    torch raised about ``setup_context``. Checked at every step (a hook may come later)."""
+    for name, module in model.named_modules():
+        if module._backward_hooks or module._backward_pre_hooks:
+            kinds = [kind for kind, hooks in (("backward hook", module._backward_hooks),
+                                              ("backward pre-hook", module._backward_pre_hooks)) if hooks]
+            where = f"the module at {name!r}" if name else "the model"
+            raise NotImplementedError(
+                f"data_parallel_step: {where} ({type(module).__name__}) has "
+                f"a {' and a '.join(kinds)} (register_full_backward_hook, register_backward_hook or "
+                "register_full_backward_pre_hook). The step takes its gradients with torch.func, which runs no "
+                "module backward hook, so the hook would never be called. Remove the hook (its handle's .remove()) "
+                "before the step; to look at the gradients, read the parameters' .grad after step(batch), or use "
+                "a forward hook on the outputs."
+            )
+    if private.global_backward_hooks():
+        raise NotImplementedError(
+            "data_parallel_step: a backward hook is registered for every module "
+            "(torch.nn.modules.module.register_module_full_backward_hook or ..._pre_hook). The step takes its "
+            "gradients with torch.func, which runs no module backward hook, so the hook would never be called. "
+            "Remove it (its handle's .remove()) before the step, or read the parameters' .grad after step(batch)."
+        )
 
 
 def _sharded_axis(

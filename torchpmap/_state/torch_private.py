@@ -650,6 +650,20 @@ def forward_grad_enabled() -> bool:
     return torch._C._is_fwd_grad_enabled()
 
 
+def global_backward_hooks() -> bool:
+    """Whether a module backward hook is registered for every module
+    (``torch.nn.modules.module.register_module_full_backward_hook`` and its pre-hook).
+
+    For: the data-parallel step's refusal of backward hooks, which its torch.func transforms
+    ignore (one device) or refuse (several).
+    Public replacement: none (the register functions return handles; nothing lists them).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch.nn.modules.module._global_backward_hooks``,
+    ``_global_backward_pre_hooks``).
+    """
+    module = torch.nn.modules.module
+    return bool(module._global_backward_hooks) or bool(module._global_backward_pre_hooks)
+
+
 def forward_grad_set(enabled: bool) -> contextlib.AbstractContextManager:
     """Sets forward-mode AD on or off in this thread for a block.
 
@@ -1187,6 +1201,20 @@ def _in_thread(fn: Callable[[], Any]) -> Any:
     return value
 
 
+def _probe_global_backward_hooks() -> None:
+    before = global_backward_hooks()
+    for register in (
+        torch.nn.modules.module.register_module_full_backward_hook,
+        torch.nn.modules.module.register_module_full_backward_pre_hook,
+    ):
+        handle = register(lambda *args: None)
+        try:
+            _expect(global_backward_hooks() is True, f"seen after {register.__name__}")
+        finally:
+            handle.remove()
+    _expect(global_backward_hooks() is before, "gone after the handle's remove()")
+
+
 def _probe_forward_grad() -> None:
     _expect(_in_thread(forward_grad_enabled) is True, "on by default in a new thread")
 
@@ -1540,6 +1568,11 @@ ENTRIES: dict[str, Entry] = {
             _probe_value_dependent_errors,
         ),
         Entry("default_store", "torch.distributed.distributed_c10d._get_default_store", _probe_default_store),
+        Entry(
+            "global_backward_hooks",
+            "torch.nn.modules.module._global_backward_hooks, _global_backward_pre_hooks",
+            _probe_global_backward_hooks,
+        ),
         Entry("forward_grad_enabled", "torch._C._is_fwd_grad_enabled", _probe_forward_grad),
         Entry("forward_grad_set", "torch.autograd.forward_ad._set_fwd_grad_enabled", _probe_forward_grad),
         Entry("forward_ad_level", "torch.autograd.forward_ad._current_level", _probe_forward_ad_level),
