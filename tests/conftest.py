@@ -76,6 +76,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "same_on_every_placement: pins its own devices; passes on more than 1 device leave it out"
     )
+    config.addinivalue_line(
+        "markers", "also_on_four_devices: slow, but `make test`'s 4-device pass (-m 'not slow') runs it too"
+    )
 
 
 def _devices_from_environment() -> int:

@@ -136,8 +136,11 @@ def reference():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, bitwise_placement, all_reduce, headers_apart",
-    [(2, False, False, False), (4, False, False, False), (4, True, False, False), (2, False, True, False),
-     (4, False, True, False), (2, False, False, True), (2, False, True, True)],
+    # the first also in `make test`'s 4-device pass, which leaves out the other slow tests:
+    # 2 processes of 4 CPU devices each, the device threads' exchange inside the processes'
+    [pytest.param(2, False, False, False, marks=pytest.mark.also_on_four_devices), (4, False, False, False),
+     (4, True, False, False), (2, False, True, False), (4, False, True, False), (2, False, False, True),
+     (2, False, True, True)],
 )
 def test_collectives_and_training_match_one_process(nproc, bitwise_placement, all_reduce, headers_apart, tmp_path,
                                                     reference):
