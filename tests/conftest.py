@@ -1,5 +1,7 @@
 """Shared test set-up: JAX on CPU with 8 host devices, for the differential tests."""
+import json
 import os
+from pathlib import Path
 
 # Must be set before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -46,30 +48,13 @@ _PINNING_FIXTURES = {"placement", "four_devices"}
 
 # TORCHPMAP_TEST_SHARD=K/N runs the K-th of N parts of what was selected (`make test` runs
 # two parts at once, one a core). The parts are fixed, so that each runs its tests in the
-# same order every time: whole files, the heaviest first, each to the part with the least
-# weight so far; a run of one file is dealt out test by test. A file's weight is the
-# seconds listed here (its 1-device pass on the 2-core machine, torch 2.13, Nov 2026), or a
-# quarter of a second a test for the files not listed (about their mean).
-_FILE_SECONDS = {
-    "test_distributed.py": 540,
-    "test_recurrent_rules.py": 215,
-    "test_bench.py": 150,
-    "test_docs.py": 115,
-    "test_torch_private.py": 80,
-    "test_jit_multi_device.py": 70,
-    "test_shard_map.py": 66,
-    "test_jax_differential.py": 62,
-    "test_checkpoint.py": 48,
-    "test_batching_rules.py": 41,
-    "test_jit_cache.py": 40,
-    "test_device_equivalence.py": 32,
-    "test_sharded_step.py": 32,
-    "test_examples.py": 31,
-    "test_properties.py": 26,
-    "test_autocast_policy.py": 25,
-    "test_training.py": 23,
-}
-_SECONDS_A_TEST = 0.25
+# same order every time: whole files (a module's fixtures run once), the heaviest first,
+# each to the part with the least weight so far; a run of one file is dealt out test by
+# test. A file's weight is the sum of its selected tests' seconds in tests/durations.json
+# (every test of 1 s or more in a 1-device pass on the 2-core machine, torch 2.13, Nov 2026:
+# `pytest --durations=0`, setup, call and teardown summed), a tenth of a second for the rest.
+_DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
+_SECONDS_A_TEST = 0.1
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -101,19 +86,12 @@ def _shard() -> tuple[int, int] | None:
     return part, parts
 
 
-def _part_of_each_file(items: list[pytest.Item], collected: list[pytest.Item], parts: int) -> dict[str, int]:
-    """Whole files to parts (0-based), heaviest first, each to the lightest part so far. A
-    listed file's seconds count in the share of its collected tests that ``items`` keeps."""
-    kept: dict[str, int] = {}
+def _part_of_each_file(items: list[pytest.Item], parts: int) -> dict[str, int]:
+    """Whole files to parts (0-based), heaviest first, each to the lightest part so far."""
+    weight: dict[str, float] = {}
     for item in items:
-        kept[str(item.path)] = kept.get(str(item.path), 0) + 1
-    every: dict[str, int] = {}
-    for item in collected:
-        every[str(item.path)] = every.get(str(item.path), 0) + 1
-    weight = {}
-    for path, count in kept.items():
-        listed = _FILE_SECONDS.get(os.path.basename(path))
-        weight[path] = _SECONDS_A_TEST * count if listed is None else listed * count / every[path]
+        path = str(item.path)
+        weight[path] = weight.get(path, 0.0) + _DURATIONS.get(item.nodeid, _SECONDS_A_TEST)
     load = [0.0] * parts
     part_of: dict[str, int] = {}
     for path in sorted(weight, key=lambda p: (-weight[p], p)):
@@ -122,6 +100,7 @@ def _part_of_each_file(items: list[pytest.Item], collected: list[pytest.Item], p
     return part_of
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs: halves of what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     keep = items
     if _devices_from_environment() > 1:
@@ -132,7 +111,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if len({item.path for item in keep}) == 1:
             keep = keep[part - 1 :: parts]
         else:
-            part_of = _part_of_each_file(keep, items, parts)
+            part_of = _part_of_each_file(keep, parts)
             keep = [item for item in keep if part_of[str(item.path)] == part - 1]
     if len(keep) < len(items):
         kept = set(map(id, keep))
