@@ -151,8 +151,9 @@ test-main: $(VENV)/.stamp-test
 # the trace through Dynamo and AOTAutograd, which the inductor sweeps also compile), and the
 # GPU check's short pass on CPU devices (the GPU machines run this release; the check must
 # not rot between their sessions). The inductor sweep on 4 CPU devices (`make
-# test-jit-inductor`, `make test-main`) was on course for 14 minutes in two halves here, too much for
-# CI's 90; tests/test_jit_multi_device.py compiles on 4 devices in every release's pass.
+# test-jit-inductor`, `make test-main`) was on course for 14 minutes in two halves here,
+# too much for CI's 90; tests/test_jit_multi_device.py compiles on 4 devices in every
+# release's pass.
 test-oldest: $(OLDEST_VENV)/.stamp-test
 	$(call suite,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
 	$(call aot_eager_sweep,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
@@ -182,7 +183,8 @@ test-compat: $(COMPAT_VENV)/.stamp-test
 	$(call in_halves,TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(COMPAT_VENV)/bin/python,1))
 
 # The jit sweeps through jit=True's own path (inductor, generated code, no Dynamo), alone,
-# on one device and on 4 CPU devices (`make test` runs them too).
+# on one device and on 4 CPU devices (`make test` runs the one-device sweep; `make test-main`
+# both).
 test-jit-inductor: $(VENV)/.stamp-test
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY),1)
 	TORCHPMAP_TEST_JIT_BACKEND=inductor $(call JIT_SWEEP,$(PY),4)
