@@ -956,3 +956,44 @@ def test_a_backward_hook_is_refused_on_every_placement_and_the_step_runs_once_it
         if "every module" not in str(info.value):
             assert "'2' (Linear)" in str(info.value) or "the model (Sequential)" in str(info.value)
         assert torch.isfinite(first) and torch.isfinite(step(batch))
+
+
+def test_activation_checkpointing_trains_on_one_device_and_is_refused_clearly_where_torch_func_takes_the_grads(
+    placement,
+):
+    """``torch.utils.checkpoint(use_reentrant=False)`` sets saved tensor hooks, which
+    torch.func.grad refuses: the steps that take each instance's gradient with it (several
+    devices, shard_params) raised torch's own message, naming neither the step nor a way
+    out. The replicated step on one device takes the gradient of the mean loss with plain
+    autograd, where checkpointing works (its instances one at a time: vmap refuses saved
+    tensor hooks too): it trains as plain PyTorch does."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.inner(t)), x, use_reentrant=False)
+            return self.head(hidden)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = Checkpointed()
+        plain = copy.deepcopy(model)
+        step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=sharded)
+        if len(placement) == 1 and not sharded:
+            with pytest.warns(tp.VectorizationFallbackWarning, match="saved tensor hooks"):  # vmap refuses them
+                loss = step(shard((x, y), n=4))
+            want = F.mse_loss(plain(x), y)
+            want.backward()
+            torch.testing.assert_close(loss, want.detach())
+            with torch.no_grad():
+                for p in plain.parameters():
+                    p -= 0.1 * p.grad
+            torch.testing.assert_close(dict(model.named_parameters()), dict(plain.named_parameters()))
+            continue
+        with pytest.raises(NotImplementedError, match=r"saved tensor hooks.*one device without shard_params"):
+            step(shard((x, y), n=4))

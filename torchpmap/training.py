@@ -59,13 +59,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad_and_value
+from torch.func import functional_call
 
 from torchpmap._collectives.gradient_mean import GradientMean
 from torchpmap._collectives.public import pmean
-from torchpmap._engines import recurrent
+from torchpmap._engines import backward_hooks, recurrent
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.elementwise_optimizers import check_elementwise
+from torchpmap._frontend.instance_grad import instance_grad_and_value
 from torchpmap._frontend.reached import reached as _reached
 from torchpmap._frontend.sharded_step import ShardedStep
 from torchpmap._placement import devices as _devices
@@ -744,7 +745,7 @@ def data_parallel_step(
                 )
             return (loss if scale is None else loss * scale), (state, loss, aux)
 
-        grads, (_, (state, loss, aux)) = grad_and_value(loss_of, has_aux=True)(params)
+        grads, (_, (state, loss, aux)) = instance_grad_and_value(loss_of, params)
         counters = {k: state[k] for k in other}
         if grad_mean.buckets:  # the gradients are on their way already, bucket by bucket
             grads = grad_mean(grads)
@@ -889,7 +890,8 @@ def data_parallel_step(
             scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
         run = folded_step if folds() else p_step
         try:
-            grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
+            with backward_hooks.checked_by_caller():  # prepare refused them
+                grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
         except SharedWrite as refused:
             _explain_model_write(refused)
             raise

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from torchpmap._engines import (
+    backward_hooks,
     batching_fixes,
     closure_writes,
     compiled_devices,
@@ -45,7 +46,8 @@ from torchpmap._state.log import logger
 #: one at a time can: data-dependent Python, ``.item()``, an op without a batching rule,
 #: kernels whose backward mishandles a batched tensor (nn.GRU/RNN/LSTM's), results whose
 #: shape depends on values (``t[t > 0] = 0``), reading an instance's memory (``tolist()``,
-#: ``numpy()``), ``.data`` and ``requires_grad_()``.
+#: ``numpy()``), ``.data``, ``requires_grad_()`` and module backward hooks (see
+#: :mod:`~torchpmap._engines.backward_hooks`).
 _CANNOT_VECTORIZE = (
     "vmap: It looks like you're",  # calling .item(), or data-dependent control flow (each torch words it its own way)
     "Batching rule not implemented for",
@@ -55,6 +57,7 @@ _CANNOT_VECTORIZE = (
     "`data` under vmap transform is not allowed",
     "`.data` under vmap transform is not allowed",
     "You are attempting to call Tensor.requires_grad_()",
+    backward_hooks.MESSAGE_START,  # a module backward hook, which vmap would never call
 )
 
 

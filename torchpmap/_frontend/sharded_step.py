@@ -28,11 +28,12 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from torch.func import grad_and_value
 
 from torchpmap._collectives.public import all_gather, pmean, psum
+from torchpmap._engines import backward_hooks
 from torchpmap._frontend import layer_gather
 from torchpmap._frontend.api import pmap
+from torchpmap._frontend.instance_grad import instance_grad_and_value
 from torchpmap._frontend.reached import reached
 from torchpmap._frontend.sharded_params import ShardedParams
 from torchpmap._placement import devices as _devices
@@ -100,7 +101,7 @@ def sharded_instance_step(
                 found.extend(k for k in rows if k in met)
             return (loss if scale is None else loss * scale), (state, loss, aux)
 
-        grads, (_, (state, loss, aux)) = grad_and_value(loss_of, has_aux=True)(rows)
+        grads, (_, (state, loss, aux)) = instance_grad_and_value(loss_of, rows)
         total = layouts[next(iter(layouts))].instances
         grads = {k: grads[k] / total for k in found}  # psum_scatter summed them: their mean
         buffer_change = {k: state[k] - floating[k] for k in floating}
@@ -199,7 +200,9 @@ class ShardedStep:
             device = next(iter(params.pieces.values()))[0].tensor.device
             scale = self.grad_scaler.scale(torch.ones((), device=device))
         # code reading the model's tensors directly gets the step's values of them
-        with layer_gather.read_on_demand(self.model, params.layouts, buffers=bool(self.layers)):
+        # backward hooks: refused by self._prepare
+        with layer_gather.read_on_demand(self.model, params.layouts, buffers=bool(self.layers)), \
+                backward_hooks.checked_by_caller():
             grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
                 params.values(), frozen, per_instance, other, batch, scale
             )
