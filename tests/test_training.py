@@ -985,7 +985,7 @@ def test_activation_checkpointing_trains_on_one_device_and_is_refused_clearly_wh
         plain = copy.deepcopy(model)
         step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=sharded)
         if len(placement) == 1 and not sharded:
-            with pytest.warns(tp.VectorizationFallbackWarning, match="saved tensor hooks"):  # vmap refuses them
+            with pytest.warns(tp.VectorizationFallbackWarning):  # vmap refuses checkpointing (each torch its way)
                 loss = step(shard((x, y), n=4))
             want = F.mse_loss(plain(x), y)
             want.backward()
