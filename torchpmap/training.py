@@ -63,7 +63,7 @@ from torch.func import functional_call
 
 from torchpmap._collectives.gradient_mean import GradientMean
 from torchpmap._collectives.public import pmean
-from torchpmap._engines import backward_hooks, recurrent
+from torchpmap._engines import instance_autograd, recurrent
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.elementwise_optimizers import check_elementwise
 from torchpmap._frontend.instance_grad import instance_grad_and_value
@@ -890,7 +890,7 @@ def data_parallel_step(
             scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
         run = folded_step if folds() else p_step
         try:
-            with backward_hooks.checked_by_caller():  # prepare refused them
+            with instance_autograd.checked_by_caller():  # prepare refused them
                 grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)
         except SharedWrite as refused:
             _explain_model_write(refused)

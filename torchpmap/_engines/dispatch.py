@@ -20,10 +20,11 @@ from collections.abc import Callable
 import torch
 
 from torchpmap._engines import (
-    backward_hooks,
+    autograd_metadata,
     batching_fixes,
     closure_writes,
     compiled_devices,
+    instance_autograd,
     mesh_axes,
     multi_device,
     multi_process,
@@ -47,7 +48,7 @@ from torchpmap._state.log import logger
 #: kernels whose backward mishandles a batched tensor (nn.GRU/RNN/LSTM's), results whose
 #: shape depends on values (``t[t > 0] = 0``), reading an instance's memory (``tolist()``,
 #: ``numpy()``), ``.data``, ``requires_grad_()`` and module backward hooks (see
-#: :mod:`~torchpmap._engines.backward_hooks`).
+#: :mod:`~torchpmap._engines.instance_autograd`).
 _CANNOT_VECTORIZE = (
     "vmap: It looks like you're",  # calling .item(), or data-dependent control flow (each torch words it its own way)
     "Batching rule not implemented for",
@@ -57,7 +58,8 @@ _CANNOT_VECTORIZE = (
     "`data` under vmap transform is not allowed",
     "`.data` under vmap transform is not allowed",
     "You are attempting to call Tensor.requires_grad_()",
-    backward_hooks.MESSAGE_START,  # a module backward hook, which vmap would never call
+    instance_autograd.HOOKS_MESSAGE_START,  # a module backward hook, which vmap would never call
+    autograd_metadata.MESSAGE_START,  # an instance's grad_fn, which vmap cannot give
 )
 
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchpmap._engines.backward_hooks import ModulesCalled
+from torchpmap._engines.instance_autograd import AutogradRecord
 from torchpmap._placement.devices import Device
 from torchpmap._placement.mesh import Mesh
 
@@ -137,10 +137,11 @@ class VmapFallback:
         reason: why ``torch.func.vmap`` could not run the function (its first failure),
             after which its instances run one at a time; None while vmap can run it.
         ran: whether the function's code has once run vectorized.
-        modules: the modules its vectorized runs called, checked for backward hooks
-            (see :mod:`torchpmap._engines.backward_hooks`).
+        autograd: what its watched vectorized run found: the modules it called, checked
+            for backward hooks, and whether it read autograd metadata (see
+            :mod:`torchpmap._engines.instance_autograd`).
     """
 
     reason: str | None = None
     ran: RanVectorized = dataclasses.field(default_factory=RanVectorized)
-    modules: ModulesCalled = dataclasses.field(default_factory=ModulesCalled)
+    autograd: AutogradRecord = dataclasses.field(default_factory=AutogradRecord)

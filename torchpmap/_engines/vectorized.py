@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import torch
 
-from torchpmap._engines import backward_hooks, batching_fixes, batching_rules, written_copies
+from torchpmap._engines import batching_fixes, batching_rules, instance_autograd, written_copies
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_instance import InstanceStreams
 from torchpmap._engines.random_per_thread import call_seed
@@ -123,17 +123,17 @@ def run(
             tuple(call.devices[:1]) if call.devices else _devices.at(here or torch.device("cpu"))
         )
     inputs, in_dims = (mapped, call.in_dims) if token is None else ((token, *mapped), (0, *call.in_dims))
-    # a module with a backward hook: its instances run one at a time instead (see backward_hooks)
-    modules = call.vmap_fallback.modules if call.vmap_fallback is not None else None
+    # autograd as an instance sees it: module backward hooks, metadata reads (see instance_autograd)
+    record = call.vmap_fallback.autograd if call.vmap_fallback is not None else None
     succeeded = False
     try:
-        watch = backward_hooks.enter(modules)
+        watch = instance_autograd.enter(record)
         try:
             outputs = _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
             succeeded = True
         finally:
             if watch is not None:
-                backward_hooks.leave(watch, modules, succeeded)
+                instance_autograd.leave(watch, record, succeeded)
     finally:
         if pinned is not None:
             _context.default_devices.reset(pinned)

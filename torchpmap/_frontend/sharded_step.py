@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from torchpmap._collectives.public import all_gather, pmean, psum
-from torchpmap._engines import backward_hooks
+from torchpmap._engines import instance_autograd
 from torchpmap._frontend import layer_gather
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.instance_grad import instance_grad_and_value
@@ -202,7 +202,7 @@ class ShardedStep:
         # code reading the model's tensors directly gets the step's values of them
         # backward hooks: refused by self._prepare
         with layer_gather.read_on_demand(self.model, params.layouts, buffers=bool(self.layers)), \
-                backward_hooks.checked_by_caller():
+                instance_autograd.checked_by_caller():
             grads, loss, buffer_change, counters, aux, squared_norm, nonfinite = self._step(
                 params.values(), frozen, per_instance, other, batch, scale
             )

@@ -1,5 +1,5 @@
 """A module backward hook inside a mapped function is called once per instance on every
-placement (torchpmap._engines.backward_hooks): vmap would never call it, so a vectorized
+placement (torchpmap._engines.instance_autograd): vmap would never call it, so a vectorized
 run that meets one runs its instances one at a time, as several devices do."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import torchpmap as tp
-from torchpmap._engines import backward_hooks
+from torchpmap._engines import instance_autograd
 
 pytestmark = pytest.mark.same_on_every_placement  # every test pins its devices
 
@@ -114,7 +114,7 @@ def test_the_watch_is_gone_after_a_call_and_plain_module_calls_run_their_hooks_o
     other, other_seen = _hooked("full")
     tp.pmap(_instance_loss(lin), devices=tp.devices()[:1])(torch.randn(4, 5, 3, requires_grad=True)).sum().backward()
     assert len(seen) == 4
-    assert not backward_hooks._handle  # the global pre-hook was removed
+    assert not instance_autograd._handle  # the global pre-hook was removed
     other(torch.randn(5, 3, requires_grad=True)).sum().backward()  # plain PyTorch, outside any map
     assert len(other_seen) == 1
 
@@ -123,3 +123,57 @@ def test_the_fallback_warning_names_the_module_and_the_way_to_stay_vectorized():
     lin, _ = _hooked("full")
     with pytest.warns(tp.VectorizationFallbackWarning, match="Linear module with a backward hook.*torch.no_grad"):
         tp.pmap(_instance_loss(lin), devices=tp.devices()[:1])(torch.randn(4, 5, 3))
+
+
+# ------------------------------------------------------------------ autograd metadata reads
+
+METADATA_BRANCHES = {
+    "requires_grad": lambda v: v * 2 if v.requires_grad else v * 3,
+    "is_leaf": lambda v: v * 2 if not v.is_leaf else v * 3,
+    "grad_fn": lambda v: v * 2 if (v * 1).grad_fn is not None else v * 3,  # one at a time: no node to give
+    "of_an_intermediate": lambda v: (lambda h: h * 2 if h.requires_grad else h * 3)(torch.tanh(v)),
+}
+
+
+@pytest.mark.parametrize("case", list(METADATA_BRANCHES))
+def test_a_branch_on_autograd_metadata_goes_the_same_way_on_every_placement_and_every_call(four_devices, case):
+    """Under vmap a mapped value's wrapper reported requires_grad=False, is_leaf=True and
+    grad_fn=None, where a device's instance holds a slice that requires grad: one device
+    took the other branch (gradient 3 instead of 2). Now every placement takes the branch
+    of plain PyTorch on a slice, on the first call and on later ones."""
+    fun = METADATA_BRANCHES[case]
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    want_x = x.detach().clone().requires_grad_()
+    want = torch.stack([fun(row) for row in want_x])  # each instance's slice, in plain PyTorch
+    want.sum().backward()
+    for placement in _placements():
+        f = _mapped(fun, placement)
+        for call in range(2):
+            x.grad = None
+            with warnings.catch_warnings():
+                if case != "grad_fn":  # answered as an instance would: still vectorized
+                    warnings.simplefilter("error", tp.VectorizationFallbackWarning)
+                out = f(x)
+            out.sum().backward()
+            torch.testing.assert_close(out, want, msg=f"{placement}, call {call}")
+            torch.testing.assert_close(x.grad, want_x.grad, msg=f"{placement}, call {call}")
+
+
+def test_metadata_of_values_that_need_no_grad_and_under_a_grad_transform_is_left_as_it_is(four_devices):
+    """A value that does not require grad reads the same wrapped or not; inside
+    torch.func.grad the value is that transform's wrapper, which requires grad everywhere."""
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(4))
+    branch = METADATA_BRANCHES["requires_grad"]
+    inner = lambda v: torch.func.grad(lambda u: branch(u).sum())(v)  # noqa: E731
+    for placement in _placements():
+        torch.testing.assert_close(_mapped(branch, placement)(x), x * 3, msg=str(placement))
+        torch.testing.assert_close(_mapped(inner, placement)(x), torch.full_like(x, 2.0), msg=str(placement))
+
+
+def test_only_a_function_that_read_metadata_keeps_the_mode():
+    plain = tp.pmap(lambda v: v * 2, devices=tp.devices()[:1])
+    reading = tp.pmap(METADATA_BRANCHES["requires_grad"], devices=tp.devices()[:1])
+    x = torch.randn(4, 3, requires_grad=True)
+    plain(x), reading(x)
+    assert not plain._vmap_fallback.autograd.reads_metadata
+    assert reading._vmap_fallback.autograd.reads_metadata
