@@ -127,7 +127,9 @@ def run(
     record = call.vmap_fallback.autograd if call.vmap_fallback is not None else None
     succeeded = False
     try:
-        watch = instance_autograd.enter(record)
+        # the hot path: a function watched once, which called no module and read no metadata
+        quiet = record is not None and record.watched and not record.modules and not record.reads_metadata
+        watch = None if quiet else instance_autograd.enter(record)
         try:
             outputs = _vmap_flat(one_instance, call.size, inputs, in_dims, call.randomness)
             succeeded = True
