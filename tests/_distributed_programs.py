@@ -621,13 +621,13 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
     the backward: when the buckets start, the trained model against the same step written
     by hand, and processes whose buckets differ."""
     import torchpmap._engines.process_exchange as engine
-    import torchpmap.training
+    import torchpmap._frontend.instance_grad as instance_grad
 
     x, y = (t[rank : rank + 1] for t in bucket_data(nproc))
     tp.config.all_reduce_bytes = 1 << 10  # this little MLP's gradients go through all-reduces, its loss is gathered
     tp.config.bucket_bytes = 16 << 10  # and several buckets
     events: list[str] = []
-    all_reduce, grad_and_value = torch.distributed.all_reduce, torchpmap.training.grad_and_value
+    all_reduce, grad_and_value = torch.distributed.all_reduce, instance_grad.grad_and_value
     all_gather = engine._all_gather_flat
 
     def counted_all_reduce(t, *args, **kwargs):
@@ -648,12 +648,12 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
 
         return call
 
-    torch.distributed.all_reduce, torchpmap.training.grad_and_value = counted_all_reduce, logged_grad_and_value
+    torch.distributed.all_reduce, instance_grad.grad_and_value = counted_all_reduce, logged_grad_and_value
     engine._all_gather_flat = counted_all_gather
     try:
         out = {"overlapped": train_in_buckets(x, y, steps=4)}
     finally:
-        torch.distributed.all_reduce, torchpmap.training.grad_and_value = all_reduce, grad_and_value
+        torch.distributed.all_reduce, instance_grad.grad_and_value = all_reduce, grad_and_value
         engine._all_gather_flat = all_gather
     out["events"] = events
     out["overlapped"] = train_in_buckets(x, y)

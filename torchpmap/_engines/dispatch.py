@@ -47,8 +47,8 @@ from torchpmap._state.log import logger
 #: one at a time can: data-dependent Python, ``.item()``, an op without a batching rule,
 #: kernels whose backward mishandles a batched tensor (nn.GRU/RNN/LSTM's), results whose
 #: shape depends on values (``t[t > 0] = 0``), reading an instance's memory (``tolist()``,
-#: ``numpy()``), ``.data``, ``requires_grad_()`` and module backward hooks (see
-#: :mod:`~torchpmap._engines.instance_autograd`).
+#: ``numpy()``), ``.data``, ``requires_grad_()``, module backward hooks and a mapped
+#: value's ``grad_fn`` (see :mod:`~torchpmap._engines.instance_autograd`).
 _CANNOT_VECTORIZE = (
     "vmap: It looks like you're",  # calling .item(), or data-dependent control flow (each torch words it its own way)
     "Batching rule not implemented for",

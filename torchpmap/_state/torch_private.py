@@ -108,7 +108,9 @@ unwrap_batched = _bind("unwrap_batched", lambda: torch._C._functorch._unwrap_bat
 behind a tensor batched at ``level``.
 
 For: a collective directly under its axis' level sees every instance's value at once
-without going through an ``autograd.Function`` (:func:`torchpmap._collectives.binding.bind_many`).
+without going through an ``autograd.Function`` (:func:`torchpmap._collectives.binding.bind_many`);
+the value behind a mapped value's batching, whose ``requires_grad`` an instance would see
+(:mod:`torchpmap._engines.autograd_metadata`).
 Public replacement: the ``vmap`` staticmethod of ``torch.autograd.Function`` receives the
 same (value, in_dim) pairs; torchpmap uses it (``_Bind``) wherever a transform sits
 between the collective and its axis, but it costs about 150 us per collective.
@@ -181,7 +183,8 @@ def is_functorch_wrapped(t: torch.Tensor) -> bool:
     storage of its own, whose ``data_ptr()`` raises.
 
     For: an RNN module on CUDA whose weights are such wrappers runs without cuDNN, which
-    needs their storage (:mod:`torchpmap._engines.rnn_weights`).
+    needs their storage (:mod:`torchpmap._engines.rnn_weights`); a mapped value's autograd
+    metadata, read behind its batching (:mod:`torchpmap._engines.autograd_metadata`).
     Public replacement: none (``torch.func`` does not say whether a tensor is its wrapper).
     Checked: torch 2.11.0, 2.13.0, 2.14.1 (``is_functorch_wrapped_tensor``)."""
     return bool(_is_wrapped(t))
