@@ -1,6 +1,7 @@
 """torchpmap._frontend.function_cache: ``pmap(f)`` made again with the same options shares
 what the one made before learned (and compiled)."""
 import gc
+import warnings
 
 import torch
 
@@ -128,3 +129,59 @@ def test_inline_lambdas_copy_their_arguments_on_the_first_call_only(monkeypatch,
             want = torch.arange(8.0).reshape(4, 2) + 1
             torch.testing.assert_close(torch.as_tensor(got).cpu(), want * want.sum(1, keepdim=True))
     torch.testing.assert_close(y, torch.arange(8.0).reshape(4, 2) + 1)
+
+
+# ------------------------------------------------ the autograd record: by code and what is held
+
+
+def _counting_hook(module: torch.nn.Module) -> list[int]:
+    calls: list[int] = []
+    module.register_full_backward_hook(lambda *args: calls.append(1))
+    return calls
+
+
+def test_an_inline_lambda_over_the_same_module_is_watched_once_and_a_later_hook_is_still_caught():
+    """A lambda written inline in a loop is a new function per call; over the same module it
+    shares one autograd record (watched on the first call only, then checked), so the
+    watch's slow path is not paid on every call, and a hook added later is still called
+    once per instance."""
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 5, 3, requires_grad=True)
+    one = [tp.devices()[0]]
+    made = [tp.pmap(lambda v: model(v).sum(), devices=one) for _ in range(2)]
+    assert made[0]._vmap_fallback.autograd is made[1]._vmap_fallback.autograd
+    for _ in range(2):
+        tp.pmap(lambda v: model(v).sum(), devices=one)(x).sum().backward()
+    calls = _counting_hook(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        tp.pmap(lambda v: model(v).sum(), devices=one)(x).sum().backward()
+    assert len(calls) == 4
+
+
+def test_closures_over_other_modules_or_other_bound_objects_are_watched_apart():
+    """The same code over another model (``make_step(model)`` for two models), or a method
+    bound to another object, keeps a record of its own: a hook on the second model is
+    called once per instance, although the first model's watched run found no hook."""
+
+    def make_step(model: torch.nn.Module):
+        return tp.pmap(lambda v: model(v).sum(), devices=[tp.devices()[0]])
+
+    first, second = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    x = torch.randn(4, 5, 3, requires_grad=True)
+    make_step(first)(x).sum().backward()  # watched: no hook
+    assert make_step(first)._vmap_fallback.autograd is not make_step(second)._vmap_fallback.autograd
+    calls = _counting_hook(second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        make_step(second)(x).sum().backward()
+    assert len(calls) == 4
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    assert tp.pmap(a.forward)._vmap_fallback.autograd is not tp.pmap(b.forward)._vmap_fallback.autograd
+
+
+def test_a_closure_over_a_list_keeps_a_record_of_its_own():
+    """A list may change between calls, and hold other modules: not shared."""
+    layers = [torch.nn.Linear(3, 3)]
+    made = [tp.pmap(lambda v: layers[0](v)) for _ in range(2)]
+    assert made[0]._vmap_fallback.autograd is not made[1]._vmap_fallback.autograd

@@ -17,11 +17,16 @@ it holds the function, and a cache of it would keep every function alive.) Optio
 cannot be hashed (a ``jit`` dict, a list in ``in_axes``), and callables that cannot be
 weakly referenced, learn afresh each time, as before.
 
-One thing is shared more widely, by code object: whether the function has once run
+Two things are shared more widely. By code object: whether the function has once run
 vectorized (:class:`~torchpmap._engines.mapped_call.RanVectorized`), after which a call
 keeps no copy of its mapped arguments (:mod:`torchpmap._engines.rerun_guard`). A lambda
 written inline in a loop, or a function defined in a mapped body, is a new function each
 time with the same code; without this, each of its calls copied its mapped arguments.
+By code object and the objects the function holds (its closure cells, defaults and bound
+object, each the same object or an equal plain value): what its watched run found
+(:class:`~torchpmap._engines.instance_autograd.AutogradRecord`), so that an inline lambda
+over the same model is watched for module backward hooks once, not on every call, while
+a closure over another model is watched for its own.
 The rest stays per function: a compiled program or a fallback of one closure says
 nothing of another's.
 """
@@ -32,6 +37,7 @@ import types
 import weakref
 from collections.abc import Callable
 
+from torchpmap._engines.instance_autograd import AutogradRecord
 from torchpmap._engines.mapped_call import RanVectorized
 from torchpmap._frontend.call import MapOptions, MappedFunction
 
@@ -42,6 +48,10 @@ _PER_FUNCTION = 8
 
 _made: weakref.WeakKeyDictionary[Callable, dict[MapOptions, dict[str, object]]] = weakref.WeakKeyDictionary()
 _ran: weakref.WeakKeyDictionary[types.CodeType, RanVectorized] = weakref.WeakKeyDictionary()
+#: per code object, the autograd records of its closures (newest last; see _same_closure_record)
+_autograd: weakref.WeakKeyDictionary[types.CodeType, list[tuple[tuple[Captured, ...], AutogradRecord]]] = (
+    weakref.WeakKeyDictionary()
+)
 _lock = threading.Lock()
 
 
@@ -60,6 +70,9 @@ def mapped_function(fun: Callable, opts: MapOptions) -> MappedFunction:
                 code = getattr(fun, "__code__", None)
                 if isinstance(code, types.CodeType):
                     made._vmap_fallback.ran = _ran.setdefault(code, made._vmap_fallback.ran)
+                    record = _same_closure_record(fun, code)
+                    if record is not None:
+                        made._vmap_fallback.autograd = record
                 entries[made.opts] = {name: getattr(made, name) for name in _LEARNED}
                 return made
     except TypeError:  # unhashable options, or a callable that cannot be weakly referenced
@@ -67,3 +80,72 @@ def mapped_function(fun: Callable, opts: MapOptions) -> MappedFunction:
     for name, value in learned.items():
         setattr(made, name, value)
     return made
+
+
+#: One thing a function holds besides its code: ``("value", v)`` for a plain value,
+#: compared by equality; ``("object", weakref)`` for anything else, compared by identity.
+Captured = tuple[str, object]
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_EMPTY_CELL = ("empty", None)
+
+
+def _captured(value: object) -> Captured | None:
+    if type(value) in _PLAIN:
+        return ("value", value)
+    try:
+        return ("object", weakref.ref(value))
+    except TypeError:  # a list, a dict, a tuple: not shared (it may change, or hold a module)
+        return None
+
+
+def _holdings(fun: Callable) -> tuple[Captured, ...] | None:
+    """What ``fun`` holds besides its code (its bound object, closure cells, defaults),
+    or None when one of them can be neither compared as a value nor weakly referenced."""
+    values: list[object] = []
+    owner = getattr(fun, "__self__", None)
+    if owner is not None:
+        values.append(owner)
+    values.extend(getattr(fun, "__defaults__", None) or ())
+    values.extend((getattr(fun, "__kwdefaults__", None) or {}).values())
+    held: list[Captured] = []
+    for cell in getattr(fun, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # a cell not yet filled
+            held.append(_EMPTY_CELL)
+    for value in values:
+        captured = _captured(value)
+        if captured is None:
+            return None
+        held.append(captured)
+    return tuple(held)
+
+
+def _same(a: Captured, b: Captured) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "object":
+        alive = a[1]()  # type: ignore[operator]
+        return alive is not None and alive is b[1]()  # type: ignore[operator]
+    return type(a[1]) is type(b[1]) and a[1] == b[1]
+
+
+def _same_closure_record(fun: Callable, code: types.CodeType) -> AutogradRecord | None:
+    """The autograd record (:mod:`torchpmap._engines.instance_autograd`) of an earlier
+    function with the same code that holds the same objects, or a new one that later such
+    functions share: a lambda written inline in a loop, over the same model, is watched on
+    its first call only. None (a record of the function's own) when what it holds cannot
+    be compared. A closure over another module gets a record of its own: the watch sees
+    the modules each closure calls."""
+    held = _holdings(fun)
+    if held is None:
+        return None
+    records = _autograd.setdefault(code, [])
+    for other, record in records:
+        if len(other) == len(held) and all(_same(a, b) for a, b in zip(other, held)):
+            return record
+    record = AutogradRecord()
+    records.append((held, record))
+    if len(records) > _PER_FUNCTION:
+        records.pop(0)
+    return record
