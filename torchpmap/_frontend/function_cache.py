@@ -49,7 +49,7 @@ _PER_FUNCTION = 8
 _made: weakref.WeakKeyDictionary[Callable, dict[MapOptions, dict[str, object]]] = weakref.WeakKeyDictionary()
 _ran: weakref.WeakKeyDictionary[types.CodeType, RanVectorized] = weakref.WeakKeyDictionary()
 #: per code object, the autograd records of its closures (newest last; see _same_closure_record)
-_autograd: weakref.WeakKeyDictionary[types.CodeType, list[tuple[tuple[Captured, ...], AutogradRecord]]] = (
+_records: weakref.WeakKeyDictionary[types.CodeType, list[tuple[tuple[Captured, ...], AutogradRecord]]] = (
     weakref.WeakKeyDictionary()
 )
 _lock = threading.Lock()
@@ -140,7 +140,7 @@ def _same_closure_record(fun: Callable, code: types.CodeType) -> AutogradRecord 
     held = _holdings(fun)
     if held is None:
         return None
-    records = _autograd.setdefault(code, [])
+    records = _records.setdefault(code, [])
     for other, record in records:
         if len(other) == len(held) and all(_same(a, b) for a, b in zip(other, held)):
             return record
