@@ -185,3 +185,18 @@ def test_a_closure_over_a_list_keeps_a_record_of_its_own():
     layers = [torch.nn.Linear(3, 3)]
     made = [tp.pmap(lambda v: layers[0](v)) for _ in range(2)]
     assert made[0]._vmap_fallback.autograd is not made[1]._vmap_fallback.autograd
+
+
+def test_closures_whose_empty_cells_differ_keep_records_of_their_own():
+    """Cells are compared in place: a closure holding (the layer, empty) is not one holding
+    (empty, the layer), though both hold the same layer."""
+    shared = torch.nn.Linear(3, 3)
+
+    def make(first: bool):
+        if first:
+            a = shared
+        else:
+            b = shared
+        return lambda v: a(v) + b(v)  # one of its two cells stays empty
+
+    assert tp.pmap(make(True))._vmap_fallback.autograd is not tp.pmap(make(False))._vmap_fallback.autograd

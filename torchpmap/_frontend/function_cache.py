@@ -99,8 +99,9 @@ def _captured(value: object) -> Captured | None:
 
 
 def _holdings(fun: Callable) -> tuple[Captured, ...] | None:
-    """What ``fun`` holds besides its code (its bound object, closure cells, defaults),
-    or None when one of them can be neither compared as a value nor weakly referenced."""
+    """What ``fun`` holds besides its code (its bound object, defaults, closure cells, in
+    that order, an empty cell as such), or None when one of them can be neither compared
+    as a value nor weakly referenced."""
     values: list[object] = []
     owner = getattr(fun, "__self__", None)
     if owner is not None:
@@ -108,13 +109,18 @@ def _holdings(fun: Callable) -> tuple[Captured, ...] | None:
     values.extend(getattr(fun, "__defaults__", None) or ())
     values.extend((getattr(fun, "__kwdefaults__", None) or {}).values())
     held: list[Captured] = []
-    for cell in getattr(fun, "__closure__", None) or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # a cell not yet filled
-            held.append(_EMPTY_CELL)
     for value in values:
         captured = _captured(value)
+        if captured is None:
+            return None
+        held.append(captured)
+    for cell in getattr(fun, "__closure__", None) or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # a cell not yet filled: in its place, so that the others line up
+            held.append(_EMPTY_CELL)
+            continue
+        captured = _captured(contents)
         if captured is None:
             return None
         held.append(captured)
