@@ -932,7 +932,7 @@ def _refuse_backward_hooks(model: torch.nn.Module) -> None:
     backward hook: on one device the hooks were silently never called, on several devices
     torch raised about ``setup_context``. Checked at every step (a hook may come later)."""
     for name, module in model.named_modules():
-        if module._backward_hooks or module._backward_pre_hooks:
+        if instance_autograd.has_backward_hooks(module):
             kinds = [kind for kind, hooks in (("backward hook", module._backward_hooks),
                                               ("backward pre-hook", module._backward_pre_hooks)) if hooks]
             where = f"the module at {name!r}" if name else "the model"

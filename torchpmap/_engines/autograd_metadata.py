@@ -48,8 +48,11 @@ def _behind_own_levels(t: torch.Tensor) -> torch.Tensor | None:
     its wrappers first), or None when ``t`` is not batched at one of them."""
     own = _context.own_vmap_levels()
     found = None
-    while private.is_functorch_wrapped(t) and private.vmap_level_of(t) in own:
-        t, _ = private.unwrap_batched(t, private.vmap_level_of(t))
+    while private.is_functorch_wrapped(t):
+        level = private.vmap_level_of(t)
+        if level not in own:
+            break
+        t, _ = private.unwrap_batched(t, level)
         found = t
     return found
 

@@ -79,7 +79,8 @@ class Watch:
     view: InstanceView | None
 
 
-def _has_hooks(module: torch.nn.Module) -> bool:
+def has_backward_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself (not its submodules) has a backward hook or pre-hook."""
     return bool(module._backward_hooks or module._backward_pre_hooks)
 
 
@@ -92,25 +93,25 @@ def _refuse(module: torch.nn.Module) -> BackwardHookUnderVmap:
     )
 
 
-class _Watch(threading.local):
-    open: list[dict[int, torch.nn.Module]]  # per watched run of this thread, innermost last
+class _OpenWatches(threading.local):
+    seen: list[dict[int, torch.nn.Module]]  # per watched run of this thread, innermost last
 
     def __init__(self) -> None:
-        self.open = []
+        self.seen = []
 
 
-_watch = _Watch()
+_open = _OpenWatches()
 _lock = threading.Lock()
 _handle: list[Any] = []  # the global hook's handle while any watched run is open
 _runs = 0
 
 
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
-    if not _watch.open or not _context.own_vmap_levels() or not torch.is_grad_enabled():
+    if not _open.seen or not _context.own_vmap_levels() or not torch.is_grad_enabled():
         return  # a module call of another thread, or one that records no graph
-    if _has_hooks(module) or private.global_backward_hooks():
+    if has_backward_hooks(module) or private.global_backward_hooks():
         raise _refuse(module)
-    for seen in _watch.open:
+    for seen in _open.seen:
         seen[id(module)] = module
 
 
@@ -126,7 +127,7 @@ def enter(record: AutogradRecord | None) -> Watch | None:
             global_hooks = private.global_backward_hooks()
             for ref in record.modules:
                 module = ref()
-                if module is not None and (global_hooks or _has_hooks(module)):
+                if module is not None and (global_hooks or has_backward_hooks(module)):
                     raise _refuse(module)
         return Watch(None, _entered(InstanceView())) if record.reads_metadata else None
     if _checked.get():
@@ -137,7 +138,7 @@ def enter(record: AutogradRecord | None) -> Watch | None:
         if _runs == 1:
             _handle.append(register_module_forward_pre_hook(_pre_hook))
     seen: dict[int, torch.nn.Module] = {}
-    _watch.open.append(seen)
+    _open.seen.append(seen)
     return Watch(seen, _entered(InstanceView()))
 
 
@@ -156,8 +157,8 @@ def leave(watch: Watch, record: AutogradRecord | None, succeeded: bool) -> None:
     seen = watch.seen
     if seen is not None:
         global _runs
-        assert _watch.open and _watch.open[-1] is seen  # a thread's watched runs nest
-        _watch.open.pop()
+        assert _open.seen and _open.seen[-1] is seen  # a thread's watched runs nest
+        _open.seen.pop()
         with _lock:
             _runs -= 1
             if _runs == 0:
