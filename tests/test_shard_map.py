@@ -52,7 +52,8 @@ def torch_side() -> SimpleNamespace:
     return SimpleNamespace(
         xp=torch, P=P, psum=tp.psum, pmean=tp.pmean, all_gather=tp.all_gather, psum_scatter=tp.psum_scatter,
         ppermute=tp.ppermute, axis_index=tp.axis_index, relu=torch.relu, tanh=torch.tanh, grad=grad, pvary=tp.pvary,
-        shard_map=lambda f, **kw: tp.shard_map(f, mesh=mesh, **kw), mesh=mesh, gather_is_invariant=True,
+        all_to_all=tp.all_to_all, shard_map=lambda f, **kw: tp.shard_map(f, mesh=mesh, **kw), mesh=mesh,
+        gather_is_invariant=True,
     )
 
 
@@ -61,7 +62,7 @@ def jax_side() -> SimpleNamespace:
     return SimpleNamespace(
         xp=jnp, P=JP, psum=lax.psum, pmean=lax.pmean, all_gather=lax.all_gather, psum_scatter=lax.psum_scatter,
         ppermute=lax.ppermute, axis_index=lax.axis_index, relu=jax.nn.relu, tanh=jnp.tanh, grad=jax.grad,
-        pvary=lambda x, axes: lax.pcast(x, axes, to="varying"),
+        pvary=lambda x, axes: lax.pcast(x, axes, to="varying"), all_to_all=lax.all_to_all,
         shard_map=lambda f, **kw: jax.shard_map(f, mesh=mesh, **kw), mesh=mesh, gather_is_invariant=False,
     )
 
@@ -218,6 +219,40 @@ def ppermute_across_axes(B, x, w):
     return B.shard_map(block, in_specs=B.P("batch", "model"), out_specs=B.P("batch", "model"))(x)
 
 
+def nonfloat_varying(B, x, w):
+    """A replicated weight meeting values that vary along "batch" but are no floats: an
+    index (an embedding-style lookup), a mask, the position's index. JAX varies the
+    weight there too, so its gradient inside the map sums every position's part. (Until
+    2026-11-29 torchpmap looked at float operands only: each position kept its own
+    part, and the pmean gave a quarter of JAX's gradient.)"""
+    def block(x, w):
+        def loss(w):
+            picked = w[x.argmax(1)]
+            masked = B.xp.where(x > 0, w, 0.0)
+            return (picked ** 2).sum() + (masked ** 2).sum() + (w * B.axis_index("batch")).sum()
+
+        return B.pmean(B.grad(loss)(w), "batch")
+
+    return B.shard_map(block, in_specs=(B.P("batch", None), B.P()), out_specs=B.P())(x, w)
+
+
+def collectives_of_replicated(B, x, w):
+    """ppermute, psum_scatter and all_to_all of a replicated weight, differentiated inside
+    the map: JAX varies their input first, so the gradient sums every position's part.
+    (Until 2026-11-29 torchpmap left the collectives' inputs alone: a quarter of JAX's.)"""
+    perm = [(j, (j + 1) % SHAPE[0]) for j in range(SHAPE[0])]
+
+    def block(w):
+        def loss(w):
+            sent = (B.ppermute(w, "batch", perm) ** 2).sum()
+            scattered = (B.psum_scatter(w, "batch", tiled=True) ** 2).sum()
+            return sent + scattered + (B.all_to_all(w * 2, "batch", 0, 0, tiled=True) ** 3).sum()
+
+        return B.grad(loss)(w)
+
+    return B.shard_map(block, in_specs=B.P(), out_specs=B.P("batch"))(w)
+
+
 PROGRAMS = {
     "matmul_psum": (matmul_psum, [(8, 4), (4, 3)]),
     "all_gather": (gathered, [(8, 3), (1,)]),
@@ -231,6 +266,8 @@ PROGRAMS = {
     "replicated_step": (replicated_step, [(8, 4), (4, 6), (6, 4)]),
     "vjp_inside": (vjp_inside, [(8, 4), (4, 3), (8, 3)]),
     "ppermute_across_axes": (ppermute_across_axes, [(8, 4), (1,)]),
+    "nonfloat_varying": (nonfloat_varying, [(8, 4), (4,)]),
+    "collectives_of_replicated": (collectives_of_replicated, [(1,), (8,)]),
 }
 
 
@@ -263,6 +300,26 @@ def test_the_notebook_programs_give_jax_numbers_on_every_placement(cpu_devices, 
     assert isinstance(B.mesh, tp.Mesh if n_devices == 8 else tp.AbstractMesh)
     got = program(B, *map(torch.from_numpy, _inputs(shapes)))
     _assert_close(got, _jax_result(name), f"{name} on {n_devices} devices")
+
+
+@pytest.mark.parametrize("n_devices", [1, 8])
+def test_a_gradient_inside_the_map_through_an_all_gather_of_a_replicated_weight_counts_it_once(cpu_devices, n_devices):
+    """all_gather's input is varied first, as JAX varies it, so a replicated weight's
+    gradient sums the parts of every gathered copy: the same on every position, that of
+    the loss counted once (torchpmap's all_gather result is invariant; JAX's varies, and
+    its gradient is the axis size times this one: see docs/shard-map.md). Until
+    2026-11-29 position k got only the k-th block's part."""
+    cpu_devices(n_devices)
+    B = torch_side()
+    w, c = torch.arange(2.0), torch.arange(8.0)
+
+    def block(w, c):
+        return grad(lambda v: (tp.all_gather(v, "batch", tiled=True) * c).sum())(w)
+
+    got = B.shard_map(block, in_specs=(B.P(), B.P()), out_specs=B.P("batch"))(w, c)
+    torch.testing.assert_close(torch.as_tensor(got).cpu(), c.reshape(4, 2).sum(0).repeat(4))
+    once = B.shard_map(block, in_specs=(B.P(), B.P()), out_specs=B.P())(w, c)  # invariant: P() takes it
+    torch.testing.assert_close(torch.as_tensor(once).cpu(), c.reshape(4, 2).sum(0))
 
 
 def test_ppermute_over_mesh_axes_out_of_mesh_order_is_refused_as_jax_refuses_it(cpu_devices):

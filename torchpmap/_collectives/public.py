@@ -51,9 +51,21 @@ def _leaf_tensor(leaf: Any, what: str) -> torch.Tensor:
 Leaves = Sequence[torch.Tensor]
 
 
-def _tree_apply(what: str, x: Any, fn: Callable[[list[torch.Tensor]], Leaves]) -> Any:
-    """``fn`` on all the leaves of ``x`` at once (as tensors), rebuilt into ``x``'s structure."""
+def _tree_apply(
+    what: str, x: Any, fn: Callable[[list[torch.Tensor]], Leaves], varying: Sequence[AxisFrame] = ()
+) -> Any:
+    """``fn`` on all the leaves of ``x`` at once (as tensors), rebuilt into ``x``'s structure.
+
+    ``varying``: the axes along which the collective moves values between positions
+    (``ppermute``, ``all_to_all``, ``all_gather``, ``psum_scatter``). Inside a shard_map
+    body under ``check_vma``, while a transform inside the body runs, a differentiated
+    leaf that is the same along them is ``pvary``'d first, as JAX does: the gradient of a
+    replicated weight sent around then sums every position's part (``pvary``'s transpose
+    is ``psum``), instead of keeping each position's own."""
     refuse_under_compile(what)
+    vary = _context.implicit_pvary_input.get() if varying and not _context.in_collective.get() else None
+    if vary is not None:
+        x = vary(x, tuple(frame.name for frame in varying))
     inside = _context.in_collective.set(True)  # shard_map's implicit pvary leaves the collective's own ops alone
     try:
         if isinstance(x, torch.Tensor):  # the common case, without pytree's flatten and unflatten
@@ -274,7 +286,7 @@ def all_gather(
             ts = bind_many([AllGather(frame, axis=at, groups=groups) for at in ats], ts)
         return [t.flatten(at, at + len(frames) - (0 if tiled else 1)) for t, at in zip(ts, ats)]
 
-    return _tree_apply("all_gather", x, gather)
+    return _tree_apply("all_gather", x, gather, varying=frames)
 
 
 def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0, tiled: bool = False) -> PyTree:
@@ -326,7 +338,7 @@ def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
             ts = bind_many([PsumScatter(frame, dimension=dim, tiled=blocks) for dim in dims], ts)
         return ts
 
-    return _tree_apply("psum_scatter", x, scatter)
+    return _tree_apply("psum_scatter", x, scatter, varying=frames)
 
 
 # --------------------------------------------------------------------------- permutations
@@ -371,13 +383,14 @@ def ppermute(x: PyTree, axis_name: AxisNames, perm: Sequence[tuple[int, int]]) -
     frames = _frames(axis_name, "ppermute")
     pairs = _check_perm(perm, _total_size(frames), frames)
     if len(frames) == 1:
-        return _tree_apply("ppermute", x, lambda ts: bind_many((Ppermute(frames[0], perm=pairs),) * len(ts), ts))
+        permuted = (Ppermute(frames[0], perm=pairs),)
+        return _tree_apply("ppermute", x, lambda ts: bind_many(permuted * len(ts), ts), varying=frames)
     source = [-1] * _total_size(frames)
     for s, d in pairs:
         source[d] = s
     names = tuple(f.name for f in frames)
     _check_mesh_order(names)
-    return _tree_apply("ppermute", x, lambda ts: _receive_from(ts, names, source))
+    return _tree_apply("ppermute", x, lambda ts: _receive_from(ts, names, source), varying=frames)
 
 
 def _check_mesh_order(names: tuple[Hashable, ...]) -> None:
@@ -480,7 +493,7 @@ def all_to_all(x: PyTree, axis_name: AxisNames, split_axis: int, concat_axis: in
         everyone = all_gather(ts, axis_name)
         return [_my_pieces(e, axis_name, n, s, c, tiled) for e, (s, c) in zip(everyone, split_concat)]
 
-    return _tree_apply("all_to_all", x, exchange)
+    return _tree_apply("all_to_all", x, exchange, varying=frames)
 
 
 def _my_pieces(

@@ -78,6 +78,11 @@ tracing_processes: contextvars.ContextVar[bool] = contextvars.ContextVar("torchp
 shard_map_axes: contextvars.ContextVar[tuple[Any, ...]] = contextvars.ContextVar("torchpmap_shard_map_axes", default=())
 #: True while a collective runs: shard_map's implicit pvary leaves its ops alone.
 in_collective: contextvars.ContextVar[bool] = contextvars.ContextVar("torchpmap_in_collective", default=False)
+#: In a shard_map body under ``check_vma``: JAX's implicit ``pvary`` of a collective's input
+#: (``vary(x, axis_names)``) for the collectives that need it varying along their axes.
+implicit_pvary_input: contextvars.ContextVar[Callable[[Any, tuple[Any, ...]], Any] | None] = contextvars.ContextVar(
+    "torchpmap_implicit_pvary_input", default=None
+)
 #: ``disable_vectorization()`` in this context: True inside, None where no such block is open.
 debug_mode: contextvars.ContextVar[bool | None] = contextvars.ContextVar("torchpmap_debug", default=None)
 
