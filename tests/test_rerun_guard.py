@@ -19,6 +19,7 @@ def _loop(f, *args):
 def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tp.VectorizationFallbackWarning)
+        warnings.simplefilter("ignore", tp.JitFallbackWarning)  # a branch on a value is not compiled
         yield
 
 
@@ -85,3 +86,30 @@ def test_a_direct_run_is_not_a_vectorized_one(four_devices, monkeypatch):
         got = tp.pmap(f, devices=placed)(x)
         torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
         torch.testing.assert_close(x, torch.arange(4.0) + 1)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_same_draw_before_the_fallback_is_plain_pytorchs_draw(placement, jit):
+    """``randomness="same"``: every instance draws what plain PyTorch draws. A draw before a
+    branch on a value that differs between instances: the vectorized attempt drew from the
+    caller's generator, then the instances ran again one at a time and drew the next
+    number (0.768 on one device where 4 devices, debug mode and plain PyTorch gave 0.496,
+    and every later draw of the caller was shifted). The re-run now starts where the
+    attempt started."""
+
+    def f(v):
+        a = torch.rand(())
+        return v + a if v.sum() > 0 else v - a
+
+    v = torch.tensor([1.0, -3.0, 5.0, -7.0])
+    torch.manual_seed(0)
+    want = [torch.rand(()) for _ in range(3)]
+    g = tp.pmap(f, randomness="same", jit=jit)
+    torch.manual_seed(0)
+    for k in range(2):
+        drawn = (torch.as_tensor(g(v)).cpu() - v).abs()
+        torch.testing.assert_close(drawn, want[k].expand(4))
+    torch.testing.assert_close(torch.rand(()), want[2])  # the caller's generator where plain PyTorch leaves it
+    torch.manual_seed(0)
+    with tp.disable_vectorization():
+        torch.testing.assert_close((torch.as_tensor(g(v)).cpu() - v).abs(), want[0].expand(4))

@@ -25,8 +25,13 @@ With ``randomness="per_instance"`` the call's seed is one draw from the caller's
 generator, from which every instance's stream is made, so that every placement draws the
 same numbers. The failed attempt drew it already: the re-run would draw the next one, and
 the first call after a fallback gave other numbers than a device that runs its instance
-alone, or ``disable_vectorization()``. :func:`note` keeps the generator's state for such
-calls (half a microsecond), and :func:`undo` rewinds it before the re-run.
+alone, or ``disable_vectorization()``. With ``randomness="same"`` every instance draws
+what plain PyTorch draws from the caller's generator (the CPU's, and the call's device's
+on CUDA); the failed attempt drew those numbers already, and the re-run drew the next
+ones (until 2026-11-29: a ``torch.rand(())`` before a branch on a value gave 0.768 on one
+device where 2 and 4 devices, debug mode and plain PyTorch gave 0.496, and every later
+draw of the caller was shifted). :func:`note` keeps the generators' states for such
+calls (half a microsecond each), and :func:`undo` rewinds them before the re-run.
 
 Writes into tensors that are not arguments (a module's buffers the function closes
 over) are undone by a journal of the attempt's writes, kept on the same calls
@@ -51,37 +56,55 @@ class Before:
     Attributes:
         versions: the mapped arguments' version counters (:func:`versions`).
         saved: copies of them while the function has not run vectorized (:func:`copies`).
-        generator: the caller's generator state, for ``randomness="per_instance"``.
+        generators: the caller's generators and their states, for ``randomness="per_instance"``
+            and ``"same"`` (see :func:`_drawn_from`).
         journal: what the attempt writes into other tensors, while copies are kept
             (:mod:`~torchpmap._engines.closure_writes`; the attempt runs under it).
     """
 
     versions: list[int]
     saved: list[torch.Tensor | None] | None
-    generator: torch.Tensor | None
+    generators: list[tuple[torch.Generator, torch.Tensor]] | None
     journal: closure_writes.Journal | None = None
 
 
 def note(call: MappedCall) -> Before:
-    """The state of ``call``'s arguments (and generator) before its vectorized attempt."""
-    generator = torch.default_generator.get_state() if call.randomness == "per_instance" else None
+    """The state of ``call``'s arguments (and generators) before its vectorized attempt."""
+    drawn = _drawn_from(call)
+    generators = [(g, g.get_state()) for g in drawn] if drawn else None
     fallback = call.vmap_fallback
     # each instance alone on a device, without vmap: a failure is the instance's own, never undone
     if fallback is None or fallback.ran.once or multi_device.each_instance_alone(call):  # the common case
-        return Before(versions(call), None, generator)
+        return Before(versions(call), None, generators)
     journal = closure_writes.start(call.mapped) if call.programs is None else None  # jit=True: traced, not journaled
-    return Before(versions(call), copies(call), generator, journal)
+    return Before(versions(call), copies(call), generators, journal)
 
 
 def undo(call: MappedCall, before: Before, why: str) -> None:
     """Before the instances of ``call`` run again: puts back what its failed vectorized
     attempt wrote into the mapped arguments, or raises RuntimeError when it cannot
-    (:func:`undo_writes`), and rewinds the caller's generator to where it was."""
+    (:func:`undo_writes`), and rewinds the caller's generators to where they were."""
     undo_writes(call, before.versions, before.saved, why)
     if before.journal is not None:
         before.journal.undo()
-    if before.generator is not None:
-        torch.default_generator.set_state(before.generator)
+    for g, state in before.generators or ():
+        g.set_state(state)
+
+
+def _drawn_from(call: MappedCall) -> list[torch.Generator]:
+    """The caller's generators that a vectorized attempt of ``call`` draws from, where a
+    re-run must draw the same numbers: ``"per_instance"`` seeds every instance from one
+    draw of the CPU's; ``"same"`` draws from the CPU's, and from the CUDA device's where
+    the call runs on one. ``"different"`` draws numbers that depend on the placement
+    anyway (see docs/device-threads.md), and ``"error"`` none."""
+    if call.randomness == "per_instance":
+        return [torch.default_generator]
+    if call.randomness != "same":
+        return []
+    device = call.devices[0].torch_device if call.devices else (call.mapped[0].device if call.mapped else None)
+    if device is not None and device.type == "cuda":
+        return [torch.default_generator, torch.cuda.default_generators[device.index or 0]]
+    return [torch.default_generator]
 
 
 def versions(call: MappedCall) -> list[int]:
