@@ -128,6 +128,24 @@ def test_closed_over_tensors_are_read_at_every_call():
     torch.testing.assert_close(f(x), torch.full((4, 3), 40.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_a_psum_of_one_byte_per_instance_wraps_as_eager_on_every_placement(placement, dtype):
+    """inductor's sum of a 1-D byte tensor of 8 or more is wrong (``torch.compile(lambda t:
+    t.sum(0, dtype=torch.uint8))`` of ``arange(16) * 30`` gives 64, not 16; torch 2.13), and
+    ``jit=True`` compiled such a sum for one byte per instance: 64 on one device, 40 on
+    8, 16 eagerly and in JAX. Bytes are now summed as int64 and wrapped back."""
+    x = (torch.arange(16) * 30 - (100 if dtype == torch.int8 else 0)).to(dtype)
+    want = x.sum(0, dtype=dtype)
+
+    def f(v):
+        return tp.psum(v, "i"), tp.pmean(v, "i")
+
+    for jit in (False, True):
+        total, mean = tp.pmap(f, "i", jit=jit)(x)
+        torch.testing.assert_close(torch.as_tensor(total).cpu(), want.expand(16), msg=f"jit={jit}")
+        torch.testing.assert_close(torch.as_tensor(mean).cpu(), (want.float() / 16).expand(16), msg=f"jit={jit}")
+
+
 def test_backward_outside_reaches_arguments_and_closed_over_parameters():
     w = torch.randn(3, 2, requires_grad=True)
     x = torch.randn(4, 5, 3, requires_grad=True)

@@ -59,15 +59,20 @@ def _in_row_order(X: torch.Tensor) -> torch.Tensor:
 #: Unsigned integers that torch's CPU reductions (sum, amax, scatter_add) have no kernel
 #: for; a compiled program reduces them. They are reduced as int64 (see :func:`_as_int64`).
 _UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+#: The dtypes summed as int64 and cast back (wrapping as their own sum wraps): the unsigned
+#: ones above, and the bytes, whose sum of a 1-D tensor of 8 or more inductor gets wrong
+#: (``torch.compile(lambda t: t.sum(0, dtype=torch.uint8))`` of ``arange(16) * 30``: 64,
+#: not 16; torch 2.13), where ``psum`` of one byte per instance compiles such a sum.
+_SUMMED_AS_INT64 = (*_UNSIGNED, torch.int8, torch.uint8)
 _SIGN_BIT = -(2**63)
 
 
 def _as_int64(
     compute: Callable[[torch.Tensor], tuple[torch.Tensor, int | None]], X: torch.Tensor, ordered: bool
 ) -> tuple[torch.Tensor, int | None]:
-    """``compute`` of an unsigned-integer ``X`` through int64, with the result back in
-    ``X``'s dtype: the values of 16 and 32 bits exactly (a sum wraps when cast back, as
-    their own sum wraps: JAX's numbers); 64 bits by their bits, a sum wrapping as theirs
+    """``compute`` of an unsigned-integer (or byte) ``X`` through int64, with the result
+    back in ``X``'s dtype: the values of 8, 16 and 32 bits exactly (a sum wraps when cast
+    back, as their own sum wraps: JAX's numbers); 64 bits by their bits, a sum wrapping as theirs
     and, for a comparison (``ordered``), the sign bit flipped so that int64 orders them as
     unsigned."""
     dtype = X.dtype
@@ -110,7 +115,7 @@ class Psum(Primitive):
         return self.groups is None
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        if X.dtype in _UNSIGNED:
+        if X.dtype in _SUMMED_AS_INT64:
             return _as_int64(self.compute, X, ordered=False)
         X = X.to(_sum_dtype(X))
         if self.groups is not None:
@@ -312,7 +317,7 @@ class PsumScatter(Primitive):
         return self.groups is None
 
     def shares(self, X: torch.Tensor) -> torch.Tensor:
-        if X.dtype in _UNSIGNED:
+        if X.dtype in _SUMMED_AS_INT64:
             return _as_int64(lambda Y: (self.shares(Y), None), X, ordered=False)[0]
         size, local = self.frame.size, self.frame.local_size
         return self._by_position(X, size).unflatten(0, (size // local, local))
@@ -328,7 +333,7 @@ class PsumScatter(Primitive):
         return summed.movedim(at, 0)
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        if X.dtype in _UNSIGNED:
+        if X.dtype in _SUMMED_AS_INT64:
             return _as_int64(self.compute, X, ordered=False)
         if self.groups is None:
             return self._by_position(X, X.shape[0]), 0
