@@ -64,14 +64,13 @@ class Before:
 
     versions: list[int]
     saved: list[torch.Tensor | None] | None
-    generators: list[tuple[torch.Generator, torch.Tensor]] | None
+    generators: list[tuple[torch.Generator, torch.Tensor]]
     journal: closure_writes.Journal | None = None
 
 
 def note(call: MappedCall) -> Before:
     """The state of ``call``'s arguments (and generators) before its vectorized attempt."""
-    drawn = _drawn_from(call)
-    generators = [(g, g.get_state()) for g in drawn] if drawn else None
+    generators = [(g, g.get_state()) for g in _drawn_from(call)]
     fallback = call.vmap_fallback
     # each instance alone on a device, without vmap: a failure is the instance's own, never undone
     if fallback is None or fallback.ran.once or multi_device.each_instance_alone(call):  # the common case
@@ -87,7 +86,7 @@ def undo(call: MappedCall, before: Before, why: str) -> None:
     undo_writes(call, before.versions, before.saved, why)
     if before.journal is not None:
         before.journal.undo()
-    for g, state in before.generators or ():
+    for g, state in before.generators:
         g.set_state(state)
 
 
