@@ -30,6 +30,8 @@ def global_data() -> dict:
         "x_tiled": torch.randn(G, 2 * G, 2, generator=g),
         "x_nested": torch.randn(G, 2, 3, generator=g),
         "w": torch.randn(G, 3, generator=g),  # cotangent weights for .backward()
+        # float16 whose pairs overflow where the total does not: one process sums in float32
+        "x_half": torch.tensor([[6e4, 0.5], [6e4, 1e-4], [-6e4, 3.0], [-6e4, 1e-4]], dtype=torch.float16),
         "mlp_x": torch.randn(G, 8, 5, generator=g),
         "mlp_y": torch.randn(G, 8, 1, generator=g),
         "tree": {  # leaves of several dtypes and shapes for the pytree collectives
@@ -80,6 +82,14 @@ def collective_programs(d: dict[str, torch.Tensor], jit: bool = False):
         "psum_scatter": lambda d: pm(lambda v: tp.psum_scatter(v, "i"))(d["x_sq"]),
         "psum_scatter_tiled": lambda d: pm(lambda v: tp.psum_scatter(v, "i", tiled=True))(d["x_tiled"]),
         "axis_index": lambda d: pm(lambda v: tp.axis_index("i"))(d["x"]),
+        "half_sums": lambda d: pm(
+            lambda v: (
+                tp.psum(v, "i"),
+                tp.pmean(v, "i"),
+                tp.psum(v, "i", axis_index_groups=[[0, 1], [2, 3]]),
+                tp.psum_scatter(v.expand(G, 2), "i"),
+            )
+        )(d["x_half"]),
         "nested_local": lambda d: pm(
             tp.pmap(
                 lambda v: (tp.psum(v, "j"), tp.psum(v, "i"), tp.psum(v, ("i", "j")), tp.axis_index(("i", "j"))),
@@ -579,11 +589,18 @@ def bucket_data(nproc: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_in_buckets(
-    x: torch.Tensor, y: torch.Tensor, by_hand: bool = False, steps: int = 3, jit: bool = False, batch_norm: bool = False
+    x: torch.Tensor,
+    y: torch.Tensor,
+    by_hand: bool = False,
+    steps: int = 3,
+    jit: bool = False,
+    batch_norm: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """A 4-layer MLP (with a BatchNorm1d after its first layer if ``batch_norm``) trained
     by data_parallel_step (or the same step written as pmean(grad(...)), whose exchange
-    starts after the backward); returns the parameters, buffers and losses."""
+    starts after the backward), its parameters and data in ``dtype``; returns the
+    parameters, buffers and losses."""
     from torch.func import functional_call, grad_and_value
 
     from torchpmap.training import data_parallel_step
@@ -593,7 +610,8 @@ def train_in_buckets(
     layers = [m for a, b in zip(sizes, sizes[1:]) for m in (torch.nn.Linear(a, b), torch.nn.Tanh())][:-1]
     if batch_norm:
         layers.insert(1, torch.nn.BatchNorm1d(sizes[1]))
-    model = torch.nn.Sequential(*layers)
+    model = torch.nn.Sequential(*layers).to(dtype)
+    x, y = x.to(dtype), y.to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if not by_hand:
         step = data_parallel_step(model, torch.nn.functional.mse_loss, opt, jit=JIT if jit else False)
@@ -670,6 +688,9 @@ def scenario_gradient_buckets(rank: int, nproc: int) -> dict:
         torch.distributed.all_reduce = all_reduce
     out["compiled_all_reduces"] = calls
     out["by_hand"] = train_in_buckets(x, y, by_hand=True)
+    # bfloat16: the buckets sum in float32 and round once, as pmean (and one process) does
+    out["bfloat16"] = train_in_buckets(x, y, dtype=torch.bfloat16)
+    out["bfloat16_by_hand"] = train_in_buckets(x, y, by_hand=True, dtype=torch.bfloat16)
     # batch norm: its statistics' means travel with the buckets' agreement; after one step
     # (the same parameters) they must be those of the one pmean of everything that a step
     # without buckets makes

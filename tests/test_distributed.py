@@ -442,6 +442,7 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
     assert all(f.returncode == 0 for f in finished), logs
     with _on_one_device():
         reference = progs.train_in_buckets(*progs.bucket_data(nproc))  # one process, all instances
+        reference_bf16 = progs.train_in_buckets(*progs.bucket_data(nproc), dtype=torch.bfloat16)
     for r in range(nproc):
         res = results[r]
         assert res is not None and "crashed" not in res, (res or {}).get("crashed", logs)
@@ -460,6 +461,9 @@ def test_gradient_buckets_start_in_the_backward_and_train_the_same_model(nproc, 
         _assert_same(f"rank {r} overlapped vs rank 0", res["overlapped"], results[0]["overlapped"], bitwise=True)
         _assert_same(f"rank {r} vs by hand", res["overlapped"], res["by_hand"], bitwise=nproc == 2)
         _assert_same(f"rank {r} vs one process", res["overlapped"], reference, bitwise=False)
+        _assert_same(f"rank {r} bfloat16 vs by hand", res["bfloat16"], res["bfloat16_by_hand"], bitwise=nproc == 2)
+        for k, want in reference_bf16.items():  # a weight near 0 after 3 steps: bfloat16's rounding, absolute
+            torch.testing.assert_close(res["bfloat16"][k], want, rtol=2e-2, atol=1e-3, msg=lambda m: f"bf16 {k}: {m}")
         # compiled, the same buckets as ops of the program: 3 steps of 3 buckets
         assert res["compiled_all_reduces"] == events_sizes(steps[-1]) * 3, res["compiled_all_reduces"]
         _assert_same(f"rank {r} compiled vs rank 0", res["compiled"], results[0]["compiled"], bitwise=True)

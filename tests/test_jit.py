@@ -146,6 +146,38 @@ def test_a_psum_of_one_byte_per_instance_wraps_as_eager_on_every_placement(place
         torch.testing.assert_close(torch.as_tensor(mean).cpu(), (want.float() / 16).expand(16), msg=f"jit={jit}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_float_sums_round_once_as_on_one_device_on_every_placement(placement, dtype):
+    """torch sums half floats in float32 and rounds once: one device's psum of 6e4, 6e4,
+    -6e4, -6e4 in float16 is 0. A slice's partial sum rounded to float16 is inf, and the
+    total NaN: that was ``jit=True`` on several devices (and several processes), and a
+    grouped psum compiled anywhere (inductor's scatter_add rounds every addition). In
+    bfloat16, partial sums rounded on their own changed the total's last bits."""
+    if dtype == torch.float16:
+        x = torch.tensor([[6e4, 0.5], [6e4, 1e-3], [-6e4, 3.0], [-6e4, 1e-3]] * 2, dtype=dtype)
+    else:  # bfloat16 has float32's range: its partial sums round differently (-18.5 and -18.75)
+        x = torch.tensor([-56.75, 0.373046875, -0.890625, -1.5078125, 37.0, 1.453125, 0.94140625, 0.7734375])
+        x = torch.stack([x, x.flip(0)], 1).to(dtype)
+    total = x.float().sum(0).to(dtype)  # 0 and the small ones' sum, rounded once
+    halves = x.float().view(2, 4, 2).sum(1).to(dtype)
+
+    def f(v):
+        return (
+            tp.psum(v, "i"),
+            tp.pmean(v, "i"),
+            tp.psum(v, "i", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]),
+            tp.psum_scatter(v.expand(8, 2), "i"),
+        )
+
+    for jit in (False, True):
+        summed, mean, grouped, scattered = (torch.as_tensor(t).cpu() for t in tp.pmap(f, "i", jit=jit)(x))
+        assert summed.dtype == dtype and scattered.dtype == dtype, (summed.dtype, scattered.dtype)
+        torch.testing.assert_close(summed, total.expand(8, 2), rtol=0, atol=0, msg=f"jit={jit}")
+        torch.testing.assert_close(mean, (total / 8).expand(8, 2), rtol=0, atol=0, msg=f"jit={jit}")
+        torch.testing.assert_close(grouped, halves.repeat_interleave(4, 0), rtol=0, atol=0, msg=f"jit={jit}")
+        torch.testing.assert_close(scattered, total.expand(8, 2), rtol=0, atol=0, msg=f"jit={jit}")
+
+
 def test_backward_outside_reaches_arguments_and_closed_over_parameters():
     w = torch.randn(3, 2, requires_grad=True)
     x = torch.randn(4, 5, 3, requires_grad=True)

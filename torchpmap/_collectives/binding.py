@@ -90,7 +90,8 @@ class Primitive:
 
     def shares(self, X: torch.Tensor) -> torch.Tensor:
         """This slice's sum of its instances ``X`` (a :attr:`scatters` prim), cut into every
-        slice's share, ``(slices, local size, ...)``: row ``q`` is what it sends to slice ``q``."""
+        slice's share, ``(slices, local size, ...)``: row ``q`` is what it sends to slice ``q``
+        (in :func:`partial_sum_dtype`)."""
         raise NotImplementedError
 
     def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
@@ -100,7 +101,8 @@ class Primitive:
 
     def partial(self, X: torch.Tensor) -> torch.Tensor:
         """This slice's own reduction of its instances ``X`` (a :attr:`reduces` prim), shaped
-        ``(1, ...)``: what it sends to the other slices."""
+        ``(1, ...)``: what it sends to the other slices (a sum of half floats in float32: see
+        :func:`partial_sum_dtype`)."""
         return self.compute(X)[0].unsqueeze(0)
 
     def transpose(self) -> Primitive:
@@ -122,6 +124,25 @@ class Primitive:
     def dim(self, d: int) -> int:
         """Physical position in ``X`` of instance dim ``d``."""
         return 1 + self.lead + d
+
+
+#: Half floats whose partial sums travel widened: torch sums a float16 or bfloat16 tensor in
+#: float32 and rounds once, so one device's ``psum`` of ``[6e4, 6e4, -6e4, -6e4]`` in float16
+#: is 0; a slice's partial sum rounded to float16 would be inf (NaN once added to -inf). The
+#: slices (compiled device slices, processes) send float32 sums, and the total is rounded
+#: once, as on one device (see :func:`narrowed`).
+_PARTIAL_SUM_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def partial_sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a slice's partial sum of ``dtype`` values travels."""
+    return _PARTIAL_SUM_DTYPES.get(dtype, dtype)
+
+
+def narrowed(total: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A total of partial sums (see :func:`partial_sum_dtype`) of ``dtype`` values, in the
+    dtype their sum on one device has."""
+    return total.to(dtype) if total.dtype != dtype and dtype in _PARTIAL_SUM_DTYPES else total
 
 
 def bind_many(prims: Sequence[Primitive], xs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -344,10 +365,11 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
     exchange = prims[0].frame.exchange
     if exchange is None:
         return [_fresh(p, p.compute(X)) for p, X in zip(prims, Xs)]
+    dtypes = [X.dtype for X in Xs]  # partial sums of half floats travel as float32: narrowed back
     if exchange.reduces_locally and all(p.scatters for p in prims):  # a reduce-scatter: each slice's share only
         received = exchange.scatter_sum_with_grad([p.shares(X) for p, X in zip(prims, Xs)], _describe(prims))
         if received is not None:
-            return [(R, 0) for R in received]
+            return [(narrowed(R, d), 0) for R, d in zip(received, dtypes)]
     if exchange.reduces_locally and all(p.reduces for p in prims):
         # even a slice of one instance sends compute's result: its dtype (psum of bools
         # sends int64) must not depend on the local size, and the bits are those of one process
@@ -355,9 +377,10 @@ def run_owning(prims: Sequence[Primitive], Xs: Sequence[torch.Tensor]) -> list[t
         if all(p.sums for p in prims):  # large sums across processes: one all-reduce
             summed = exchange.sum_with_grad(Xs, _describe(prims))
             if summed is not None:
-                return [(S[0], None) for S in summed]
+                return [(narrowed(S[0], d), None) for S, d in zip(summed, dtypes)]
         everyone = exchange.all_gather_with_grad(Xs, _describe(prims), partial=True)
-        return [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
+        results = [p.compute(E.flatten(0, 1)) for p, E in zip(prims, everyone)]
+        return [(narrowed(R, d), dim) for (R, dim), d in zip(results, dtypes)]
     everyone = exchange.all_gather_with_grad(Xs, _describe(prims))
     return [_own_part(p, *p.compute(E.flatten(0, 1))) for p, E in zip(prims, everyone)]
 

@@ -60,6 +60,7 @@ from typing import cast
 
 import torch
 
+from torchpmap._collectives.binding import narrowed, partial_sum_dtype
 from torchpmap._collectives.math import Psum
 from torchpmap._collectives.public import pmean
 from torchpmap._engines.process_exchange_rules import sums_by_all_reduce
@@ -149,6 +150,7 @@ class GradientMean:
         self._arrived: list[dict[Piece, torch.Tensor]] = []
         self._pieces: dict[str, int] = {}  # how many pieces of each parameter the buckets hold
         self._averaging = False
+        self._average_dtypes: list[torch.dtype] = []
         frame = _axis_env.lookup(axis_name)
         self._frame = frame
         #: the vmap level of the axis in this slice (None: a lone instance, run directly)
@@ -169,7 +171,7 @@ class GradientMean:
         sizes = [(k, t.numel() * t.element_size(), t.shape[0] if t.dim() else 1) for k, t in params.items()]
         buckets = buckets_of(sizes, self.bucket_bytes)
         what = f"pmean of the gradient over axis {self.axis_name!r}"
-        sums = exchange.sums_in_order([[p.of(params[p.name]) for p in bucket] for bucket in buckets], what)
+        sums = exchange.sums_in_order([[_as_sent(p.of(params[p.name])) for p in bucket] for bucket in buckets], what)
         if sums is None:
             return params
         self.buckets, self._sums = buckets, sums
@@ -193,6 +195,7 @@ class GradientMean:
         if self._sums is None:
             return False
         n, prim = self._frame.local_size, Psum(self._frame)
+        self._average_dtypes = [v.dtype for v in values]
         partials = []
         for v in values:  # as pmean's slice sends its instances' sum: the same math, the same bits
             value, dim = private.functorch_value(v, self._level)
@@ -209,11 +212,15 @@ class GradientMean:
             raise RuntimeError("torchpmap: internal error: averages() without average_later()")
         prim = Psum(self._frame)
         sums = cast(OrderedSums, self._sums)  # average_later() started them
-        return [prim.compute(everyone.flatten(0, 1))[0] / self._frame.size for everyone in sums.gathered()]
+        return [
+            narrowed(prim.compute(everyone.flatten(0, 1))[0], dtype) / self._frame.size
+            for everyone, dtype in zip(sums.gathered(), self._average_dtypes)
+        ]
 
     def _partial(self, grad: torch.Tensor) -> torch.Tensor:
         """This slice's sum of its instances' gradients (what pmean sends, too)."""
         value, dim = private.functorch_value(grad, self._level)
+        value = value.to(partial_sum_dtype(value.dtype))  # half floats: summed as one device sums them
         if dim is None:  # the same gradient on every instance of the slice
             n = self._frame.local_size
             return value if n == 1 else value * n
@@ -248,8 +255,13 @@ class GradientMean:
             # a bucket the backward never completed (a parameter it did not reach) starts now
             sums.start(i, [p.of(self._partial(grads[p.name])) for p in bucket])
             # divided in the sum's own buffer (the bits of pmean's total / size); a split
-            # parameter's pieces come in row order, joined before the next bucket's wait
-            for p, mean in zip(bucket, sums.wait(i, self._frame.size, after=joined)):
+            # parameter's pieces come in row order, joined before the next bucket's wait.
+            # Half floats were summed in float32: rounded first, then divided, as pmean does.
+            dtypes = [grads[p.name].dtype for p in bucket]
+            widened = any(partial_sum_dtype(d) != d for d in dtypes)
+            totals = sums.wait(i, 1 if widened else self._frame.size, after=joined)
+            for p, total, dtype in zip(bucket, totals, dtypes):
+                mean = narrowed(total, dtype) / self._frame.size if widened else total
                 got = arrived.setdefault(p.name, [])
                 got.append(mean)
                 if len(got) == self._pieces[p.name]:
@@ -257,3 +269,10 @@ class GradientMean:
                     if len(got) > 1:
                         joined.append(out[p.name])
         return {k: out[k] for k in grads}
+
+
+def _as_sent(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of a gradient's shape, in the dtype its partial sum travels in (only its
+    shape and dtype are read: see :func:`~torchpmap._collectives.binding.partial_sum_dtype`)."""
+    wide = partial_sum_dtype(t.dtype)
+    return t if wide == t.dtype else t.new_empty(t.shape, dtype=wide)

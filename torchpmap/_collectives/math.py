@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchpmap._collectives.binding import InputKind, Primitive
+from torchpmap._collectives.binding import InputKind, Primitive, partial_sum_dtype
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 
@@ -42,6 +42,15 @@ def _group_reduce(X: torch.Tensor, groups: tuple[tuple[int, ...], ...], op: str)
 
 def _sum_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.int64 if x.dtype == torch.bool else x.dtype
+
+
+def _summed_as(X: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """``X`` in the dtype its sum adds in, and the dtype of the sum. Half floats add in
+    float32 and round once, as torch's own sum of them does, written out: inductor's
+    scatter_add rounds every addition (inf for 6e4 + 6e4 - 6e4 - 6e4 in float16), and two
+    fused float16 sums fail its C++ compile (``at_Half_tmp_acc0_vec``; torch 2.13)."""
+    dtype = _sum_dtype(X)
+    return X.to(partial_sum_dtype(dtype)), dtype
 
 
 def _in_row_order(X: torch.Tensor) -> torch.Tensor:
@@ -117,10 +126,10 @@ class Psum(Primitive):
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         if X.dtype in _SUMMED_AS_INT64:
             return _as_int64(self.compute, X, ordered=False)
-        X = X.to(_sum_dtype(X))
+        X, dtype = _summed_as(X)
         if self.groups is not None:
-            return _group_reduce(X, self.groups, "sum"), 0
-        return _in_row_order(X).sum(0, dtype=X.dtype), None
+            return _group_reduce(X, self.groups, "sum").to(dtype), 0
+        return _in_row_order(X).sum(0, dtype=X.dtype).to(dtype), None
 
     def compute_unbatched(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """An integer sum of equal values is a product; a float one is the sum of the
@@ -131,6 +140,7 @@ class Psum(Primitive):
         return x.to(_sum_dtype(x)) * self.frame.local_size, None
 
     def partial(self, X: torch.Tensor) -> torch.Tensor:
+        X = X.to(partial_sum_dtype(X.dtype))
         if X.shape[0] == 1 and X.dtype == _sum_dtype(X):  # the sum of one instance is its value: no copy
             return X
         return super().partial(X)
@@ -320,14 +330,15 @@ class PsumScatter(Primitive):
         if X.dtype in _SUMMED_AS_INT64:
             return _as_int64(lambda Y: (self.shares(Y), None), X, ordered=False)[0]
         size, local = self.frame.size, self.frame.local_size
+        X = X.to(partial_sum_dtype(X.dtype))
         return self._by_position(X, size).unflatten(0, (size // local, local))
 
     def _by_position(self, X: torch.Tensor, size: int) -> torch.Tensor:
         """The sum of the instances ``X`` (without groups), its scattered dim cut into the
         axis' ``size`` positions and moved first: ``(size, ...)``."""
         at = self.lead + self.dimension  # position in the summed value (member dim gone)
-        X = X.to(_sum_dtype(X))
-        summed = _in_row_order(X).sum(0, dtype=X.dtype)  # torch.sum would widen int32 to int64
+        X, dtype = _summed_as(X)
+        summed = _in_row_order(X).sum(0, dtype=X.dtype).to(dtype)  # torch.sum would widen int32 to int64
         if self.tiled:
             summed = summed.unflatten(at, (size, summed.shape[at] // size))
         return summed.movedim(at, 0)
@@ -338,8 +349,8 @@ class PsumScatter(Primitive):
         if self.groups is None:
             return self._by_position(X, X.shape[0]), 0
         at = self.lead + self.dimension + 1  # position in the groups' sums (a member dim first)
-        X = X.to(_sum_dtype(X))
-        summed = _group_reduce(X, self.groups, "sum")  # (n, ...)
+        X, dtype = _summed_as(X)
+        summed = _group_reduce(X, self.groups, "sum").to(dtype)  # (n, ...)
         position = torch.empty(X.shape[0], dtype=torch.long)
         for g in self.groups:
             position[list(g)] = torch.arange(len(g))
