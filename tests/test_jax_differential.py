@@ -208,6 +208,33 @@ def test_axis_index_and_size(jax_kind, n):
     check(mapped(lambda B, v: v * B.axis_size("i") + B.cast(B.axis_index("i"), "float32")), (x,), jax_kind=jax_kind)
 
 
+@jax_param
+def test_collectives_over_no_axis_return_the_value(jax_kind):
+    """An empty tuple of axis names names no axis: JAX returns the value as it is (pmean
+    divides it by 1, so integers become floats; all_gather adds no dim), and axis_index
+    is 0. ppermute and all_to_all refuse it in both."""
+    ops = {
+        "psum": lambda B, v: B.psum(v, ()),
+        "psum_list": lambda B, v: B.psum(v, []),
+        "pmean": lambda B, v: B.pmean(v, ()),
+        "pmax": lambda B, v: B.pmax(v, ()),
+        "pmin": lambda B, v: B.pmin(v, ()),
+        "all_gather": lambda B, v: B.all_gather(v, ()),
+        "all_gather_tiled": lambda B, v: B.all_gather(v, (), tiled=True),
+        "psum_scatter": lambda B, v: B.psum_scatter(v, ()),
+        "psum_bool": lambda B, v: B.psum(v > 0, ()),
+        "pmean_int": lambda B, v: B.pmean(B.cast(v, "int32"), ()),
+        "axis_size": lambda B, v: v * B.axis_size(()),
+        "grad": lambda B, v: B.grad(lambda u: (B.psum(u, ()) ** 2).sum())(v),
+    }
+    x = sample((4, 3), seed=7)
+    check(variants(ops), ({k: x for k in ops},), jax_kind=jax_kind)
+    t, _ = check(mapped(lambda B, v: B.axis_index(())), (x,), jax_kind=jax_kind, jax_default_int=True)
+    np.testing.assert_array_equal(t, [0, 0, 0, 0])
+    with pytest.raises(ValueError, match="must name at least one axis"):
+        tp.pmap(lambda v: tp.ppermute(v, (), [(0, 0)]), "i")(torch.from_numpy(x))
+
+
 # =========================================================================== pytrees
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -76,9 +76,19 @@ def _tree_apply(
         _context.in_collective.reset(inside)
 
 
-def _frames(axis_name: AxisNames, what: str) -> list[AxisFrame]:
+def _frames(axis_name: AxisNames, what: str, allow_empty: bool = False) -> list[AxisFrame]:
+    """The frames of the named axes. ``allow_empty``: an empty tuple names no axis (a
+    collective over no axis is the identity, as in JAX: ``psum(x, ())`` is ``x``)."""
     refuse_under_compile(what)  # first: dynamo must not trace into the axis lookup (a ContextVar)
-    return _axis_env.frames(_axis_env.normalize_names(axis_name, what))
+    return _axis_env.frames(_axis_env.normalize_names(axis_name, what, allow_empty))
+
+
+def _over_no_axis(x: PyTree, what: str, groups: Any = None) -> PyTree:
+    """A reduction or gather over an empty tuple of axis names: each leaf as it is (a
+    copy), as JAX returns it (a sum over no instance but this one)."""
+    if groups is not None:
+        raise ValueError(f"{what}: axis_index_groups needs an axis name; axis_name=() names none")
+    return _tree_apply(what, x, lambda ts: [t.clone() for t in ts])
 
 
 def _total_size(frames: list[AxisFrame]) -> int:
@@ -148,6 +158,9 @@ def psum(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequenc
     Args:
         x: a pytree of tensors, numpy arrays or numbers.
         axis_name: a name bound by an enclosing ``pmap``/``vmap``, or a tuple of names.
+            The empty tuple names no axis: ``x`` comes back as it is, as in JAX (so do
+            ``pmean``, ``pmax``, ``pmin``, ``all_gather`` and ``psum_scatter``, and
+            ``axis_index(())`` is 0).
         axis_index_groups: optional partition of the axis indices into groups; each
             instance then receives the sum over its own group.
 
@@ -159,7 +172,9 @@ def psum(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequenc
         >>> torchpmap.pmap(f, axis_name="i")(torch.arange(4))
         tensor([1, 1, 5, 5])
     """
-    frames = _frames(axis_name, "psum")
+    frames = _frames(axis_name, "psum", allow_empty=True)
+    if not frames:
+        return _over_no_axis(x, "psum", axis_index_groups)
     groups = _check_groups(axis_index_groups, frames, "psum", equal_sizes=False)
     return _tree_apply("psum", x, lambda ts: _reduce(ts, frames, lambda f: Psum(f, groups=groups)))
 
@@ -174,7 +189,9 @@ def pmean(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequen
         >>> torchpmap.pmap(lambda x: torchpmap.pmean(x, "i"), axis_name="i")(torch.arange(4))
         tensor([1.5000, 1.5000, 1.5000, 1.5000])
     """
-    frames = _frames(axis_name, "pmean")
+    frames = _frames(axis_name, "pmean", allow_empty=True)
+    if not frames:  # the total over no axis, divided by 1: integers become floats
+        return _tree_apply("pmean", _over_no_axis(x, "pmean", axis_index_groups), lambda ts: [t / 1 for t in ts])
     groups = _check_groups(axis_index_groups, frames, "pmean", equal_sizes=False)
 
     def mean(ts: list[torch.Tensor]) -> Leaves:
@@ -215,7 +232,9 @@ def pmin(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequenc
 def _extremum(
     x: PyTree, axis_name: AxisNames, axis_index_groups: Sequence[Sequence[int]] | None, op: str, what: str
 ) -> PyTree:
-    frames = _frames(axis_name, what)
+    frames = _frames(axis_name, what, allow_empty=True)
+    if not frames:
+        return _over_no_axis(x, what, axis_index_groups)
     groups = _check_groups(axis_index_groups, frames, what, equal_sizes=False)
 
     def ordered(ts: list[torch.Tensor]) -> Leaves:
@@ -270,7 +289,9 @@ def all_gather(
                 [0, 1, 2],
                 [0, 1, 2]])
     """
-    frames = _frames(axis_name, "all_gather")
+    frames = _frames(axis_name, "all_gather", allow_empty=True)
+    if not frames:  # JAX's result too: no dim of size 1 is added
+        return _over_no_axis(x, "all_gather", axis_index_groups)
     groups = _check_groups(axis_index_groups, frames, "all_gather", equal_sizes=True)
 
     def position(t: torch.Tensor) -> int:
@@ -304,7 +325,9 @@ def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
         >>> torchpmap.pmap(lambda r: torchpmap.psum_scatter(r, "i"), axis_name="i")(x)
         tensor([24., 28., 32., 36.])
     """
-    frames = _frames(axis_name, "psum_scatter")
+    frames = _frames(axis_name, "psum_scatter", allow_empty=True)
+    if not frames:
+        return _over_no_axis(x, "psum_scatter")
     n = _total_size(frames)
 
     def dimension(t: torch.Tensor) -> int:
@@ -538,10 +561,13 @@ def axis_index(axis_name: AxisNames) -> torch.Tensor:
     """
     refuse_under_compile("axis_index")
     index = None
-    for frame in _frames(axis_name, "axis_index"):
+    frames = _frames(axis_name, "axis_index", allow_empty=True)
+    for frame in frames:
         own = frame.token + frame.offset if frame.offset else frame.token
         index = own if index is None else index * frame.size + own
-    return cast(torch.Tensor, index)  # axis_name names at least one axis
+    if index is None:  # no axis: the only position, 0, as in JAX
+        return torch.zeros((), dtype=torch.int64)
+    return index
 
 
 def axis_size(axis_name: AxisNames) -> int:
@@ -552,7 +578,7 @@ def axis_size(axis_name: AxisNames) -> int:
         >>> torchpmap.pmap(lambda x: x * torchpmap.axis_size("i"), axis_name="i")(torch.ones(2))
         tensor([2., 2.])
     """
-    return _total_size(_frames(axis_name, "axis_size"))
+    return _total_size(_frames(axis_name, "axis_size", allow_empty=True))
 
 
 def pvary(x: PyTree, axis_name: AxisNames) -> PyTree:

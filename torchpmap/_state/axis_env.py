@@ -155,10 +155,10 @@ def lookup(name: AxisName) -> AxisFrame:
     )
 
 
-def normalize_names(axis_name: AxisNames, what: str) -> tuple[AxisName, ...]:
-    """``axis_name`` as a non-empty tuple of distinct names."""
+def normalize_names(axis_name: AxisNames, what: str, allow_empty: bool = False) -> tuple[AxisName, ...]:
+    """``axis_name`` as a tuple of distinct names, not empty unless ``allow_empty``."""
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    if not names:
+    if not names and not allow_empty:
         raise ValueError(f"{what}: axis_name must name at least one axis, got {axis_name!r}")
     if len(set(names)) != len(names):
         raise ValueError(f"{what}: axis_name {axis_name!r} names an axis more than once")
