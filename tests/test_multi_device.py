@@ -3,6 +3,7 @@
 The fixture ``cpu_devices`` switches the number of CPU devices for one test, so these
 tests exercise the multi-device engine whatever TORCHPMAP_NUM_CPU_DEVICES the run uses.
 """
+import contextlib
 import threading
 import warnings
 
@@ -12,6 +13,7 @@ import torch
 from torch.func import grad
 
 import torchpmap as tp
+from torchpmap._engines.thread_exchange import Rendezvous
 from torchpmap._placement import devices as _devices
 
 
@@ -179,15 +181,36 @@ def test_a_nested_map_failing_after_a_collective_over_the_outer_axis_neither_han
             torch.testing.assert_close(torch.as_tensor(got), want)
 
 
-def test_collective_that_cannot_complete_times_out(cpu_devices, monkeypatch):
-    cpu_devices(2)
-    monkeypatch.setattr(tp.config, "collective_timeout", 0.5)
-
-    def device_1_skips(v):
-        return v if placed_on() == 1 else tp.psum(v, "i")
-
+def test_collective_that_cannot_complete_times_out():
+    """A participant that neither arrives nor returns (a device that stopped): the meeting
+    gives up after the timeout. (A thread that blocks holding the turn keeps the others
+    from running at all; one that returns is caught at once: see the next test.)"""
+    rendezvous = Rendezvous(0.5)
     with pytest.raises(TimeoutError, match=r"psum over axis 'i' waited 0.5 s for the participants \[1\] of 2"):
-        tp.pmap(device_1_skips, axis_name="i")(torch.arange(2.))
+        rendezvous.meet("group", 1, 0, 2, "psum over axis 'i'", torch.zeros(1), lambda values: values)
+
+
+@pytest.mark.filterwarnings("ignore::torchpmap.VectorizationFallbackWarning")  # the branch cannot vectorize
+@pytest.mark.parametrize("debug", [False, True], ids=["vectorized", "debug"])
+@pytest.mark.parametrize("n_devices", [1, 2, 4])
+def test_a_collective_that_some_instances_skip_raises_at_once_naming_them(cpu_devices, monkeypatch, n_devices, debug):
+    """A branch on a value: instances 1 and 3 return without calling psum. That waited
+    for the collective timeout (300 s), then raised; the others now learn at once that
+    those instances returned (JAX refuses such a program when it traces it)."""
+    cpu_devices(n_devices)
+    monkeypatch.setattr(tp.config, "collective_timeout", 120.0)  # waiting for it would fail the match below
+
+    def branch(v):
+        if v.sum() > 0:
+            return tp.psum(v, "i")
+        return v
+
+    f = tp.pmap(branch, axis_name="i")
+    with tp.disable_vectorization() if debug else contextlib.nullcontext():
+        with pytest.raises(RuntimeError, match=r"psum over axis 'i' was called by .* returned without calling it"):
+            f(torch.tensor([1.0, -1.0, 2.0, -2.0]))
+        # the same program where every instance takes the branch: the pmap is fine afterwards
+        torch.testing.assert_close(f(torch.tensor([1.0, 2.0, 3.0, 4.0])), torch.full((4,), 10.0))
 
 
 def test_instances_that_disagree_on_the_collective_fail_clearly(cpu_devices):

@@ -220,7 +220,10 @@ def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSli
         with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
             if threads is not None and torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)  # this thread's (and the next new thread's: restored below)
-            return programs.slices[d](part, ThreadExchange(rendezvous, d, torch_devices, group))
+            exchange = ThreadExchange(rendezvous, d, torch_devices, group)
+            out = programs.slices[d](part, exchange)
+            exchange.leave()
+            return out
 
     bodies = [functools.partial(one_device, d) for d in range(len(devices))]
     try:

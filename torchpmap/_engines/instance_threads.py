@@ -104,10 +104,14 @@ def run(
         with _context.setting(_context.instance_thread, state), _axis_env.inherited(rebound):
             with device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
                 if k > 1:
-                    return vectorized.run(
+                    out = vectorized.run(
                         part, offset=j * k, axis_size=call.size, exchange=_exchange(state, axis), seed=seed
                     )
-                return _run_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
+                else:
+                    out = _run_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
+            for name in (*(f.name for f in rebound), axis):
+                _exchange(state, name).leave()  # a meeting of any of its axes that still waits for it raises
+            return out
 
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
     reads = batching_rules.value_reads()

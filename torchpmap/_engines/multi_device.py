@@ -67,8 +67,11 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         with device_thread(call, rendezvous, seed, d, k, devices[d]) as part:
             exchange = ThreadExchange(rendezvous, d, torch_devices, group)
             if direct:  # nothing to vectorize: the instance runs as it is
-                return vectorized.run_one(part, offset=d, axis_size=call.size, exchange=exchange, seed=seed)
-            return vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange, seed=seed)
+                out = vectorized.run_one(part, offset=d, axis_size=call.size, exchange=exchange, seed=seed)
+            else:
+                out = vectorized.run(part, offset=d * k, axis_size=call.size, exchange=exchange, seed=seed)
+            exchange.leave()
+            return out
 
     reads = batching_rules.value_reads()
     per_device = run_threads([functools.partial(one_device, d) for d in range(len(devices))], rendezvous, devices, k)

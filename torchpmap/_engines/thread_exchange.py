@@ -41,6 +41,7 @@ class Rendezvous:
         self.baton = baton  # debug mode: only the holder runs; a waiting thread passes it on
         self._cond = threading.Condition()
         self._slots: dict[Hashable, _Slot] = {}
+        self._left: dict[Hashable, set[int]] = {}  # group -> the participants whose function returned
         self.failure: str | None = None
 
     def fail(self, who: str) -> None:
@@ -50,16 +51,26 @@ class Rendezvous:
                 self.failure = who
             self._cond.notify_all()
 
+    def leave(self, group: Hashable, index: int) -> None:
+        """Participant ``index`` of ``group`` has returned: it calls no more collectives, so
+        a meeting that still waits for it can never complete (see :meth:`meet`)."""
+        with self._cond:
+            self._left.setdefault(group, set()).add(index)
+            self._cond.notify_all()
+
     def meet(
         self,
-        key: Hashable,
+        group: Hashable,
+        seq: int,
         index: int,
         count: int,
         what: str,
         value: Any,
         combine: Callable[[list[Any]], Sequence[Any]],
     ) -> Any:
-        """Deposits ``value`` as participant ``index`` of ``count``; returns result ``index``."""
+        """Deposits ``value`` as participant ``index`` of ``count`` in ``group``'s ``seq``-th
+        meeting; returns result ``index``."""
+        key = (group, seq)
         with self._cond:
             self._raise_if_failed(what)
             slot = self._slots.setdefault(key, _Slot(what))
@@ -75,6 +86,7 @@ class Rendezvous:
             deadline = time.monotonic() + self.timeout
             while slot.results is None:
                 self._raise_if_failed(what)
+                self._raise_if_left(group, slot, count)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(set(range(count)) - set(slot.values))
@@ -123,6 +135,18 @@ class Rendezvous:
             yield
         finally:
             self.baton.pick_up(held)
+
+    def _raise_if_left(self, group: Hashable, slot: _Slot, count: int) -> None:
+        gone = sorted(self._left.get(group, set()) - set(slot.values))
+        if gone:
+            came = sorted(slot.values)
+            raise RuntimeError(
+                f"torchpmap: {slot.what} was called by the participants {came} of {count} along the axis "
+                f"(device slices; single instances where they run one at a time), but {gone} returned without "
+                "calling it. Every instance of a pmap must call the same collectives in the same order: a "
+                "branch on a value that differs between instances (`if x.sum() > 0:`) must not skip one. "
+                "Call the collective on every path, or compute both sides and choose with torch.where."
+            )
 
     def _raise_if_failed(self, what: str) -> None:
         if self.failure is not None:
@@ -209,7 +233,11 @@ class ThreadExchange:
             _check_agreement(per_slice, what)
             return _gather_each(devices, per_slice)
 
-        return self.rendezvous.meet((self.group, self.seq), self.index, len(devices), what, ts, combine)
+        return self.rendezvous.meet(self.group, self.seq, self.index, len(devices), what, ts, combine)
+
+    def leave(self) -> None:
+        """This slice's function has returned: no more meetings (see :meth:`Rendezvous.leave`)."""
+        self.rendezvous.leave(self.group, self.index)
 
 
 def _implements_exchange(exchange: ThreadExchange) -> Exchange:
