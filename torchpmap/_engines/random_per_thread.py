@@ -143,10 +143,8 @@ class _SameStart:
         if outer is not None and outer.seed is not None:
             states = outer._streams()
             return cls(states[0], states[1] if len(states) > 1 else None, outer)
-        cuda = None
-        if first is not None and first.type == "cuda":
-            cuda = torch.cuda.default_generators[first.index or 0].get_state()
-        return cls(torch.default_generator.get_state(), cuda, None)
+        states = [g.get_state() for g in caller_generators(first)]
+        return cls(states[0], states[1] if len(states) > 1 else None, None)
 
     def state_for(self, generator: torch.Generator) -> torch.Tensor:
         if generator.device.type != "cuda":
@@ -160,6 +158,14 @@ class _SameStart:
         for g, state in zip(generators, states):
             if g.device.type != "cuda" or self.cuda is not None:
                 g.set_state(state)
+
+
+def caller_generators(first: torch.device | None) -> list[torch.Generator]:
+    """The caller's generators that a ``randomness="same"`` call draws from, when it runs
+    on device ``first`` (its first): the CPU's, and that CUDA device's where it is one."""
+    if first is not None and first.type == "cuda":
+        return [torch.default_generator, torch.cuda.default_generators[first.index or 0]]
+    return [torch.default_generator]
 
 
 _same_start: contextvars.ContextVar[_SameStart | None] = contextvars.ContextVar("same_start", default=None)

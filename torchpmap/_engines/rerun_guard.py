@@ -46,6 +46,7 @@ import torch
 
 from torchpmap._engines import closure_writes, multi_device
 from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.random_per_thread import caller_generators
 from torchpmap._placement.sharded import ShardedTensor
 
 
@@ -101,9 +102,7 @@ def _drawn_from(call: MappedCall) -> list[torch.Generator]:
     if call.randomness != "same":
         return []
     device = call.devices[0].torch_device if call.devices else (call.mapped[0].device if call.mapped else None)
-    if device is not None and device.type == "cuda":
-        return [torch.default_generator, torch.cuda.default_generators[device.index or 0]]
-    return [torch.default_generator]
+    return caller_generators(device)
 
 
 def versions(call: MappedCall) -> list[int]:
