@@ -54,19 +54,49 @@ def test_a_write_before_an_error_is_made_once(placement):
 
 
 def test_a_write_that_cannot_be_undone_stops_the_call():
-    """After a vectorized call, no copy is kept: a later call that fails after writing
-    raises instead of writing twice, and says what to do."""
+    """After a vectorized call that wrote nothing, no copy is kept: a later call that
+    writes, then fails, raises instead of writing twice, and says what to do."""
+    writes = {"now": False}
 
     def f(x):
-        x.add_(1)
+        if writes["now"]:
+            x.add_(1)
         return x * x.sum().item()
 
     g = tp.pmap(f, devices=tp.devices()[:1])
     g(torch.ones(4))  # every instance holds the same value: .item() reads it once, vectorized
+    writes["now"] = True
     x = torch.arange(4.0)
     with pytest.raises(RuntimeError, match=r"mapped argument 0 \(shape \(4,\)\).*would write it twice"):
         g(x)
     torch.testing.assert_close(x, torch.arange(4.0) + 1)  # written once, by the vectorized run
+
+
+def test_a_function_that_wrote_in_its_vectorized_run_keeps_its_copies(four_devices):
+    """The code's first vectorized run wrote into its argument: later calls keep copies,
+    so that one that fails after its write is undone and runs one at a time. On 2 devices
+    one slice ran vectorized (both its values positive), and the next call of the same
+    code on 1 device raised "that write cannot be undone" where a first call computes."""
+
+    def f(v, w):
+        w.add_(1)
+        y = v * 2
+        if y.sum() > 0:  # differs between the instances of device 0's slice
+            y = y + 100
+        return y + w
+
+    v = torch.tensor([[1.0, 2.0], [-3.0, -4.0], [5.0, 6.0], [-7.0, 8.0]])
+    want = _loop(f, v, torch.zeros(4, 2))
+    for placed in (four_devices[:2], four_devices[:1], four_devices[:1]):
+        w = torch.zeros(4, 2)
+        got = tp.pmap(f, devices=placed)(v, w)
+        torch.testing.assert_close(torch.as_tensor(got).cpu(), want)
+        torch.testing.assert_close(w, torch.ones(4, 2))
+    g = tp.pmap(lambda x: f(x, x), devices=four_devices[:1])
+    g(torch.ones(4, 2))  # vectorized, writing
+    x = v.clone()
+    torch.testing.assert_close(torch.as_tensor(g(x)).cpu(), _loop(lambda a: f(a, a), v.clone()))
+    torch.testing.assert_close(x, v + 1)
 
 
 def test_a_direct_run_is_not_a_vectorized_one(four_devices, monkeypatch):

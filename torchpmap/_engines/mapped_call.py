@@ -126,6 +126,15 @@ class RanVectorized:
     """
 
     once: bool = False
+    #: whether that run wrote into its mapped arguments: such a function keeps its copies
+    #: at every call, since a later attempt (other values, another placement) may fail
+    #: after its write, which only a copy can undo
+    writes: bool = False
+
+    @property
+    def keeps_no_copies(self) -> bool:
+        """A call skips the copies of its mapped arguments (see :mod:`~torchpmap._engines.rerun_guard`)."""
+        return self.once and not self.writes
 
 
 @dataclasses.dataclass(eq=False)

@@ -74,7 +74,7 @@ def note(call: MappedCall) -> Before:
     generators = [(g, g.get_state()) for g in _drawn_from(call)]
     fallback = call.vmap_fallback
     # each instance alone on a device, without vmap: a failure is the instance's own, never undone
-    if fallback is None or fallback.ran.once or multi_device.each_instance_alone(call):  # the common case
+    if fallback is None or fallback.ran.keeps_no_copies or multi_device.each_instance_alone(call):  # the common case
         return Before(versions(call), None, generators)
     journal = closure_writes.start(call.mapped) if call.programs is None else None  # jit=True: traced, not journaled
     return Before(versions(call), copies(call), generators, journal)
@@ -122,7 +122,7 @@ def copies(call: MappedCall) -> list[torch.Tensor | None] | None:
     """Copies of ``call``'s mapped arguments while its function has not run vectorized
     yet (None after: no copies; an entry None: a ShardedTensor, not copied)."""
     fallback = call.vmap_fallback
-    if fallback is None or fallback.ran.once:
+    if fallback is None or fallback.ran.keeps_no_copies:
         return None
     return [None if isinstance(t, ShardedTensor) else t.detach().clone() for t in call.mapped]
 

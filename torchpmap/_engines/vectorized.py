@@ -70,6 +70,9 @@ def run(
             moved.append(len(mapped))
             mapped.append(_own_view(t, device))
     copied = written_copies.copies(call.mapped, mapped, moved) if moved else None
+    fallback = call.vmap_fallback
+    first = fallback is not None and not fallback.ran.once  # the code's first vectorized run: does it write?
+    versions_before = _versions(mapped) if first else None
     broadcast = [place(v, device) for v in call.broadcast] if call.broadcast else []
     here = device if device is not None else (mapped[0].device if mapped else None)
     # the axis token is an extra vmap input (see torchpmap._collectives.binding); an unnamed axis needs
@@ -141,10 +144,15 @@ def run(
             _context.default_devices.reset(pinned)
     if copied:
         written_copies.write_back(call.mapped, mapped, copied)
-    fallback = call.vmap_fallback
-    if fallback is not None and not fallback.ran.once:  # the code has run vectorized (see rerun_guard)
+    if fallback is not None and first:  # the code has run vectorized (see rerun_guard)
         fallback.ran.once = True
+        fallback.ran.writes = fallback.ran.writes or _versions(mapped) != versions_before
     return outputs
+
+
+def _versions(ts: Sequence[torch.Tensor]) -> list[int]:
+    """The version counters of ``ts`` (-1 for an inference tensor, which has none)."""
+    return [-1 if t.is_inference() else t._version for t in ts]
 
 
 def mark_vectorized(failure: BaseException) -> None:
