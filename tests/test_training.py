@@ -997,3 +997,60 @@ def test_activation_checkpointing_trains_on_one_device_and_is_refused_clearly_wh
             continue
         with pytest.raises(NotImplementedError, match=r"saved tensor hooks.*one device without shard_params"):
             step(shard((x, y), n=4))
+
+
+class _RunningMax(nn.Module):
+    """A linear layer that keeps the largest output it has seen in a buffer, as a
+    quantization observer keeps ``max_val``, starting at ``start``."""
+
+    def __init__(self, start: float):
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.register_buffer("seen", torch.tensor(start))
+        self.register_buffer("untouched", torch.tensor([1.0 / 3.0, -7.25e-9]))
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.seen.copy_(torch.maximum(self.seen, out.detach().max()))
+        return out
+
+
+@pytest.mark.parametrize("shard_params", [False, True], ids=["replicated", "sharded"])
+@pytest.mark.parametrize("start", [float("-inf"), -1e9], ids=["-inf", "-1e9"])
+def test_a_buffer_becomes_the_mean_of_the_instances_values_from_any_start(placement, start, shard_params):
+    """The step wrote ``old + mean(new - old)``: NaN from ``-inf`` (-inf + inf), and 0.0
+    from ``-1e9`` (rounding), on every placement. Now the mean of the instances' values,
+    where any of them changed the buffer; a buffer none changed keeps its bits."""
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5, 3), torch.randn(4, 5, 1)
+    for jit in (False, True):
+        model = _RunningMax(start)
+        with torch.no_grad():
+            want = torch.stack([model.lin(x[i]).max() for i in range(4)]).mean()
+        untouched = model.untouched.clone()
+        step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  shard_params=shard_params, jit=jit)
+        step((x, y))
+        torch.testing.assert_close(model.seen, want, msg=f"jit={jit}")
+        assert torch.equal(model.untouched, untouched)
+
+
+def test_a_loss_of_several_numbers_is_refused_on_every_placement_and_one_number_is_taken(placement):
+    """One device took the mean of a loss of several numbers (``torch.stack([ce, penalty])``
+    trained on their mean, not their sum) where several devices raised. A loss of one
+    number in any shape is what ``loss.backward()`` takes: it trains as the scalar."""
+    x, y = torch.randn(4, 2, 3), torch.randn(4, 2, 1)
+    for shard_params in (False, True):
+        model = nn.Linear(3, 1)
+        step = data_parallel_step(model, lambda out, t: torch.stack([F.mse_loss(out, t), out.abs().mean()]),
+                                  torch.optim.SGD(model.parameters(), lr=0.1), shard_params=shard_params)
+        with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor .* shape \(2,\)"):
+            step((x, y))
+    trained = []
+    for reshape in ((), (1, 1)):
+        torch.manual_seed(1)
+        model = nn.Linear(3, 1)
+        step = data_parallel_step(model, lambda out, t, r=reshape: F.mse_loss(out, t).reshape(r),
+                                  torch.optim.SGD(model.parameters(), lr=0.1))
+        trained.append((step((x, y)), model.weight.detach().clone()))
+    torch.testing.assert_close(trained[0], trained[1], rtol=0, atol=0)

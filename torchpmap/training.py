@@ -64,6 +64,7 @@ from torch.func import functional_call
 from torchpmap._collectives.gradient_mean import GradientMean
 from torchpmap._collectives.public import pmean
 from torchpmap._engines import instance_autograd, recurrent
+from torchpmap._frontend import buffer_means
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.elementwise_optimizers import check_elementwise
 from torchpmap._frontend.instance_grad import instance_grad_and_value
@@ -543,8 +544,9 @@ def data_parallel_step(
 
     * **Buffers** (batch-norm running statistics): each instance updates its own copy from
       its own shard, exactly as one replica per device would. After the step, floating
-      point buffers are set to their mean over the instances (computed as the old value
-      plus the mean change, so buffers nobody changes stay bit-for-bit the same). The
+      point buffers are set to their mean over the instances where any instance changed
+      them (a running maximum that starts at ``-inf`` ends at the mean of the instances'
+      maxima); elements that no instance changed keep their bits. The
       mean keeps every replica's statistics instead of those of one shard: a running mean
       becomes exactly the full-batch running mean (the mean of equal shards' means is the
       full mean); a running variance becomes the mean of the per-shard variances, which
@@ -723,7 +725,7 @@ def data_parallel_step(
 
     def instance_step(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
-    ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
+    ) -> tuple[Tensors, torch.Tensor, buffer_means.Sent, Tensors, PyTree]:
         # Across processes (one instance each), the gradients' all-reduce starts bucket by
         # bucket while the backward runs, as DDP's; elsewhere this is pmean.
         grad_mean = GradientMean(axis_name)
@@ -739,7 +741,7 @@ def data_parallel_step(
                 # the processes agree on.
                 unused = [k for k in params if k not in reached]
                 grad_mean.average_later(
-                    [loss.detach(), *(state[k].detach() - floating[k] for k in floating),
+                    [loss.detach(), *pytree.tree_leaves(buffer_means.sent(state, floating)),
                      *(a.detach() for a in pytree.tree_leaves(aux))],
                     note=f"; parameters the loss does not reach: {unused}" if unused else "",
                 )
@@ -750,11 +752,11 @@ def data_parallel_step(
         if grad_mean.buckets:  # the gradients are on their way already, bucket by bucket
             grads = grad_mean(grads)
             loss, *means = grad_mean.averages()
-            buffer_change = dict(zip(floating, means))
-            aux = pytree.tree_unflatten(means[len(floating):], pytree.tree_flatten(aux)[1])
+            buffer_change = {k: (means[2 * i], means[2 * i + 1]) for i, k in enumerate(floating)}
+            aux = pytree.tree_unflatten(means[2 * len(floating):], pytree.tree_flatten(aux)[1])
             grads = {k: grads[k] for k in reached}
         else:  # one pmean of everything: across devices or processes, one exchange instead of three
-            buffer_change = {k: state[k] - floating[k] for k in floating}
+            buffer_change = buffer_means.sent(state, floating)
             grads = {k: grads[k] for k in reached}  # as after loss.backward(): none for the others
             if has_aux:
                 grads, loss, buffer_change, aux = pmean((grads, loss, buffer_change, aux), axis_name)
@@ -779,9 +781,9 @@ def data_parallel_step(
     # PyTorch on the whole batch) instead of one per instance and their mean.
     def instance_loss(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any
-    ) -> tuple[torch.Tensor, tuple[Tensors, Tensors, PyTree]]:
+    ) -> tuple[torch.Tensor, tuple[buffer_means.Sent, Tensors, PyTree]]:
         loss, aux, state = run_model(params, frozen, floating, other, batch)
-        buffer_change = {k: state[k].detach() - floating[k] for k in floating}
+        buffer_change = buffer_means.sent(state, floating)
         aux = pytree.tree_map(lambda a: a.detach(), aux)
         if has_aux:
             buffer_change, aux = pmean((buffer_change, aux), axis_name)
@@ -801,10 +803,12 @@ def data_parallel_step(
 
     def folded_step(
         params: Tensors, frozen: Tensors, floating: Tensors, other: Tensors, batch: Any, scale: torch.Tensor | None
-    ) -> tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree]:
+    ) -> tuple[Tensors, torch.Tensor, buffer_means.Sent, Tensors, PyTree]:
         reached: list[str] = []
 
-        def mean_loss(params: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[Tensors, Tensors, PyTree]]]:
+        def mean_loss(
+            params: Tensors,
+        ) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[buffer_means.Sent, Tensors, PyTree]]]:
             losses, rest = p_loss(params, frozen, floating, other, batch)
             loss = losses.mean()
             reached.extend(_reached(loss, params))
@@ -862,9 +866,9 @@ def data_parallel_step(
             )
         return batch, leaves[0].shape[0]
 
-    def write_buffers(buffer_change: Tensors, counters: Tensors, floating: Tensors) -> None:
-        for k, change in buffer_change.items():
-            model.get_buffer(k).add_(change.to(floating[k].device))
+    def write_buffers(means: buffer_means.Sent, counters: Tensors, floating: Tensors) -> None:
+        for k, mean in means.items():
+            buffer_means.write(model.get_buffer(k), mean)
         for k, value in counters.items():
             model.get_buffer(k).copy_(value)
 
@@ -1023,7 +1027,7 @@ def _check_optimizer_holds_the_model(model: torch.nn.Module, optimizer: torch.op
 def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, PyTree]:
     """``loss_fn``'s result as (loss, aux), checked."""
     if not has_aux:
-        return out, ()
+        return _scalar_loss(out), ()
     if not (isinstance(out, tuple) and len(out) == 2):
         what = f"a {type(out).__name__}" + (f" of {len(out)} items" if isinstance(out, (tuple, list)) else "")
         raise TypeError(
@@ -1038,7 +1042,23 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, PyTree]:
                 f"{type(leaf).__name__} ({leaf!r}); aux must be a pytree of tensors (they are averaged over the "
                 "instances): wrap numbers with torch.tensor(...)"
             )
-    return loss, aux
+    return _scalar_loss(loss), aux
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    """An instance's loss: a tensor of one number, of any shape (as ``loss.backward()``
+    takes it), as a scalar. One device took the mean of every element of a loss of
+    several (a ``reduction="none"`` loss, or ``torch.stack([ce, penalty])``: their mean,
+    not their sum), where several devices raised."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.reshape(()) if loss.dim() else loss
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"data_parallel_step: loss_fn must return a scalar tensor for each instance's shard, got {got}. "
+            "Reduce it inside loss_fn (.mean() or .sum() of a reduction='none' loss; the sum of several terms)."
+        )
+    return loss
 
 
 def _explain_model_write(refused: SharedWrite) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from torchpmap._collectives.public import all_gather, pmean, psum
 from torchpmap._engines import instance_autograd
-from torchpmap._frontend import layer_gather
+from torchpmap._frontend import buffer_means, layer_gather
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.instance_grad import instance_grad_and_value
 from torchpmap._frontend.reached import reached
@@ -60,7 +60,7 @@ class RunModel(Protocol):
 #: The step's result for the gradients, loss, buffer changes, counters, aux, the squared
 #: L2 norm of the whole averaged gradient (None unless the step clips) and the number of
 #: its elements that are inf or NaN, over every instance (None unless the step counts them).
-StepOut = tuple[Tensors, torch.Tensor, Tensors, Tensors, PyTree, torch.Tensor | None, torch.Tensor | None]
+StepOut = tuple[Tensors, torch.Tensor, buffer_means.Sent, Tensors, PyTree, torch.Tensor | None, torch.Tensor | None]
 
 
 def sharded_instance_step(
@@ -104,7 +104,7 @@ def sharded_instance_step(
         grads, (_, (state, loss, aux)) = instance_grad_and_value(loss_of, rows)
         total = layouts[next(iter(layouts))].instances
         grads = {k: grads[k] / total for k in found}  # psum_scatter summed them: their mean
-        buffer_change = {k: state[k] - floating[k] for k in floating}
+        buffer_change = buffer_means.sent(state, floating)
         counters = {k: state[k] for k in other}
         if has_aux:
             loss, buffer_change, aux = pmean((loss, buffer_change, aux), axis_name)
@@ -146,7 +146,7 @@ class ShardedStep:
         module: torch.nn.Module,
         prepare: Callable[[PyTree], tuple[PyTree, int]],
         start: Callable[[], None],
-        write_buffers: Callable[[Tensors, Tensors, Tensors], None],
+        write_buffers: Callable[[buffer_means.Sent, Tensors, Tensors], None],
         split_buffers: Callable[[], tuple[Tensors, Tensors]],
         axis_name: Hashable,
         devices: Sequence[DeviceLike] | None,
