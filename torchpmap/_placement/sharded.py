@@ -450,11 +450,17 @@ def _part(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _scatter(whole: torch.Tensor, st: ShardedTensor) -> None:
-    """Writes ``whole`` into ``st``'s shards, each on its own device."""
+    """Writes ``whole`` into ``st``'s shards, each on its own device.
+
+    Below autograd (in ``__torch_dispatch__``) a write does not bump its tensor's version
+    counter: each shard's is bumped here, so that a backward that saved a shard (``exp``
+    saves its result) raises "modified by an inplace operation", as on one device,
+    instead of differentiating with the overwritten values."""
     pieces = whole.split([s.tensor.shape[st.shard_dim] for s in st.shards], st.shard_dim)
     with torch.no_grad():
         for shard, piece in zip(st.shards, pieces):
             shard.tensor.copy_(piece)
+            torch.autograd.graph.increment_version(shard.tensor)
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
