@@ -126,3 +126,17 @@ def test_a_first_compile_in_a_thread_that_exits_leaves_later_compiles_working():
         done.stdout,
         done.stderr[-2000:],
     )
+
+
+def test_sharded_arguments_split_along_other_dims_get_programs_of_their_own(four_devices):
+    """A ShardedTensor argument was keyed by its wrapper's strides (contiguous, whatever
+    its shards hold): a program compiled for one split along dim 0 was reused for one of
+    the same shape split along dim 1, and failed ("expected size 8==8, stride 1==4")."""
+    a = torch.arange(32.0).reshape(8, 4)
+    by_rows = tp.pmap(lambda v: v * 1, devices=four_devices)(a)
+    by_cols = tp.pmap(lambda v: v * 1, out_axes=1, devices=four_devices)(a.t().contiguous())
+    assert isinstance(by_rows, tp.ShardedTensor) and by_rows.shape == by_cols.shape == (8, 4)
+    g = tp.pmap(lambda v: v.cumsum(0), in_axes=1, jit=True, devices=four_devices)
+    for arg in (by_rows, by_cols, a):
+        want = torch.as_tensor(torch.as_tensor(arg).cpu()).cumsum(0).t()
+        torch.testing.assert_close(torch.as_tensor(g(arg)).cpu(), want)

@@ -93,10 +93,13 @@ def signature_of(structure: Hashable, statics: dict[int, Any], leaves: Sequence[
 
 
 def _leaf_signature(leaf: Any) -> Hashable:
+    if isinstance(leaf, ShardedTensor):  # first: it is a torch.Tensor, whose strides are not its shards'
+        return (
+            "sharded", leaf.shape, leaf.dtype, leaf.requires_grad, leaf.shard_dim,
+            tuple((s.device, _leaf_signature(s.tensor)) for s in leaf.shards),
+        )
     if isinstance(leaf, torch.Tensor):
         return (leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
-    if isinstance(leaf, ShardedTensor):
-        return ("sharded", leaf.shape, leaf.dtype, tuple(leaf.devices()))
     try:
         hash(leaf)
     except TypeError:
