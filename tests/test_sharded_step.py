@@ -6,6 +6,8 @@ tests/test_distributed.py.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -400,3 +402,35 @@ def test_max_grad_norm_of_a_float64_model_is_computed_in_float64(placement):
     step.gather_params()
     for k, v in weights(model).items():
         torch.testing.assert_close(v, want[k], rtol=1e-13, atol=1e-15, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class _Counting(torch.nn.Module):
+    """An MLP with an integer buffer that grows by a count of the shard's values: the
+    in-place add of a value that differs between instances cannot run vectorized."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.seen += (x[:, 0] > 0).sum()
+        return self.net(x)
+
+
+@pytest.mark.filterwarnings("ignore::torchpmap.VectorizationFallbackWarning")
+def test_instances_run_one_at_a_time_on_several_devices_give_the_replicated_steps_weights(four_devices):
+    """With two instances per device run one at a time, the gradients came back as one
+    piece per instance, and the sharded step raised "the gradient of 'net.0.weight' came
+    back in 4 pieces, not 2". They are joined per device now."""
+    torch.manual_seed(0)
+    start = _Counting()
+    oracle_losses, oracle = train(
+        copy.deepcopy(start), lambda ps: torch.optim.SGD(ps, lr=0.1), 3, devices=four_devices[:1]
+    )
+    for placement in (four_devices[:2], four_devices):
+        losses, got = train(
+            copy.deepcopy(start), lambda ps: torch.optim.SGD(ps, lr=0.1), 3, devices=placement, shard_params=True
+        )
+        torch.testing.assert_close(losses, oracle_losses, rtol=1e-5, atol=1e-6)
+        assert_same_weights(got, oracle)

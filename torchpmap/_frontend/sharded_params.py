@@ -272,7 +272,7 @@ class ShardedParams:
         None for a parameter the loss does not reach, as after ``loss.backward()``."""
         for k, shards in self.pieces.items():
             g = grads.get(k)
-            parts: list[torch.Tensor | None] = [None] * len(shards) if g is None else [s.tensor for s in _pieces_of(g)]
+            parts: list[torch.Tensor | None] = [None] * len(shards) if g is None else _rows_like(_pieces_of(g), shards)
             if len(parts) != len(shards):
                 raise RuntimeError(
                     f"sharded step: the gradient of {k!r} came back in {len(parts)} pieces, not {len(shards)}"
@@ -315,6 +315,26 @@ def _pieces_of(value: torch.Tensor) -> list[Shard]:
     if found is None:
         raise RuntimeError(f"sharded step: a shard on {value.device}, which is none of torchpmap's devices")
     return [Shard(found[0], value)]
+
+
+def _rows_like(pieces: list[Shard], shards: list[Shard]) -> list[torch.Tensor | None]:
+    """``pieces`` (a gradient's, rows along dim 0) regrouped as ``shards`` hold their rows:
+    where the instances ran one at a time, each instance's rows come back as a piece of
+    their own (4 pieces for 2 devices of 2 instances), consecutive pieces of one device
+    joined. Returned as they are when they cannot be so grouped (the caller says so)."""
+    if len(pieces) == len(shards):
+        return [p.tensor for p in pieces]
+    out: list[torch.Tensor | None] = []
+    rest = list(pieces)
+    for shard in shards:
+        want = shard.tensor.shape[0]
+        group: list[Shard] = []
+        while rest and sum(t.tensor.shape[0] for t in group) < want:
+            group.append(rest.pop(0))
+        if sum(t.tensor.shape[0] for t in group) != want:
+            return [p.tensor for p in pieces]
+        out.append(torch.cat([t.tensor.to(shard.tensor.device) for t in group]))
+    return out if not rest else [p.tensor for p in pieces]
 
 
 def _assembled(shards: list[Shard]) -> torch.Tensor:
