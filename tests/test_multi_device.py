@@ -566,9 +566,9 @@ def _record_meetings(monkeypatch) -> list:
 
     meetings, meet = [], Rendezvous.meet
 
-    def recording_meet(self, key, index, count, what, value, combine):
-        meetings.append((key, len(value)))
-        return meet(self, key, index, count, what, value, combine)
+    def recording_meet(self, group, seq, index, count, what, value, combine):
+        meetings.append(((group, seq), len(value)))
+        return meet(self, group, seq, index, count, what, value, combine)
 
     monkeypatch.setattr(Rendezvous, "meet", recording_meet)
     return meetings
