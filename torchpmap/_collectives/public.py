@@ -83,12 +83,14 @@ def _frames(axis_name: AxisNames, what: str, allow_empty: bool = False) -> list[
     return _axis_env.frames(_axis_env.normalize_names(axis_name, what, allow_empty))
 
 
-def _over_no_axis(x: PyTree, what: str, groups: Any = None) -> PyTree:
-    """A reduction or gather over an empty tuple of axis names: each leaf as it is (a
-    copy), as JAX returns it (a sum over no instance but this one)."""
+def _over_no_axis(
+    x: PyTree, what: str, groups: Any = None, leaf: Callable[[torch.Tensor], torch.Tensor] = torch.clone
+) -> PyTree:
+    """A reduction or gather over an empty tuple of axis names: ``leaf`` of each leaf, by
+    default a copy of it as it is, as JAX returns it (a sum over no instance but this one)."""
     if groups is not None:
         raise ValueError(f"{what}: axis_index_groups needs an axis name; axis_name=() names none")
-    return _tree_apply(what, x, lambda ts: [t.clone() for t in ts])
+    return _tree_apply(what, x, lambda ts: [leaf(t) for t in ts])
 
 
 def _total_size(frames: list[AxisFrame]) -> int:
@@ -191,7 +193,7 @@ def pmean(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequen
     """
     frames = _frames(axis_name, "pmean", allow_empty=True)
     if not frames:  # the total over no axis, divided by 1: integers become floats
-        return _tree_apply("pmean", _over_no_axis(x, "pmean", axis_index_groups), lambda ts: [t / 1 for t in ts])
+        return _over_no_axis(x, "pmean", axis_index_groups, leaf=lambda t: t / 1)
     groups = _check_groups(axis_index_groups, frames, "pmean", equal_sizes=False)
 
     def mean(ts: list[torch.Tensor]) -> Leaves:

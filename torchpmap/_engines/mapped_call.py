@@ -115,6 +115,19 @@ class OutputLayout:
         self.record(other.spec, other.leaves, other.none_leaves)
 
 
+def versions_of(ts: Sequence[torch.Tensor]) -> list[int]:
+    """The version counters of ``ts`` (-1 for an inference tensor, which has none: a
+    write into it is not seen)."""
+    try:
+        return [t._version for t in ts]
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return [version_of(t) for t in ts]
+
+
+def version_of(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
 @dataclasses.dataclass(eq=False)
 class RanVectorized:
     """Whether a function's code has once run vectorized under a map: until then, a call

@@ -45,7 +45,7 @@ import dataclasses
 import torch
 
 from torchpmap._engines import closure_writes, multi_device
-from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.mapped_call import MappedCall, version_of, versions_of
 from torchpmap._engines.random_per_thread import caller_generators
 from torchpmap._placement.sharded import ShardedTensor
 
@@ -106,16 +106,8 @@ def _drawn_from(call: MappedCall) -> list[torch.Generator]:
 
 
 def versions(call: MappedCall) -> list[int]:
-    """The version counters of ``call``'s mapped arguments (-1 for an inference tensor,
-    which has none: a write into it is not seen)."""
-    try:
-        return [t._version for t in call.mapped]
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return [_version(t) for t in call.mapped]
-
-
-def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version
+    """The version counters of ``call``'s mapped arguments (see :func:`versions_of`)."""
+    return versions_of(call.mapped)
 
 
 def copies(call: MappedCall) -> list[torch.Tensor | None] | None:
@@ -135,7 +127,7 @@ def undo_writes(
     it, from :func:`versions`; ``saved``: :func:`copies`), or raises RuntimeError when
     it cannot (``why``: what failed)."""
     tensors = call.mapped
-    written = [k for k, (t, v) in enumerate(zip(tensors, before)) if _version(t) != v]
+    written = [k for k, (t, v) in enumerate(zip(tensors, before)) if version_of(t) != v]
     if not written:
         return
     kept = saved or [None] * len(tensors)

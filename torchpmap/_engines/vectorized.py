@@ -13,7 +13,7 @@ from typing import Any, cast
 import torch
 
 from torchpmap._engines import batching_fixes, batching_rules, instance_autograd, written_copies
-from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.mapped_call import MappedCall, versions_of
 from torchpmap._engines.random_per_instance import InstanceStreams
 from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._placement import devices as _devices
@@ -72,7 +72,7 @@ def run(
     copied = written_copies.copies(call.mapped, mapped, moved) if moved else None
     fallback = call.vmap_fallback
     first = fallback is not None and not fallback.ran.once  # the code's first vectorized run: does it write?
-    versions_before = _versions(mapped) if first else None
+    versions_before = versions_of(mapped) if first else None
     broadcast = [place(v, device) for v in call.broadcast] if call.broadcast else []
     here = device if device is not None else (mapped[0].device if mapped else None)
     # the axis token is an extra vmap input (see torchpmap._collectives.binding); an unnamed axis needs
@@ -146,13 +146,8 @@ def run(
         written_copies.write_back(call.mapped, mapped, copied)
     if fallback is not None and first:  # the code has run vectorized (see rerun_guard)
         fallback.ran.once = True
-        fallback.ran.writes = fallback.ran.writes or _versions(mapped) != versions_before
+        fallback.ran.writes = fallback.ran.writes or versions_of(mapped) != versions_before
     return outputs
-
-
-def _versions(ts: Sequence[torch.Tensor]) -> list[int]:
-    """The version counters of ``ts`` (-1 for an inference tensor, which has none)."""
-    return [-1 if t.is_inference() else t._version for t in ts]
 
 
 def mark_vectorized(failure: BaseException) -> None:

@@ -325,16 +325,16 @@ def _rows_like(pieces: list[Shard], shards: list[Shard]) -> list[torch.Tensor | 
     if len(pieces) == len(shards):
         return [p.tensor for p in pieces]
     out: list[torch.Tensor | None] = []
-    rest = list(pieces)
+    rest = iter(pieces)
     for shard in shards:
-        want = shard.tensor.shape[0]
-        group: list[Shard] = []
-        while rest and sum(t.tensor.shape[0] for t in group) < want:
-            group.append(rest.pop(0))
-        if sum(t.tensor.shape[0] for t in group) != want:
+        want, rows, group = shard.tensor.shape[0], 0, []
+        while rows < want and (piece := next(rest, None)) is not None:
+            group.append(piece.tensor.to(shard.tensor.device))
+            rows += piece.tensor.shape[0]
+        if rows != want:
             return [p.tensor for p in pieces]
-        out.append(torch.cat([t.tensor.to(shard.tensor.device) for t in group]))
-    return out if not rest else [p.tensor for p in pieces]
+        out.append(torch.cat(group))
+    return out if next(rest, None) is None else [p.tensor for p in pieces]
 
 
 def _assembled(shards: list[Shard]) -> torch.Tensor:
