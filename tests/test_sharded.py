@@ -118,9 +118,7 @@ def test_an_in_place_op_on_a_result_its_backward_saved_is_caught_as_on_one_devic
         y.mul_(2)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.sum().backward()
-    # (jit=True with one instance per device returns a view of exp's result from the
-    # compiled program, which torch.compile itself differentiates with the overwritten
-    # values: ``torch.compile(lambda v: v.exp().unsqueeze(0))(x)[0].mul_(2)``, torch 2.13)
+    # (one instance per device, and results that are views: tests/test_output_views.py)
 
 
 def test_a_mesh_result_routes_gradients_into_its_blocks(devices):

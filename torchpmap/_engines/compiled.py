@@ -47,9 +47,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from torchpmap._engines import graph_rewrites, rnn_weights, vectorized
+from torchpmap._engines import graph_rewrites, output_views, rnn_weights, vectorized
 from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning
 from torchpmap._engines.mapped_call import CompiledPrograms, Engine, MappedCall, OutputLayout
+from torchpmap._engines.output_views import OutputViews
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.sharded import ShardedTensor, as_local
 from torchpmap._state import context as _context
@@ -305,6 +306,7 @@ class _Program:
     tensor_slots: list[int]  # positions in call.broadcast that are graph inputs
     constants: list[torch.Tensor]  # tensors the function closes over, passed by reference
     output_layout: OutputLayout  # what body recorded while it was traced
+    output_views: OutputViews | None  # views of the program's values that its results are, taken outside
     constants_traced: list[Hashable] = dataclasses.field(default_factory=list)  # their _leaf_signature, when traced
     graph_forward: Any = None  # what was handed to torch.compile (None: compiled by inductor alone)
 
@@ -313,7 +315,8 @@ class _Program:
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
         with _context.autocast_off():  # the trace has the caller's casts (see _trace)
-            return self.compiled(*graph_inputs(call, self.tensor_slots), *self.constants)
+            outputs = self.compiled(*graph_inputs(call, self.tensor_slots), *self.constants)
+        return outputs if self.output_views is None else self.output_views.apply(outputs)
 
     def release(self) -> None:
         """Frees what torch.compile keeps for this program (it is being evicted)."""
@@ -346,6 +349,9 @@ class TracedGraph:
         tensor_slots: positions in ``call.broadcast`` that are graph inputs.
         constants: tensors the function closes over, passed by reference at every call.
         output_layout: what ``body`` recorded while it was traced.
+        output_views: the view ops that the graph's results were of its own values, taken
+            out of the graph (:mod:`~torchpmap._engines.output_views`), to be run on what the
+            compiled graph returns; None where there were none.
     """
 
     graph: torch.fx.GraphModule
@@ -353,6 +359,7 @@ class TracedGraph:
     tensor_slots: list[int]
     constants: list[torch.Tensor]
     output_layout: OutputLayout
+    output_views: OutputViews | None
 
 
 def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
@@ -386,7 +393,8 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
     graph_rewrites.fold_instance_sums(graph)  # per-instance products summed over instances -> one product
     graph_rewrites.split_sliced_products(graph)  # a bucket's rows of a weight gradient: their own product
     constants = _lift_constants(graph)
-    return TracedGraph(graph, inputs, tensor_slots, constants, dataclasses.replace(call.output_layout))
+    views = output_views.peel(graph)  # results that are views of the program's values: taken outside
+    return TracedGraph(graph, inputs, tensor_slots, constants, dataclasses.replace(call.output_layout), views)
 
 
 def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Program:
@@ -416,10 +424,10 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
         # which inputs share memory, which a program that only reads them need not know
         with _context.autocast_off():  # see above
             compiled = private.compile_graph(graph, distinct([*inputs, *constants]), kwargs.get("options", {}))
-        return _Program(compiled, tensor_slots, constants, output_layout)
+        return _Program(compiled, tensor_slots, constants, output_layout, traced.output_views)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **kwargs)
-    return _Program(compiled, tensor_slots, constants, output_layout, graph_forward=graph.forward)
+    return _Program(compiled, tensor_slots, constants, output_layout, traced.output_views, graph_forward=graph.forward)
 
 
 def inductor_options(options: Mapping[str, Any]) -> dict[str, Any]:

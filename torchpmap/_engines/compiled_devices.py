@@ -62,6 +62,7 @@ from torchpmap._engines.multi_device import (
     each_instance_alone,
     run_threads,
 )
+from torchpmap._engines.output_views import OutputViews
 from torchpmap._engines.random_per_thread import call_seed
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._placement.devices import Device
@@ -79,15 +80,20 @@ class _SliceProgram:
         module: the slice's graph cut at its exchanges (:func:`segments.split_at_exchanges`).
         tensor_slots: positions in ``call.broadcast`` that are graph inputs.
         constants: tensors the function closes over, passed by reference at every call.
+        output_views: views of the slice's values that its results are, taken outside the
+            program (:mod:`~torchpmap._engines.output_views`): the instance dim that a device
+            holding one instance adds, for one.
     """
 
     module: torch.fx.GraphModule
     tensor_slots: list[int]
     constants: list[torch.Tensor]
+    output_views: OutputViews | None
 
     def __call__(self, part: MappedCall, exchange: ThreadExchange) -> list[torch.Tensor]:
         with thread_ops.live(exchange), _context.autocast_off():  # as compiled._Program's
-            return list(self.module(*graph_inputs(part, self.tensor_slots), *self.constants))
+            outputs = list(self.module(*graph_inputs(part, self.tensor_slots), *self.constants))
+        return outputs if self.output_views is None else self.output_views.apply(outputs)
 
 
 @dataclasses.dataclass
@@ -168,7 +174,7 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePro
                 traced = trace_graph(part, engine)
             _check_compilable(traced.graph)
             module = segments.split_at_exchanges(traced.graph, compile_segment)
-            slices[d] = _SliceProgram(module, traced.tensor_slots, traced.constants)
+            slices[d] = _SliceProgram(module, traced.tensor_slots, traced.constants, traced.output_views)
             return []
 
     run_threads([functools.partial(trace_one, d) for d in range(len(devices))], rendezvous, devices, k)
