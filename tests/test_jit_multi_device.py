@@ -155,14 +155,53 @@ def test_a_jit_pmap_inside_an_eager_one_joins_its_computation():
     assert done.returncode == 0 and done.stdout.split() == ["4", "ok"], (done.stdout, done.stderr[-2000:])
 
 
-def test_random_numbers_run_eagerly_with_a_warning(four_devices):
-    f = tp.pmap(lambda v: v + torch.rand(()), axis_name="i", jit=True)
-    with pytest.warns(tp.JitFallbackWarning, match="draws random numbers"):
+@pytest.mark.parametrize("size", [4, 8])
+def test_random_numbers_compile_drawing_from_each_devices_stream(four_devices, size):
+    """Dropout compiles on several devices: each device's program draws from its thread's
+    own stream, seeded from the call's one draw of the caller's generator. So a call is
+    reproducible with ``torch.manual_seed`` (the first, which traces, too), whatever
+    order the device threads run in; each instance gets a mask of its own; and the
+    backward uses the mask the forward drew."""
+
+    def f(v):
+        return torch.nn.functional.dropout(v, 0.5, training=True) * tp.pmean(v.mean(), "i")
+
+    fun = tp.pmap(f, axis_name="i", jit=True)
+    x = torch.ones(size, 400)
+    outs = []
+    for seed in (0, 0, 1, 0, 0):
+        torch.manual_seed(seed)
+        outs.append(torch.as_tensor(fun(x)))
+    assert _compiled_slices(fun) == 1
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[3]) and torch.equal(outs[0], outs[4])
+    assert not torch.equal(outs[0], outs[2])
+    kept = outs[0] != 0
+    assert 0.4 < kept.float().mean() < 0.6
+    assert len({tuple(row.tolist()) for row in kept}) == size  # no two instances share a mask
+
+    dropout = tp.pmap(lambda v: torch.nn.functional.dropout(v, 0.5, training=True), axis_name="i", jit=True)
+    for _ in range(2):  # traced, then the cached programs
+        xs = torch.ones(size, 400, requires_grad=True)
+        y = dropout(xs)
+        y.sum().backward()
+        torch.testing.assert_close(xs.grad, torch.as_tensor(y).detach(), rtol=0, atol=0)  # 2 where kept, else 0
+    assert _compiled_slices(dropout) == 1
+
+
+@pytest.mark.parametrize("randomness", ["same"])  # ("per_instance" refuses jit=True on every placement)
+def test_random_numbers_of_other_randomness_run_eagerly_with_a_warning(four_devices, randomness):
+    """Under ``"same"`` the numbers are the eager engine's on every placement, which a
+    compiled program would not draw."""
+    f = tp.pmap(lambda v: v + torch.rand(()), axis_name="i", jit=True, randomness=randomness)
+    with pytest.warns(tp.JitFallbackWarning, match=f'draws random numbers .* under randomness="{randomness}"'):
         out = f(torch.zeros(4))
-    assert torch.as_tensor(out).shape == (4,)
+    torch.manual_seed(3)
+    eager = torch.as_tensor(tp.pmap(lambda v: v + torch.rand(()), axis_name="i", randomness=randomness)(torch.zeros(4)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per signature
-        f(torch.zeros(4))
+        torch.manual_seed(3)
+        out = f(torch.zeros(4))
+    torch.testing.assert_close(torch.as_tensor(out), eager, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("size", [4, 8])

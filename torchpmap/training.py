@@ -589,9 +589,9 @@ def data_parallel_step(
         devices: passed to :func:`torchpmap.pmap` (default: all local devices).
         jit: passed to :func:`torchpmap.pmap`: compile the per-instance step (forward,
             gradient and averages) with ``torch.compile`` (see ``pmap``). Dropout then
-            draws from the compiled code's random generator (on one device, and in each
-            process; on several devices in one process such a step runs eagerly, with
-            a ``JitFallbackWarning``).
+            draws from the compiled code's random generator (on one device, in each
+            process, and on several devices in one process, where each device's program
+            draws from its device thread's own stream).
         has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns ``(loss, aux)``
             with ``aux`` averaged over every instance (as ``torch.func.grad``'s
             ``has_aux``; Flax's steps return their ``pmean``'d metrics this way).

@@ -27,9 +27,12 @@ gathered, as the eager engine always does, and the math on them is one device's.
 
 What is not compiled runs eagerly with a :class:`~torchpmap._engines.engine_warnings.JitFallbackWarning`
 that names why: a trace that fails on any device (a branch on a tensor's value, ...), a
-program that draws random numbers (each device thread's eager stream is not the one a
-compiled program would draw), one that writes into its inputs, and ``torch.compile``
-options other than inductor's ``options``. A ``jit=True`` pmap nested in the function is
+program that draws random numbers under ``randomness="same"`` (whose numbers are torch's
+generator's on every placement), one that writes into its inputs, and ``torch.compile``
+options other than inductor's ``options``. Under the default ``randomness="different"``
+a program that draws compiles: each device's program draws from its device thread's own
+stream (:func:`~torchpmap._engines.random_per_thread.compiled_draws`, around each segment
+that draws). A ``jit=True`` pmap nested in the function is
 part of the slice's program (see :func:`torchpmap._engines.dispatch.run`).
 """
 from __future__ import annotations
@@ -118,12 +121,13 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     programs = cache.get(key, _UNTRACED)
     if programs is None:
         return multi_device.run(call)
+    seed = call_seed(call.randomness, devices[0].torch_device)  # one draw: the trace and the run's
     if isinstance(programs, DeviceSlicePrograms):
         call.output_layout.copy_from(programs.output_layout)  # body does not run
-        return _run_slices(call, devices, programs)
+        return _run_slices(call, devices, programs, seed)
     try:
-        programs = _trace_slices(call, devices)
-        outputs = _run_slices(call, devices, programs)  # the first run compiles the segments
+        programs = _trace_slices(call, devices, seed)
+        outputs = _run_slices(call, devices, programs, seed)  # the first run compiles the segments
     except Exception as failure:  # the eager run below raises the user's own error, if any
         if isinstance(failure, TimeoutError):  # a device thread stopped in a collective: no limit of tracing
             raise
@@ -149,12 +153,11 @@ def _slices_of(call: MappedCall) -> dict[Hashable, DeviceSlices | None]:
     return cache.device_slices
 
 
-def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePrograms:
+def _trace_slices(call: MappedCall, devices: Sequence[Device], seed: int | None) -> DeviceSlicePrograms:
     """Every device thread traces its slice (no thread waits for another: see
     :mod:`thread_ops`); each trace is cut at its exchanges, to be compiled at its first run."""
     k = call.size // len(devices)
     rendezvous = Rendezvous(config.collective_timeout, Baton())
-    seed = call_seed(call.randomness, devices[0].torch_device)
     direct = each_instance_alone(call)
     stand_in = thread_ops.TracedThreadExchange(len(devices), reduces_locally=not config.bitwise_placement)
     options = _cache_options(call)
@@ -172,7 +175,7 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device]) -> DeviceSlicePro
 
             with TRACING, thread_ops.tracing():  # make_fx patches module globals: one trace at a time
                 traced = trace_graph(part, engine)
-            _check_compilable(traced.graph)
+            _check_compilable(traced.graph, call.randomness)
             module = segments.split_at_exchanges(traced.graph, compile_segment)
             slices[d] = _SliceProgram(module, traced.tensor_slots, traced.constants, traced.output_views)
             return []
@@ -201,25 +204,33 @@ def _compile_segment(
         return private.compile_graph(graph, distinct(inputs), inductor_options(options))
 
 
-def _check_compilable(graph: torch.fx.GraphModule) -> None:
-    """Raises :class:`_NotCompiled` for a slice's trace that this engine leaves eager."""
+def _check_compilable(graph: torch.fx.GraphModule, randomness: str) -> None:
+    """Raises :class:`_NotCompiled` for a slice's trace that this engine leaves eager.
+
+    A program that draws random numbers compiles under ``randomness="different"``: each
+    device's program draws from its thread's own stream
+    (:func:`~torchpmap._engines.random_per_thread.compiled_draws`), other numbers than the
+    eager engine's, as one device's compiled program draws other numbers than its eager
+    run. Under ``"same"`` the numbers are the eager ones on every placement, which a
+    compiled program would not draw (``"per_instance"`` refuses ``jit=True`` before)."""
     if graph_rewrites.writes_an_input(graph):
         raise _NotCompiled("the program writes into one of its inputs, which only the one-device program compiles")
     draw = graph_rewrites.random_draw(graph)
-    if draw is not None:
+    if draw is not None and randomness != "different":
         raise _NotCompiled(
-            f"the program draws random numbers ({draw.target}); each device thread's eager stream is not "
-            "what a compiled program would draw"
+            f'the program draws random numbers ({draw.target}) under randomness="{randomness}", whose numbers '
+            "are the eager engine's on every placement, which a compiled program would not draw"
         )
 
 
-def _run_slices(call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms) -> list[torch.Tensor]:
-    """Each device thread runs its compiled slice; the exchanges meet at one rendezvous."""
+def _run_slices(
+    call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms, seed: int | None
+) -> list[torch.Tensor]:
+    """Each device thread runs its compiled slice; the exchanges meet at one rendezvous.
+    Device ``d``'s program draws from stream ``seed + d`` (see :func:`_check_compilable`)."""
     k = call.size // len(devices)
     rendezvous, group = Rendezvous(config.collective_timeout, Baton()), object()
     torch_devices = tuple(d.torch_device for d in devices)
-    seed = call_seed(call.randomness, devices[0].torch_device)
-
     threads = _cores_per_device(devices)
 
     def one_device(d: int) -> list[torch.Tensor]:

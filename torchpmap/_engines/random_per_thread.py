@@ -20,9 +20,11 @@ call: see :func:`torchpmap._state.context.shared_forward_ad`.)
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import threading
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -111,6 +113,13 @@ class _DeviceThreadMode(TorchFunctionMode):
             # (a mode of an enclosing device thread sees the op that an inner one draws:
             # the innermost stream is the one that draws)
             return func(*args, **(kwargs or {}))
+        with self.swapped_in():
+            return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Torch's default generators hold this thread's streams while the block runs (under
+        the lock: no other thread draws meanwhile), and the streams move on by what it drew."""
         with _lock:
             streams = self._streams()
             saved = [g.get_state() for g in self.generators]
@@ -118,7 +127,7 @@ class _DeviceThreadMode(TorchFunctionMode):
                 g.set_state(state)
             _drawing.now = True
             try:
-                return func(*args, **(kwargs or {}))
+                yield
             finally:
                 _drawing.now = False
                 self.states = [g.get_state() for g in self.generators]
@@ -170,6 +179,33 @@ def caller_generators(first: torch.device | None) -> list[torch.Generator]:
 
 _same_start: contextvars.ContextVar[_SameStart | None] = contextvars.ContextVar("same_start", default=None)
 _entered = threading.local()  # .modes: this thread's device-thread modes in force, innermost last
+_own = threading.local()  # .mode: the mode of the device thread this thread is, while it is one
+
+
+@contextlib.contextmanager
+def owned(mode: _DeviceThreadMode) -> Iterator[None]:
+    """``mode`` is this device thread's (see :func:`compiled_draws`) while the block runs."""
+    previous = getattr(_own, "mode", None)
+    _own.mode = mode
+    try:
+        yield
+    finally:
+        _own.mode = previous
+
+
+def compiled_draws() -> contextlib.AbstractContextManager:
+    """Around a compiled program that draws random numbers in a device thread: torch's
+    default generators hold the thread's stream while it runs.
+
+    A compiled program draws from torch's default generator itself, below any
+    ``TorchFunctionMode`` (inductor draws the seeds of its random kernels when the program
+    starts), so the device thread's mode never sees the draw; the generators are shared
+    by every thread. With the thread's stream swapped in, each device's program draws from
+    its own stream, seeded from the call's one draw of the caller's generator (so
+    ``torch.manual_seed`` makes the call reproducible, whatever order the threads run in).
+    Nothing where this thread has no stream (not a device thread, or ``randomness="error"``)."""
+    mode = getattr(_own, "mode", None)
+    return mode.swapped_in() if mode is not None and mode.seed is not None else contextlib.nullcontext()
 
 
 def device_thread_mode(

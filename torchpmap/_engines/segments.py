@@ -29,6 +29,7 @@ kernels, not for the sum of every device's.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +37,8 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
-from torchpmap._engines import thread_ops
+from torchpmap._engines import graph_rewrites, thread_ops
+from torchpmap._engines.random_per_thread import compiled_draws
 
 #: Compiles a segment's graph for inputs like the given ones: a callable that takes the
 #: graph's inputs and returns its outputs, differentiable.
@@ -51,13 +53,16 @@ class _Segment(torch.nn.Module):
         self.graph_module = graph
         self.compile_segment = compile_segment
         self.compiled: Callable[..., Any] | None = None
+        self.draws = graph_rewrites.random_draw(graph) is not None  # from the thread's stream
 
     def forward(self, *args: torch.Tensor) -> Any:
         if self.compiled is None:  # compiled in turn: one compilation at a time
             self.compiled = self.compile_segment(self.graph_module, args)
-            return self.compiled(*args)
+            with compiled_draws() if self.draws else contextlib.nullcontext():
+                return self.compiled(*args)
         with thread_ops.turn_set_down():  # the devices' kernels run at once (module docstring)
-            return self.compiled(*args)
+            with compiled_draws() if self.draws else contextlib.nullcontext():
+                return self.compiled(*args)
 
 
 def split_at_exchanges(graph: torch.fx.GraphModule, compile_segment: CompileSegment) -> torch.fx.GraphModule:
