@@ -234,7 +234,7 @@ class _Bind(torch.autograd.Function):
     def forward(prims: _Prims, token: torch.Tensor, *xs: torch.Tensor) -> Any:
         prim = prims[0]
         if not prim.frame.vectorized:  # every vmap level above was peeled off
-            return _single_or_tuple(_run_unvectorized(prims, xs))
+            return _single_or_tuple(_not_inputs(_run_unvectorized(prims, xs), xs))
         raise RuntimeError(
             f"torchpmap: {prim.name} over axis {prim.frame.name!r} ran outside the vmap level "
             "of that axis. This happens when the axis token escapes its pmap, or under "
@@ -281,7 +281,20 @@ class _Bind(torch.autograd.Function):
             led = _Prims(p if d is None else p.with_lead(p.lead + 1) for p, d in zip(prims, x_dims))
             return _Bind.apply(led, token, *moved), _single_or_tuple([None if d is None else 0 for d in x_dims])
         outs, member_dims = zip(*_run_at_owner(prims, xs, x_dims))
-        return _single_or_tuple(outs), _single_or_tuple(member_dims)
+        return _single_or_tuple(_not_inputs(outs, xs)), _single_or_tuple(member_dims)
+
+
+def _not_inputs(outs: Sequence[torch.Tensor], xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``outs``, each that is one of ``xs`` itself (a collective that leaves an invariant
+    value as it is: ``psum``'s transpose under ``check_vma``) as a view of it.
+
+    torch.func keeps the identity of a custom function's output that *is* one of its
+    inputs: the transform levels above then see the input itself, not the function's
+    output, and a gradient from outside the map that flows through such a result inside
+    a ``grad``'s backward (a cotangent that depends on the weights: ``grad`` of
+    ``grad(loss)(w) ** 2``) lost that dependence (a third of the gradient, in the test).
+    A view is a new tensor, and costs no copy."""
+    return tuple(out.view_as(out) if any(out is x for x in xs) else out for out in outs)
 
 
 def _transposed(prim: Primitive) -> Primitive:
