@@ -445,3 +445,55 @@ def test_cpu_device_slices_compute_at_once_on_shared_cores(four_devices, monkeyp
         torch.testing.assert_close(out, tp.pmap(lambda v: tp.psum(v.sin(), "i").cos() * v, axis_name="i")(x))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_layer_unfrozen_after_the_first_call_gets_its_gradient(four_devices, n):
+    """A closed-over tensor's ``requires_grad`` decides where the program stops gradients:
+    a change traces anew. The device slices were reused as they were, and the unfrozen
+    layer's gradient stayed None on several devices."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    x = torch.randn(4, 5, 3)
+    grads = []
+    for jit in (False, True):
+        lin2.requires_grad_(False)
+        lin1.zero_grad(), lin2.zero_grad()
+        f = tp.pmap(lambda v: lin2(lin1(v).tanh()).sum(), jit=jit, devices=four_devices[:n])
+        f(x).sum().backward()
+        lin2.requires_grad_(True)
+        f(x).sum().backward()
+        grads.append(lin2.weight.grad)
+    assert grads[1] is not None
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_train_and_eval_mode_after_the_first_call(four_devices, n):
+    """A module's ``training`` flag is read while the program is traced: ``.eval()``
+    after a compiled call traces anew (dropout off, the module's own branch taken)."""
+
+    class Branch(torch.nn.Module):
+        def forward(self, v):
+            return v * 2 if self.training else v * 3
+
+    dropout, branch = torch.nn.Dropout(0.5), Branch()
+    f = tp.pmap(lambda v: branch(dropout(v)), jit=True, devices=four_devices[:n])
+    x = torch.ones(4, 64)
+    for training in (True, False, True, False):
+        dropout.train(training), branch.train(training)
+        out = torch.as_tensor(f(x))
+        if training:
+            assert set(out.unique().tolist()) == {0.0, 4.0}
+        else:
+            torch.testing.assert_close(out, x * 3)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_an_input_with_the_negative_bit(four_devices, n):
+    """Inductor reads a tensor whose negative bit is set (``x.conj().imag``) as if it
+    were not (plain torch.compile too): such an input is resolved before the program."""
+    y = torch.tensor([[1 + 2j], [3 + 4j], [5 + 6j], [7 + 8j]], dtype=torch.complex64).conj().imag
+    assert y.is_neg()
+    f = tp.pmap(lambda v, w: v * 2 + w, in_axes=(0, None), jit=True, devices=four_devices[:n])
+    torch.testing.assert_close(torch.as_tensor(f(y, y[0])), y * 2 + y[0])

@@ -47,7 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from torchpmap._engines import graph_rewrites, output_views, rnn_weights, vectorized
+from torchpmap._engines import graph_rewrites, module_modes, output_views, rnn_weights, vectorized
 from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning
 from torchpmap._engines.mapped_call import CompiledPrograms, Engine, MappedCall, OutputLayout
 from torchpmap._engines.output_views import OutputViews
@@ -307,11 +307,12 @@ class _Program:
     constants: list[torch.Tensor]  # tensors the function closes over, passed by reference
     output_layout: OutputLayout  # what body recorded while it was traced
     output_views: OutputViews | None  # views of the program's values that its results are, taken outside
+    module_modes: module_modes.ModuleModes  # the modules it called, in the train/eval mode they had
     constants_traced: list[Hashable] = dataclasses.field(default_factory=list)  # their _leaf_signature, when traced
     graph_forward: Any = None  # what was handed to torch.compile (None: compiled by inductor alone)
 
     def __post_init__(self) -> None:
-        self.constants_traced = [_leaf_signature(c) for c in self.constants]
+        self.constants_traced = constants_signatures(self.constants)
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
         with _context.autocast_off():  # the trace has the caller's casts (see _trace)
@@ -324,18 +325,33 @@ class _Program:
             private.release_compiled(self.graph_forward)
 
     def constants_current(self) -> bool:
-        """False when a closed-over tensor changed since the trace in what the program bakes
-        in: its ``requires_grad`` (which decides where the graph stops gradients), or its
-        shape, strides, dtype or device (``module.half()`` and ``.to()`` change a parameter
-        in place, through ``.data``)."""
-        return not self.constants or all(_leaf_signature(c) == k for c, k in zip(self.constants, self.constants_traced))
+        """See :func:`constants_current`; and every module it called in the mode it was traced in."""
+        return constants_current(self.constants, self.constants_traced) and module_modes.current(self.module_modes)
+
+
+def constants_signatures(constants: Sequence[torch.Tensor]) -> list[Hashable]:
+    """What a program bakes in of the tensors it closes over, when it is traced."""
+    return [_leaf_signature(c) for c in constants]
+
+
+def constants_current(constants: Sequence[torch.Tensor], traced: Sequence[Hashable]) -> bool:
+    """False when a closed-over tensor changed since the trace in what the program bakes
+    in: its ``requires_grad`` (which decides where the graph stops gradients: a layer
+    unfrozen after the first call), or its shape, strides, dtype or device
+    (``module.half()`` and ``.to()`` change a parameter in place, through ``.data``)."""
+    return not constants or all(_leaf_signature(c) == k for c, k in zip(constants, traced))
 
 
 def graph_inputs(call: MappedCall, tensor_slots: Sequence[int]) -> list[torch.Tensor]:
     """A compiled program's tensor inputs for ``call``: the mapped tensors, then the
     broadcast tensors at ``tensor_slots``, on the call's device."""
     device = call.devices[0].torch_device if call.devices else None
-    return [as_local(t, device) for t in call.mapped] + [as_local(call.broadcast[k], device) for k in tensor_slots]
+    # resolve_neg: inductor reads a tensor with the negative bit (``x.conj().imag``) as if it
+    # were unset, in plain torch.compile too (``v * 2 + 1`` of [-2, -4] gave [5, 9]); a copy
+    # only for such a tensor
+    return [as_local(t, device).resolve_neg() for t in call.mapped] + [
+        as_local(call.broadcast[k], device).resolve_neg() for k in tensor_slots
+    ]
 
 
 @dataclasses.dataclass
@@ -352,6 +368,8 @@ class TracedGraph:
         output_views: the view ops that the graph's results were of its own values, taken
             out of the graph (:mod:`~torchpmap._engines.output_views`), to be run on what the
             compiled graph returns; None where there were none.
+        module_modes: the modules the trace called, and their train/eval mode then
+            (:mod:`~torchpmap._engines.module_modes`).
     """
 
     graph: torch.fx.GraphModule
@@ -360,6 +378,7 @@ class TracedGraph:
     constants: list[torch.Tensor]
     output_layout: OutputLayout
     output_views: OutputViews | None
+    module_modes: module_modes.ModuleModes = ()
 
 
 def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
@@ -386,7 +405,7 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
     # A tensor passed for two arguments is traced as two inputs (that share its memory), not as one,
     # which the graph would then read for both at every later call.
     inputs = distinct(graph_inputs(call, tensor_slots))
-    with _onednn_off(), rnn_weights.traced():  # fused RNN kernels: recorded as their cells
+    with _onednn_off(), rnn_weights.traced(), module_modes.recorded() as called:  # fused RNN kernels: as cells
         graph = private.make_fx_real_inputs(program, decomposition_table={})(*inputs)
     # e.g. forward-AD shape checks that return a bool dynamo refuses; every exchange stays
     graph.graph.eliminate_dead_code(is_impure_node=graph_rewrites.kept)
@@ -394,7 +413,8 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
     graph_rewrites.split_sliced_products(graph)  # a bucket's rows of a weight gradient: their own product
     constants = _lift_constants(graph)
     views = output_views.peel(graph)  # results that are views of the program's values: taken outside
-    return TracedGraph(graph, inputs, tensor_slots, constants, dataclasses.replace(call.output_layout), views)
+    layout = dataclasses.replace(call.output_layout)
+    return TracedGraph(graph, inputs, tensor_slots, constants, layout, views, module_modes.modes_of(called))
 
 
 def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Program:
@@ -424,10 +444,13 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
         # which inputs share memory, which a program that only reads them need not know
         with _context.autocast_off():  # see above
             compiled = private.compile_graph(graph, distinct([*inputs, *constants]), kwargs.get("options", {}))
-        return _Program(compiled, tensor_slots, constants, output_layout, traced.output_views)
+        return _Program(compiled, tensor_slots, constants, output_layout, traced.output_views, traced.module_modes)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **kwargs)
-    return _Program(compiled, tensor_slots, constants, output_layout, traced.output_views, graph_forward=graph.forward)
+    return _Program(
+        compiled, tensor_slots, constants, output_layout, traced.output_views, traced.module_modes,
+        graph_forward=graph.forward,
+    )
 
 
 def inductor_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -45,12 +45,14 @@ from typing import Any
 
 import torch
 
-from torchpmap._engines import graph_rewrites, multi_device, segments, thread_ops, vectorized
+from torchpmap._engines import graph_rewrites, module_modes, multi_device, segments, thread_ops, vectorized
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.compiled import (
     TRACING,
     DeviceSlices,
     ProgramCache,
+    constants_current,
+    constants_signatures,
     distinct,
     graph_inputs,
     inductor_options,
@@ -92,6 +94,11 @@ class _SliceProgram:
     tensor_slots: list[int]
     constants: list[torch.Tensor]
     output_views: OutputViews | None
+    module_modes: module_modes.ModuleModes
+    constants_traced: list[Hashable] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.constants_traced = constants_signatures(self.constants)
 
     def __call__(self, part: MappedCall, exchange: ThreadExchange) -> list[torch.Tensor]:
         with thread_ops.live(exchange), _context.autocast_off():  # as compiled._Program's
@@ -105,6 +112,16 @@ class DeviceSlicePrograms:
 
     slices: list[_SliceProgram]
     output_layout: OutputLayout
+
+    def constants_current(self) -> bool:
+        """Whether every slice's closed-over tensors are as traced (see
+        :func:`~torchpmap._engines.compiled.constants_current`), and the modules it called in
+        the train/eval mode they had (:mod:`~torchpmap._engines.module_modes`): else the
+        slices are traced anew."""
+        return all(
+            constants_current(s.constants, s.constants_traced) and module_modes.current(s.module_modes)
+            for s in self.slices
+        )
 
 
 class _NotCompiled(Exception):
@@ -122,7 +139,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     if programs is None:
         return multi_device.run(call)
     seed = call_seed(call.randomness, devices[0].torch_device)  # one draw: the trace and the run's
-    if isinstance(programs, DeviceSlicePrograms):
+    if isinstance(programs, DeviceSlicePrograms) and programs.constants_current():
         call.output_layout.copy_from(programs.output_layout)  # body does not run
         return _run_slices(call, devices, programs, seed)
     try:
@@ -135,6 +152,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
         cache[key] = None
         warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=5)
         return outputs
+    cache.pop(key, None)  # traced anew: a closed-over tensor changed since
     while len(cache) >= config.jit_cache_size:
         cache.pop(next(iter(cache)))  # the oldest
     cache[key] = programs
@@ -177,7 +195,9 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device], seed: int | None)
                 traced = trace_graph(part, engine)
             _check_compilable(traced.graph, call.randomness)
             module = segments.split_at_exchanges(traced.graph, compile_segment)
-            slices[d] = _SliceProgram(module, traced.tensor_slots, traced.constants, traced.output_views)
+            slices[d] = _SliceProgram(
+                module, traced.tensor_slots, traced.constants, traced.output_views, traced.module_modes
+            )
             return []
 
     run_threads([functools.partial(trace_one, d) for d in range(len(devices))], rendezvous, devices, k)
