@@ -159,6 +159,29 @@ def test_each_instance_has_a_row_of_its_own(placement, fun, in_axes, jit):
     torch.testing.assert_close(results[0], results[1])
 
 
+@pytest.mark.parametrize(
+    "fun",
+    [
+        pytest.param(lambda x: x.sum().expand(3), id="expanded-per-instance"),
+        pytest.param(lambda x: tp.psum(x, "i")[:1].expand(2, 3), id="expanded-psum"),
+    ],
+)
+@pytest.mark.parametrize("jit", [False, True])
+def test_each_element_has_memory_of_its_own(placement, fun, jit):
+    """An instance that returns one number expanded (stride 0 inside its row): a write
+    into one element changed the whole row on one device and raised on several, where a
+    loop's ``torch.stack`` holds each element apart."""
+    x = torch.arange(8.0).reshape(4, 2)
+    for devices in (placement, placement[:1]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = tp.pmap(fun, axis_name="i", devices=devices, jit=jit)(x)
+        whole = torch.as_tensor(out).clone()
+        out[0, 0] = -1.0
+        whole[0, 0] = -1.0
+        torch.testing.assert_close(torch.as_tensor(out), whole, msg=f"on {len(devices)} device(s)")
+
+
 @pytest.mark.parametrize("debug", [False, True], ids=["vectorized", "one-at-a-time"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_a_tensor_the_function_closes_over(placement, debug, jit):

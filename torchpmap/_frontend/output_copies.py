@@ -100,7 +100,8 @@ def _copied(out: torch.Tensor, memories: set[Hashable]) -> torch.Tensor:
 
 
 def own_rows(t: torch.Tensor) -> torch.Tensor:
-    """A stacked result (instances along dim 0) whose rows are each in memory of their own.
+    """A stacked result (instances along dim 0) whose rows, and elements, are each in
+    memory of their own (see :func:`_rows_shared`).
 
     A value that is the same on every instance (a ``psum``, a broadcast argument) comes
     out of vmap as one row expanded over the instances (stride 0): a write into one row
@@ -139,4 +140,11 @@ def _shards_sharing_memory(t: ShardedTensor) -> set[int]:
 
 
 def _rows_shared(t: torch.Tensor) -> bool:
-    return not isinstance(t, ShardedTensor) and t.dim() > 0 and t.stride(0) == 0 and t.shape[0] > 1
+    """Whether elements of ``t`` share memory: a dim of several elements with stride 0.
+    The rows (the same value on every instance), or inside each row: an instance that
+    returns ``v.sum().expand(3)`` holds one number three times, where a loop's
+    ``torch.stack`` gives each its own memory (a write into ``out[0, 0]`` changed the
+    whole row on one device, and raised on several)."""
+    if isinstance(t, ShardedTensor):
+        return False
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
