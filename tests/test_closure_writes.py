@@ -32,10 +32,12 @@ def _called(f, placement, *args, **kw):
     return tp.pmap(f, devices=placement, **kw)(*args)
 
 
-def test_a_closed_over_batch_norm_counts_each_instance_once(four_devices):
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_closed_over_batch_norm_counts_each_instance_once(four_devices, jit):
     """BatchNorm counts its batches before ``batch_norm`` refuses its running statistics
     under vmap: the attempt's count stayed (9 batches on one device for 8 instances, 10
-    on two devices), where a loop counts 8."""
+    on two devices), where a loop counts 8. Under ``jit=True`` the trace counted too,
+    and the eager run after it was not journaled."""
     x = torch.randn(8, 5, 3, generator=torch.Generator().manual_seed(0)) * 2 + 1
     bn = nn.BatchNorm1d(3).train()
     for i in range(8):
@@ -44,7 +46,7 @@ def test_a_closed_over_batch_norm_counts_each_instance_once(four_devices):
     assert want_count == 8
     for placement in _placements():
         bn.reset_running_stats()
-        out = _called(lambda v: bn(v).sum(), placement, x)
+        out = _called(lambda v: bn(v).sum(), placement, x, jit=jit)
         assert int(bn.num_batches_tracked) == want_count, placement
         torch.testing.assert_close(bn.running_mean, want_mean, msg=str(placement))
         assert torch.as_tensor(out).shape == (8,)
@@ -65,6 +67,23 @@ def test_a_closed_over_counter_written_before_the_fallback(four_devices):
         out = _called(f, placement, x)
         assert float(counter) == 8.0, placement
         torch.testing.assert_close(torch.as_tensor(out), x * x)
+
+
+@pytest.mark.parametrize("placement", [1, 2, 4])
+def test_a_compiled_program_writes_a_closed_over_tensor_as_eager_does(four_devices, placement):
+    """A ``jit=True`` trace runs the function's Python on the real closed-over tensors:
+    its write stayed, and the compiled program then wrote again (2 on the first call on
+    one device, where eager counts 1; 8 on four devices, where eager counts 4)."""
+    counts = {}
+    for jit in (False, True):
+        counter = torch.zeros((), dtype=torch.int64)
+        f = tp.pmap(lambda v: (counter.add_(1), v * 2)[1], jit=jit, devices=four_devices[:placement])
+        seen = []
+        for _ in range(3):
+            f(torch.ones(4, 2))
+            seen.append(int(counter))
+        counts[jit] = seen
+    assert counts[True] == counts[False]
 
 
 def test_writes_are_undone_last_first_and_the_attempts_own_are_not_kept():

@@ -73,7 +73,8 @@ class Journal:
             if address in self._made or key in self._seen:
                 return
             self._seen.add(key)
-        copy = t.clone()
+        with torch.no_grad(), private.modes_disabled():  # a real copy, also under a trace's fake mode
+            copy = t.clone()
         with self._lock:
             self._kept.append((t, copy))
 
@@ -146,6 +147,27 @@ def kept(journal: Journal | None) -> Iterator[None]:
             yield
     finally:
         _active.reset(token)
+
+
+@contextlib.contextmanager
+def undone_after() -> Iterator[None]:
+    """Runs the block (a ``pmap(jit=True)`` trace) under a journal of its own, and undoes
+    its writes after it, whether it succeeds or fails.
+
+    A trace runs the function's Python once, on the real tensors the function closes
+    over, so a write into one of them (``nn.BatchNorm1d`` counting its batches, in train
+    mode) happened there, and then once more when the compiled program (or, where the
+    trace failed, the eager run) ran the call: ``num_batches_tracked`` went up by 2 on
+    the first call on one device and by 4 on four devices, where it counts 1 per call.
+    The device threads of a trace enter the same journal (:func:`entered`)."""
+    journal = Journal(())
+    token = _active.set(journal)
+    try:
+        with entered():
+            yield
+    finally:
+        _active.reset(token)
+        journal.undo()
 
 
 @contextlib.contextmanager

@@ -47,7 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from torchpmap._engines import graph_rewrites, module_modes, output_views, rnn_weights, vectorized
+from torchpmap._engines import closure_writes, graph_rewrites, module_modes, output_views, rnn_weights, vectorized
 from torchpmap._engines.engine_warnings import JitFallbackWarning, JitRecompileWarning
 from torchpmap._engines.mapped_call import CompiledPrograms, Engine, MappedCall, OutputLayout
 from torchpmap._engines.output_views import OutputViews
@@ -242,7 +242,8 @@ class ProgramCache:
                 evicted.release()
         self._note_trace(call, signature)
         try:
-            program = _trace(call, self.options, traced_engine or engine)
+            with closure_writes.undone_after():  # the program writes them when it runs
+                program = _trace(call, self.options, traced_engine or engine)
             outputs = program(call)  # the first call compiles; body ran while tracing
         except Exception as failure:
             if not may_retry(failure):

@@ -45,7 +45,15 @@ from typing import Any
 
 import torch
 
-from torchpmap._engines import graph_rewrites, module_modes, multi_device, segments, thread_ops, vectorized
+from torchpmap._engines import (
+    closure_writes,
+    graph_rewrites,
+    module_modes,
+    multi_device,
+    segments,
+    thread_ops,
+    vectorized,
+)
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.compiled import (
     TRACING,
@@ -200,7 +208,8 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device], seed: int | None)
             )
             return []
 
-    run_threads([functools.partial(trace_one, d) for d in range(len(devices))], rendezvous, devices, k)
+    with closure_writes.undone_after():  # the slices write them when they run
+        run_threads([functools.partial(trace_one, d) for d in range(len(devices))], rendezvous, devices, k)
     logger.info("pmap(jit=True) over axis %r: traced %d device slices", call.axis_name, len(slices))
     return DeviceSlicePrograms([slices[d] for d in range(len(devices))], dataclasses.replace(call.output_layout))
 

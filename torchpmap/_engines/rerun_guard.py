@@ -76,7 +76,8 @@ def note(call: MappedCall) -> Before:
     # each instance alone on a device, without vmap: a failure is the instance's own, never undone
     if fallback is None or fallback.ran.keeps_no_copies or multi_device.each_instance_alone(call):  # the common case
         return Before(versions(call), None, generators)
-    journal = closure_writes.start(call.mapped) if call.programs is None else None  # jit=True: traced, not journaled
+    # (inside a jit=True trace, the trace's own journal: see closure_writes.undone_after)
+    journal = closure_writes.start(call.mapped)
     return Before(versions(call), copies(call), generators, journal)
 
 
