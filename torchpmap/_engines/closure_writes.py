@@ -161,12 +161,10 @@ def undone_after() -> Iterator[None]:
     the first call on one device and by 4 on four devices, where it counts 1 per call.
     The device threads of a trace enter the same journal (:func:`entered`)."""
     journal = Journal(())
-    token = _active.set(journal)
     try:
-        with entered():
+        with kept(journal):
             yield
     finally:
-        _active.reset(token)
         journal.undo()
 
 
