@@ -434,3 +434,23 @@ def test_instances_run_one_at_a_time_on_several_devices_give_the_replicated_step
         )
         torch.testing.assert_close(losses, oracle_losses, rtol=1e-5, atol=1e-6)
         assert_same_weights(got, oracle)
+
+
+def test_eval_after_a_compiled_step_turns_dropout_off(placement):
+    """The sharded step runs the model through shadow modules made at every call; a
+    ``jit=True`` trace recorded the shadows' train/eval mode, which ``model.eval()`` never
+    changes: the compiled step kept drawing dropout masks after it."""
+    losses = {}
+    for jit in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        step = data_parallel_step(model, lambda out, y: (out.squeeze(-1) - y).pow(2).mean(), optimizer,
+                                  jit=jit, devices=placement, shard_params=True)
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
+        batch = shard((x, x.sum(1)), n=4)
+        step(batch)
+        model.eval()
+        losses[jit] = [float(torch.as_tensor(step(batch)).mean()) for _ in range(2)]
+    assert losses[False][0] == losses[False][1]  # no dropout: the same loss twice
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -30,6 +30,17 @@ import torch
 #: Each module a trace called (weakly: a module that is gone no longer matters) and its mode then.
 ModuleModes = tuple[tuple["weakref.ref[torch.nn.Module]", bool], ...]
 
+#: Stand-ins made for one call of a module (the sharded step's shadows, see
+#: :class:`torchpmap._frontend.layer_gather.Shadow`) -> the module whose mode they copy.
+_originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def stands_for(copy: torch.nn.Module, original: torch.nn.Module) -> None:
+    """``copy`` is made anew at each call from ``original`` (its ``training`` flag copied
+    then): a trace that calls ``copy`` records ``original``'s mode, which a later
+    ``original.eval()`` changes; the copy is gone by then."""
+    _originals[copy] = original
+
 
 @contextlib.contextmanager
 def recorded() -> Iterator[list[torch.nn.Module]]:
@@ -51,6 +62,7 @@ def modes_of(modules: Sequence[torch.nn.Module]) -> ModuleModes:
     """Each distinct module of ``modules`` with its ``training`` flag now."""
     seen: dict[int, torch.nn.Module] = {}
     for m in modules:
+        m = _originals.get(m, m)
         seen.setdefault(id(m), m)
     return tuple((weakref.ref(m), bool(m.training)) for m in seen.values())
 

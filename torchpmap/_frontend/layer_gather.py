@@ -45,6 +45,7 @@ import torch
 from torch.func import vjp
 
 from torchpmap._collectives.public import all_gather
+from torchpmap._engines import module_modes
 from torchpmap._frontend.flat_shards import FlatLayout
 from torchpmap._frontend.reached import reached
 from torchpmap._state.context import Autocast, autocast_as, autocast_regions
@@ -292,6 +293,7 @@ class Shadow:
         if names is not None:
             copy.__dict__["forward"] = _forward_of(copy, dict(names))
         self.pairs.append((module, copy))
+        module_modes.stands_for(copy, module)  # a jit=True trace keys on the module's train/eval mode
         return copy
 
     def write_back(self) -> None:
