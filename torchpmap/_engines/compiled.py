@@ -308,12 +308,8 @@ class _Program:
     constants: list[torch.Tensor]  # tensors the function closes over, passed by reference
     output_layout: OutputLayout  # what body recorded while it was traced
     output_views: OutputViews | None  # views of the program's values that its results are, taken outside
-    module_modes: module_modes.ModuleModes  # the modules it called, in the train/eval mode they had
-    constants_traced: list[Hashable] = dataclasses.field(default_factory=list)  # their _leaf_signature, when traced
+    baked: BakedIn  # what it keeps of its constants and of the modules it called
     graph_forward: Any = None  # what was handed to torch.compile (None: compiled by inductor alone)
-
-    def __post_init__(self) -> None:
-        self.constants_traced = constants_signatures(self.constants)
 
     def __call__(self, call: MappedCall) -> list[torch.Tensor]:
         with _context.autocast_off():  # the trace has the caller's casts (see _trace)
@@ -326,21 +322,33 @@ class _Program:
             private.release_compiled(self.graph_forward)
 
     def constants_current(self) -> bool:
-        """See :func:`constants_current`; and every module it called in the mode it was traced in."""
-        return constants_current(self.constants, self.constants_traced) and module_modes.current(self.module_modes)
+        """See :meth:`BakedIn.current`."""
+        return self.baked.current(self.constants)
 
 
-def constants_signatures(constants: Sequence[torch.Tensor]) -> list[Hashable]:
-    """What a program bakes in of the tensors it closes over, when it is traced."""
-    return [_leaf_signature(c) for c in constants]
+@dataclasses.dataclass(frozen=True)
+class BakedIn:
+    """What a traced program keeps of what is not its arguments, checked before it is
+    reused (one device's program, and each device's slice alike).
 
+    Attributes:
+        constant_signatures: the :func:`_leaf_signature` of each tensor it closes over.
+        module_modes: the modules the trace called, in the train/eval mode they had
+            (:mod:`~torchpmap._engines.module_modes`).
+    """
 
-def constants_current(constants: Sequence[torch.Tensor], traced: Sequence[Hashable]) -> bool:
-    """False when a closed-over tensor changed since the trace in what the program bakes
-    in: its ``requires_grad`` (which decides where the graph stops gradients: a layer
-    unfrozen after the first call), or its shape, strides, dtype or device
-    (``module.half()`` and ``.to()`` change a parameter in place, through ``.data``)."""
-    return not constants or all(_leaf_signature(c) == k for c, k in zip(constants, traced))
+    constant_signatures: tuple[Hashable, ...]
+    module_modes: module_modes.ModuleModes
+
+    def current(self, constants: Sequence[torch.Tensor]) -> bool:
+        """False when a closed-over tensor changed since the trace in what the program
+        bakes in: its ``requires_grad`` (which decides where the graph stops gradients: a
+        layer unfrozen after the first call), or its shape, strides, dtype or device
+        (``module.half()`` and ``.to()`` change a parameter in place, through ``.data``);
+        or when a module it called is in the other train/eval mode now (``model.eval()``)."""
+        if constants and any(_leaf_signature(c) != k for c, k in zip(constants, self.constant_signatures)):
+            return False
+        return module_modes.current(self.module_modes)
 
 
 def graph_inputs(call: MappedCall, tensor_slots: Sequence[int]) -> list[torch.Tensor]:
@@ -369,8 +377,7 @@ class TracedGraph:
         output_views: the view ops that the graph's results were of its own values, taken
             out of the graph (:mod:`~torchpmap._engines.output_views`), to be run on what the
             compiled graph returns; None where there were none.
-        module_modes: the modules the trace called, and their train/eval mode then
-            (:mod:`~torchpmap._engines.module_modes`).
+        baked: what the program keeps of ``constants`` and of the modules the trace called.
     """
 
     graph: torch.fx.GraphModule
@@ -379,7 +386,7 @@ class TracedGraph:
     constants: list[torch.Tensor]
     output_layout: OutputLayout
     output_views: OutputViews | None
-    module_modes: module_modes.ModuleModes = ()
+    baked: BakedIn
 
 
 def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
@@ -415,7 +422,8 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
     constants = _lift_constants(graph)
     views = output_views.peel(graph)  # results that are views of the program's values: taken outside
     layout = dataclasses.replace(call.output_layout)
-    return TracedGraph(graph, inputs, tensor_slots, constants, layout, views, module_modes.modes_of(called))
+    baked = BakedIn(tuple(_leaf_signature(c) for c in constants), module_modes.modes_of(called))
+    return TracedGraph(graph, inputs, tensor_slots, constants, layout, views, baked)
 
 
 def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Program:
@@ -445,12 +453,11 @@ def _trace(call: MappedCall, options: Mapping[str, Any], engine: Engine) -> _Pro
         # which inputs share memory, which a program that only reads them need not know
         with _context.autocast_off():  # see above
             compiled = private.compile_graph(graph, distinct([*inputs, *constants]), kwargs.get("options", {}))
-        return _Program(compiled, tensor_slots, constants, output_layout, traced.output_views, traced.module_modes)
+        return _Program(compiled, tensor_slots, constants, output_layout, traced.output_views, traced.baked)
     # the forward function, not the module: nn.Module.__call__ would cost microseconds per call
     compiled = torch.compile(graph.forward, **kwargs)
     return _Program(
-        compiled, tensor_slots, constants, output_layout, traced.output_views, traced.module_modes,
-        graph_forward=graph.forward,
+        compiled, tensor_slots, constants, output_layout, traced.output_views, traced.baked, graph_forward=graph.forward
     )
 
 

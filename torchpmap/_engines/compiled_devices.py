@@ -48,7 +48,6 @@ import torch
 from torchpmap._engines import (
     closure_writes,
     graph_rewrites,
-    module_modes,
     multi_device,
     segments,
     thread_ops,
@@ -57,10 +56,9 @@ from torchpmap._engines import (
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.compiled import (
     TRACING,
+    BakedIn,
     DeviceSlices,
     ProgramCache,
-    constants_current,
-    constants_signatures,
     distinct,
     graph_inputs,
     inductor_options,
@@ -96,17 +94,14 @@ class _SliceProgram:
         output_views: views of the slice's values that its results are, taken outside the
             program (:mod:`~torchpmap._engines.output_views`): the instance dim that a device
             holding one instance adds, for one.
+        baked: what the slice keeps of ``constants`` and of the modules its trace called.
     """
 
     module: torch.fx.GraphModule
     tensor_slots: list[int]
     constants: list[torch.Tensor]
     output_views: OutputViews | None
-    module_modes: module_modes.ModuleModes
-    constants_traced: list[Hashable] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.constants_traced = constants_signatures(self.constants)
+    baked: BakedIn
 
     def __call__(self, part: MappedCall, exchange: ThreadExchange) -> list[torch.Tensor]:
         with thread_ops.live(exchange), _context.autocast_off():  # as compiled._Program's
@@ -122,14 +117,9 @@ class DeviceSlicePrograms:
     output_layout: OutputLayout
 
     def constants_current(self) -> bool:
-        """Whether every slice's closed-over tensors are as traced (see
-        :func:`~torchpmap._engines.compiled.constants_current`), and the modules it called in
-        the train/eval mode they had (:mod:`~torchpmap._engines.module_modes`): else the
-        slices are traced anew."""
-        return all(
-            constants_current(s.constants, s.constants_traced) and module_modes.current(s.module_modes)
-            for s in self.slices
-        )
+        """Whether every slice may run again (:meth:`~torchpmap._engines.compiled.BakedIn.current`):
+        else the slices are traced anew."""
+        return all(s.baked.current(s.constants) for s in self.slices)
 
 
 class _NotCompiled(Exception):
@@ -204,7 +194,7 @@ def _trace_slices(call: MappedCall, devices: Sequence[Device], seed: int | None)
             _check_compilable(traced.graph, call.randomness)
             module = segments.split_at_exchanges(traced.graph, compile_segment)
             slices[d] = _SliceProgram(
-                module, traced.tensor_slots, traced.constants, traced.output_views, traced.module_modes
+                module, traced.tensor_slots, traced.constants, traced.output_views, traced.baked
             )
             return []
 
