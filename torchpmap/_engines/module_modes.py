@@ -33,13 +33,16 @@ ModuleModes = tuple[tuple["weakref.ref[torch.nn.Module]", bool], ...]
 #: Stand-ins made for one call of a module (the sharded step's shadows, see
 #: :class:`torchpmap._frontend.layer_gather.Shadow`) -> the module whose mode they copy.
 _originals: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+_recording = [0]  # how many traces record modules now (stands_for does nothing otherwise)
 
 
 def stands_for(copy: torch.nn.Module, original: torch.nn.Module) -> None:
     """``copy`` is made anew at each call from ``original`` (its ``training`` flag copied
     then): a trace that calls ``copy`` records ``original``'s mode, which a later
-    ``original.eval()`` changes; the copy is gone by then."""
-    _originals[copy] = original
+    ``original.eval()`` changes; the copy is gone by then. Outside a trace (an eager
+    step, which makes its copies at every call) nothing is kept."""
+    if _recording[0]:
+        _originals[copy] = original
 
 
 @contextlib.contextmanager
@@ -52,9 +55,11 @@ def recorded() -> Iterator[list[torch.nn.Module]]:
         called.append(module)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(note)
+    _recording[0] += 1
     try:
         yield called
     finally:
+        _recording[0] -= 1
         handle.remove()
 
 

@@ -101,7 +101,7 @@ def _copied(out: torch.Tensor, memories: set[Hashable]) -> torch.Tensor:
 
 def own_rows(t: torch.Tensor) -> torch.Tensor:
     """A stacked result (instances along dim 0) whose rows, and elements, are each in
-    memory of their own (see :func:`_rows_shared`).
+    memory of their own (see :func:`_elements_shared`).
 
     A value that is the same on every instance (a ``psum``, a broadcast argument) comes
     out of vmap as one row expanded over the instances (stride 0): a write into one row
@@ -116,14 +116,14 @@ def own_rows(t: torch.Tensor) -> torch.Tensor:
     copies the expanded row."""
     if type(t) is not torch.Tensor and isinstance(t, ShardedTensor):  # (the type test first: the common case)
         shared = _shards_sharing_memory(t)
-        if not shared and not any(_rows_shared(s.tensor) for s in t.shards):
+        if not shared and not any(_elements_shared(s.tensor) for s in t.shards):
             return t
         pieces = [
-            s.tensor.clone() if k in shared else s.tensor.contiguous() if _rows_shared(s.tensor) else s.tensor
+            s.tensor.clone() if k in shared else s.tensor.contiguous() if _elements_shared(s.tensor) else s.tensor
             for k, s in enumerate(t.shards)
         ]
         return ShardedTensor(list(zip(t.devices(), pieces)), t.shard_dim)
-    return t.contiguous() if _rows_shared(t) else t
+    return t.contiguous() if _elements_shared(t) else t
 
 
 def _shards_sharing_memory(t: ShardedTensor) -> set[int]:
@@ -139,7 +139,7 @@ def _shards_sharing_memory(t: ShardedTensor) -> set[int]:
     return shared
 
 
-def _rows_shared(t: torch.Tensor) -> bool:
+def _elements_shared(t: torch.Tensor) -> bool:
     """Whether elements of ``t`` share memory: a dim of several elements with stride 0.
     The rows (the same value on every instance), or inside each row: an instance that
     returns ``v.sum().expand(3)`` holds one number three times, where a loop's
