@@ -17,9 +17,12 @@ the holder, so whoever sets it down acts for the holder.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+from torchpmap._engines.turn_versions import TurnVersions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Baton:
         self._holder: int | None = None
         self._depth = 0
         self._on_free: dict[int, Callable[[], None]] = {}  # holder -> called when its turn ends
+        self._versions: list[TurnVersions] = []  # calls' shared version counters, switched with the turn
 
     def when_turn_ends(self, callback: Callable[[], None]) -> None:
         """Calls ``callback`` once, when the calling holder's present turn ends: it sets the
@@ -48,9 +52,27 @@ class Baton:
             self._on_free[self._holder] = callback
 
     def _turn_ended(self, holder: int | None) -> None:
+        for versions in self._versions:
+            versions.left(holder)
         callback = self._on_free.pop(holder, None) if holder is not None else None
         if callback is not None:
             callback()
+
+    @contextlib.contextmanager
+    def switching(self, versions: TurnVersions | None) -> Iterator[None]:
+        """While a call's threads run: its shared version counters follow the turn (see
+        :mod:`~torchpmap._engines.turn_versions`), and are settled after it."""
+        if versions is None:
+            yield
+            return
+        with self._cond:
+            self._versions.append(versions)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._versions.remove(versions)
+            versions.finish()
 
     def acquire(self) -> None:
         """Waits for the baton and takes it (again, if this thread holds it)."""
@@ -61,6 +83,8 @@ class Baton:
                 return
             self._cond.wait_for(lambda: self._holder is None)
             self._holder, self._depth = me, 1
+            for versions in self._versions:
+                versions.entered(me)
 
     def release(self) -> None:
         """Gives back one take of this thread's; the last one frees the baton."""
@@ -94,6 +118,8 @@ class Baton:
         with self._cond:
             self._cond.wait_for(lambda: self._holder is None)
             self._holder, self._depth = held.holder, held.depth
+            for versions in self._versions:
+                versions.entered(held.holder)
 
 
 class FirstTurns:

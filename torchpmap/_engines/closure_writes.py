@@ -38,6 +38,8 @@ _active: contextvars.ContextVar[Journal | None] = contextvars.ContextVar("torchp
 def _storage(t: torch.Tensor) -> int | None:
     """The address of ``t``'s storage; None for a tensor without one of real memory (a
     fake or meta tensor of a trace, an empty one), whose writes need no undoing."""
+    if private.is_fake_tensor(t):
+        return None
     try:
         address = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

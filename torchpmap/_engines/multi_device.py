@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
@@ -23,6 +24,7 @@ from torchpmap._engines.baton import Baton, FirstTurns
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.random_per_thread import call_seed, device_thread_mode, owned
 from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
+from torchpmap._engines.turn_versions import TurnVersions
 from torchpmap._engines.workers import pool
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import Device
@@ -74,7 +76,8 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             return out
 
     reads = batching_rules.value_reads()
-    per_device = run_threads([functools.partial(one_device, d) for d in range(len(devices))], rendezvous, devices, k)
+    bodies = [functools.partial(one_device, d) for d in range(len(devices))]
+    per_device = run_threads(bodies, rendezvous, devices, k, versions=TurnVersions.of(call.mapped))
     check_outputs_agree(per_device, devices)
     if batching_rules.value_reads() != reads:  # see batching_rules.value_reads
         check_replicated(call, per_device)
@@ -163,6 +166,7 @@ def run_threads(
     devices: Sequence[Device],
     k: int,
     nested: bool = False,
+    versions: TurnVersions | None = None,
 ) -> list[list[torch.Tensor]]:
     """Runs each body in a device thread that sees its caller's state (see
     :mod:`torchpmap._state.context`), taking turns on ``rendezvous``' baton; waits for all.
@@ -175,13 +179,17 @@ def run_threads(
     (forward-AD nesting, module attributes) never races. Device work is only enqueued in
     that piece on an asynchronous device (CUDA), so the devices still compute at once.
     A module reparametrized by several threads across a collective inside its forward
-    is refused (see :mod:`torchpmap._engines.module_guard`).
+    is refused (see :mod:`torchpmap._engines.module_guard`). ``versions``: the call's
+    mapped arguments' version counters, each thread's own while it holds the turn (see
+    :mod:`torchpmap._engines.turn_versions`).
     """
     state, context, watch = _context.CallerState.capture(devices), contextvars.copy_context(), module_guard.Watch()
     first_turns = FirstTurns()  # in the threads' order: see FirstTurns
 
     def in_turn(j: int, body: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         try:
+            if versions is not None:
+                versions.register(threading.get_ident())
             first_turns.wait(j)
             with rendezvous.turn(), state.entered(), module_guard.watching(watch), closure_writes.entered():
                 if rendezvous.baton is not None:
@@ -192,7 +200,8 @@ def run_threads(
 
     module_guard.install()
     try:
-        with _context.shared_forward_ad():
+        switching = rendezvous.baton.switching(versions) if rendezvous.baton is not None else contextlib.nullcontext()
+        with _context.shared_forward_ad(), switching:
             futures = [
                 pool.submit(functools.partial(_context.run_in_copy, context, functools.partial(in_turn, j, body)))
                 for j, body in enumerate(bodies)

@@ -573,6 +573,18 @@ def eager_rounding_options() -> dict[str, Any]:
     return {"emulate_precision_casts": True} if known else {}
 
 
+def is_fake_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor of a trace (metadata, no memory).
+
+    For: the journal of closed-over writes (:mod:`torchpmap._engines.closure_writes`)
+    skips a trace's fake tensors, whose storage has no address (asking for it warns).
+    Public replacement: none (``torch._subclasses.fake_tensor.FakeTensor``; what we'd
+    need: a public test for a tensor without memory).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1.
+    """
+    return isinstance(t, _module("torch._subclasses.fake_tensor").FakeTensor)
+
+
 _value_dependent: tuple[type[BaseException], ...] | None = None
 
 
@@ -946,6 +958,23 @@ def version_counter(t: torch.Tensor) -> int | None:
         return None
     except AttributeError as error:
         raise TorchPrivateError("version_counter", f"is missing ({type(error).__name__}: {error})") from None
+
+
+def set_version_counters(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Sets each tensor's version counter (see :func:`version_counter`; the count that
+    every view of it shares) to the given value.
+
+    For: the device threads of one call write into their own slices of one tensor, views
+    that share its count; each thread's writes are counted as if it ran alone, as one
+    device's single vectorized write counts (:mod:`torchpmap._engines.turn_versions`).
+    Public replacement: none (what we'd need: a version count per view, or a way to
+    hand out a view that counts its own writes).
+    Checked: torch 2.11.0, 2.13.0, 2.14.1 (``torch._C._autograd._unsafe_set_version_counter``)."""
+    try:
+        setter = torch._C._autograd._unsafe_set_version_counter
+    except AttributeError as error:
+        raise TorchPrivateError("set_version_counters", f"is missing ({type(error).__name__}: {error})") from None
+    setter(tuple(tensors), tuple(versions))
 
 
 # ======================================================================= ShardedTensor: a tensor subclass
@@ -1524,6 +1553,23 @@ def _probe_version_counter() -> None:
         _expect(version_counter(torch.zeros(1)) is None, "an inference tensor has no count")
 
 
+def _probe_is_fake_tensor() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.zeros(2)
+    _expect(is_fake_tensor(fake) and not is_fake_tensor(torch.zeros(2)), "a trace's tensors are fake, others not")
+
+
+def _probe_set_version_counters() -> None:
+    base = torch.zeros(2, 3)
+    view = base[1]
+    view.add_(1)
+    view.add_(1)
+    set_version_counters([view], [1])
+    _expect(version_counter(base) == 1 == version_counter(view), "a view's count is its base's, set through it")
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One door entry: ``name`` is its attribute here, ``private`` the torch API behind it."""
@@ -1651,6 +1697,10 @@ ENTRIES: dict[str, Entry] = {
             _probe_functorch_value,
         ),
         Entry("version_counter", "Tensor._version", _probe_version_counter),
+        Entry("is_fake_tensor", "torch._subclasses.fake_tensor.FakeTensor", _probe_is_fake_tensor),
+        Entry(
+            "set_version_counters", "torch._C._autograd._unsafe_set_version_counter", _probe_set_version_counters
+        ),
         Entry("make_wrapper_subclass", "torch.Tensor._make_wrapper_subclass", _probe_wrapper_subclass),
         Entry("disabled_torch_function", "torch._C._disabled_torch_function_impl", _probe_wrapper_subclass),
     )
