@@ -1054,3 +1054,33 @@ def test_a_loss_of_several_numbers_is_refused_on_every_placement_and_one_number_
                                   torch.optim.SGD(model.parameters(), lr=0.1))
         trained.append((step((x, y)), model.weight.detach().clone()))
     torch.testing.assert_close(trained[0], trained[1], rtol=0, atol=0)
+
+
+def test_sparse_embedding_gradients_stay_sparse_on_one_device_and_are_refused_elsewhere(four_devices):
+    """One device takes the step's gradient by plain autograd, and an embedding's stays
+    sparse (SGD steps it); several devices and the sharded step took it under torch.func
+    and raised torch's "reshape is not implemented for sparse tensors", naming nothing."""
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 10, (8, 3)), torch.randint(0, 2, (8,))
+
+    def model() -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2))
+
+    one = model()
+    step = data_parallel_step(one, F.cross_entropy, torch.optim.SGD(one.parameters(), lr=0.1), devices=four_devices[:1])
+    step(shard((x, y), n=4))
+    dense = model()
+    dense[0].sparse = False
+    plain = torch.optim.SGD(dense.parameters(), lr=0.1)
+    F.cross_entropy(dense(x), y).backward()
+    plain.step()
+    for p, q in zip(one.parameters(), dense.parameters()):
+        torch.testing.assert_close(p, q)
+    for devices, shard_params in ((four_devices, False), (four_devices[:1], True), (four_devices, True)):
+        m = model()
+        step = data_parallel_step(
+            m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1), devices=devices, shard_params=shard_params
+        )
+        with pytest.raises(NotImplementedError, match=r"embedding\(s\) \['0'\] make sparse gradients.*sparse=False"):
+            step(shard((x, y), n=4))

@@ -64,7 +64,7 @@ from torch.func import functional_call
 from torchpmap._collectives.gradient_mean import GradientMean
 from torchpmap._collectives.public import pmean
 from torchpmap._engines import instance_autograd, recurrent
-from torchpmap._frontend import buffer_means
+from torchpmap._frontend import buffer_means, sparse_gradients
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.elementwise_optimizers import check_elementwise
 from torchpmap._frontend.instance_grad import instance_grad_and_value
@@ -893,6 +893,8 @@ def data_parallel_step(
         if grad_scaler is not None and grad_scaler.is_enabled():
             scale = grad_scaler.scale(torch.ones((), device=next(iter(named.values())).device))  # the current scale
         run = folded_step if folds() else p_step
+        if run is p_step:
+            sparse_gradients.refuse(model, "on several devices or processes")
         try:
             with instance_autograd.checked_by_caller():  # prepare refused them
                 grads, loss, buffer_change, counters, aux = run(params, frozen, per_instance, other, batch, scale)

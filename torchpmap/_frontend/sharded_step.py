@@ -31,7 +31,7 @@ import torch
 
 from torchpmap._collectives.public import all_gather, pmean, psum
 from torchpmap._engines import instance_autograd
-from torchpmap._frontend import buffer_means, layer_gather
+from torchpmap._frontend import buffer_means, layer_gather, sparse_gradients
 from torchpmap._frontend.api import pmap
 from torchpmap._frontend.instance_grad import instance_grad_and_value
 from torchpmap._frontend.reached import reached
@@ -173,6 +173,7 @@ class ShardedStep:
     # ------------------------------------------------------------------ the step
 
     def __call__(self, batch: PyTree) -> Any:
+        sparse_gradients.refuse(self.model, "with shard_params")
         batch, n = self._prepare(batch)
         params = self._params(n)
         scaled = self.grad_scaler is not None and self.grad_scaler.is_enabled()
