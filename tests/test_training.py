@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -794,7 +795,8 @@ def test_a_trainable_tensor_outside_the_model_is_refused_and_trains_as_a_model_p
 def test_one_device_eager_step_makes_no_per_instance_weight_gradient():
     """On one device the eager step takes the gradient of the mean loss outside the map:
     each weight's gradient is one product over every example, as in plain PyTorch on the
-    whole batch, never a stack of one gradient per instance (8 times the weight's memory)."""
+    whole batch, never a stack of one gradient per instance (8 times the weight's memory).
+    (Several devices fold the same way; a dispatch mode does not reach their threads.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 5))
@@ -815,6 +817,34 @@ def test_one_device_eager_step_makes_no_per_instance_weight_gradient():
     with Watch():
         step(shard((x, y), n=8))
     assert stacked == []
+
+
+def test_the_eager_step_on_several_devices_repeats_its_bits(four_devices):
+    """On several devices the eager step takes the gradient of the mean loss outside the
+    map, and each device's contribution is added in the devices' order: autograd's own
+    order followed sequence numbers that each pool thread counts for itself, so the last
+    bits changed with which thread ran which device (a resumed run did not repeat the
+    run it resumed)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 6, generator=g), torch.randint(0, 5, (64,), generator=g)
+
+    def run(churn: int, n: int) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 5))
+        step = data_parallel_step(model, F.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.5),
+                                  devices=four_devices)
+        for i in range(3):
+            for j in range(churn * (i + 1)):  # the pool threads count other work in between
+                devices = four_devices[: 1 + (i + j) % 4]
+                tp.pmap(lambda v: v.sin().cos().exp(), devices=devices)(torch.ones(len(devices) * (j + 1), 3))
+            step(shard((x, y), n=n))
+        return [p.detach().clone() for p in model.parameters()]
+
+    for n in (4, 8):
+        first = run(0, n)
+        for churn in (1, 3, 7):
+            again = run(churn, n)
+            assert all(torch.equal(p, q) for p, q in zip(first, again)), (n, churn)
 
 
 def test_a_loss_that_calls_the_model_again_is_differentiated_through_both_calls(placement):
@@ -958,15 +988,16 @@ def test_a_backward_hook_is_refused_on_every_placement_and_the_step_runs_once_it
         assert torch.isfinite(first) and torch.isfinite(step(batch))
 
 
-def test_activation_checkpointing_trains_on_one_device_and_is_refused_clearly_where_torch_func_takes_the_grads(
+def test_activation_checkpointing_trains_in_one_process_and_is_refused_clearly_where_torch_func_takes_the_grads(
     placement,
 ):
     """``torch.utils.checkpoint(use_reentrant=False)`` sets saved tensor hooks, which
-    torch.func.grad refuses: the steps that take each instance's gradient with it (several
-    devices, shard_params) raised torch's own message, naming neither the step nor a way
-    out. The replicated step on one device takes the gradient of the mean loss with plain
-    autograd, where checkpointing works (its instances one at a time: vmap refuses saved
-    tensor hooks too): it trains as plain PyTorch does."""
+    torch.func.grad refuses: the steps that take each instance's gradient with it
+    (shard_params, several processes) raised torch's own message, naming neither the step
+    nor a way out. The replicated step in one process takes the gradient of the mean loss
+    with plain autograd, where checkpointing works (its instances one at a time where vmap
+    would run them: vmap refuses saved tensor hooks too): it trains as plain PyTorch does,
+    on one device and on several."""
 
     class Checkpointed(nn.Module):
         def __init__(self) -> None:
@@ -984,9 +1015,13 @@ def test_activation_checkpointing_trains_on_one_device_and_is_refused_clearly_wh
         model = Checkpointed()
         plain = copy.deepcopy(model)
         step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=sharded)
-        if len(placement) == 1 and not sharded:
-            with pytest.warns(tp.VectorizationFallbackWarning):  # vmap refuses checkpointing (each torch its way)
+        if not sharded:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 loss = step(shard((x, y), n=4))
+            # vmap refuses checkpointing (each torch its way); a device holding one instance runs it without vmap
+            fell_back = [w for w in caught if issubclass(w.category, tp.VectorizationFallbackWarning)]
+            assert bool(fell_back) == (len(placement) == 1)
             want = F.mse_loss(plain(x), y)
             want.backward()
             torch.testing.assert_close(loss, want.detach())
@@ -995,7 +1030,7 @@ def test_activation_checkpointing_trains_on_one_device_and_is_refused_clearly_wh
                     p -= 0.1 * p.grad
             torch.testing.assert_close(dict(model.named_parameters()), dict(plain.named_parameters()))
             continue
-        with pytest.raises(NotImplementedError, match=r"saved tensor hooks.*one device without shard_params"):
+        with pytest.raises(NotImplementedError, match=r"saved tensor hooks.*with shard_params.*in one process"):
             step(shard((x, y), n=4))
 
 
@@ -1056,10 +1091,13 @@ def test_a_loss_of_several_numbers_is_refused_on_every_placement_and_one_number_
     torch.testing.assert_close(trained[0], trained[1], rtol=0, atol=0)
 
 
-def test_sparse_embedding_gradients_stay_sparse_on_one_device_and_are_refused_elsewhere(four_devices):
-    """One device takes the step's gradient by plain autograd, and an embedding's stays
-    sparse (SGD steps it); several devices and the sharded step took it under torch.func
-    and raised torch's "reshape is not implemented for sparse tensors", naming nothing."""
+def test_sparse_embedding_gradients_stay_sparse_in_one_process_and_are_refused_where_torch_func_takes_them(
+    four_devices,
+):
+    """In one process the replicated step takes its gradient by plain autograd, and an
+    embedding's stays sparse (SGD steps it), on one device and on several; the sharded
+    step takes each instance's gradient under torch.func, and raised torch's "reshape is
+    not implemented for sparse tensors", naming nothing."""
     torch.manual_seed(0)
     x, y = torch.randint(0, 10, (8, 3)), torch.randint(0, 2, (8,))
 
@@ -1067,20 +1105,21 @@ def test_sparse_embedding_gradients_stay_sparse_on_one_device_and_are_refused_el
         torch.manual_seed(1)
         return nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2))
 
-    one = model()
-    step = data_parallel_step(one, F.cross_entropy, torch.optim.SGD(one.parameters(), lr=0.1), devices=four_devices[:1])
-    step(shard((x, y), n=4))
     dense = model()
     dense[0].sparse = False
     plain = torch.optim.SGD(dense.parameters(), lr=0.1)
     F.cross_entropy(dense(x), y).backward()
     plain.step()
-    for p, q in zip(one.parameters(), dense.parameters()):
-        torch.testing.assert_close(p, q)
-    for devices, shard_params in ((four_devices, False), (four_devices[:1], True), (four_devices, True)):
+    for devices in (four_devices[:1], four_devices[:2], four_devices):
+        m = model()
+        step = data_parallel_step(m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1), devices=devices)
+        step(shard((x, y), n=4))
+        for p, q in zip(m.parameters(), dense.parameters()):
+            torch.testing.assert_close(p, q)
+    for devices in (four_devices[:1], four_devices):
         m = model()
         step = data_parallel_step(
-            m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1), devices=devices, shard_params=shard_params
+            m, F.cross_entropy, torch.optim.SGD(m.parameters(), lr=0.1), devices=devices, shard_params=True
         )
         with pytest.raises(NotImplementedError, match=r"embedding\(s\) \['0'\] make sparse gradients.*sparse=False"):
             step(shard((x, y), n=4))

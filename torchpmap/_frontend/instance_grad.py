@@ -21,6 +21,16 @@ Aux = TypeVar("Aux")
 Tensors = dict[str, torch.Tensor]
 
 
+#: Where ``data_parallel_step`` takes each instance's gradient under ``torch.func`` (the
+#: rest take the gradient of the mean loss with plain autograd), for error messages.
+PER_INSTANCE_GRADIENTS = (
+    "The step takes each instance's gradient with torch.func.grad across processes, with shard_params, with "
+    "jit=True on several devices, with randomness='per_instance', an enabled GradScaler, "
+    "config.bitwise_placement or an nn.Embedding(scale_grad_by_freq=True); otherwise (in one process) it "
+    "takes the gradient of the mean loss with plain autograd"
+)
+
+
 def instance_grad_and_value(
     loss_of: Callable[[Tensors], tuple[torch.Tensor, Aux]], params: Tensors
 ) -> tuple[Tensors, tuple[torch.Tensor, Aux]]:
@@ -33,10 +43,8 @@ def instance_grad_and_value(
             raise
         raise NotImplementedError(
             "data_parallel_step: the model's forward sets saved tensor hooks (torch.utils.checkpoint with "
-            "use_reentrant=False, torch.autograd.graph.save_on_cpu), which torch.func.grad refuses. On several "
-            "devices, across processes and with shard_params, the step takes each instance's gradient with "
-            "torch.func.grad; on one device without shard_params it takes the gradient of the mean loss with "
-            "plain autograd, where they work. On this placement, leave out the activation checkpointing (for a "
+            f"use_reentrant=False, torch.autograd.graph.save_on_cpu), which torch.func.grad refuses. "
+            f"{PER_INSTANCE_GRADIENTS}, where they work. Here, leave out the activation checkpointing (for a "
             "model too large without it: shard_params=True, whose layer-by-layer gathering keeps the peak near "
             "one layer's weights), or write the step with torchpmap.pmap and loss.backward()."
         ) from refused

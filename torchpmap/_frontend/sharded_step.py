@@ -173,7 +173,7 @@ class ShardedStep:
     # ------------------------------------------------------------------ the step
 
     def __call__(self, batch: PyTree) -> Any:
-        sparse_gradients.refuse(self.model, "with shard_params")
+        sparse_gradients.refuse(self.model)
         batch, n = self._prepare(batch)
         params = self._params(n)
         scaled = self.grad_scaler is not None and self.grad_scaler.is_enabled()
