@@ -74,7 +74,7 @@ from torchpmap._engines.multi_device import (
     run_threads,
 )
 from torchpmap._engines.output_views import OutputViews
-from torchpmap._engines.random_per_thread import call_seed
+from torchpmap._engines.random_per_thread import Seed, call_seed, settle
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._placement.devices import Device
 from torchpmap._state import context as _context
@@ -136,7 +136,18 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     programs = cache.get(key, _UNTRACED)
     if programs is None:
         return multi_device.run(call)
-    seed = call_seed(call.randomness, devices[0].torch_device)  # one draw: the trace and the run's
+    seed = call_seed(call.randomness, devices[0].torch_device)  # one seed: the trace and the run's
+    try:
+        return _traced_and_run(call, devices, programs, seed, cache, key)
+    finally:
+        settle(seed)  # the caller's generator moves on only where a thread took the seed
+
+
+def _traced_and_run(
+    call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms | object, seed: Seed,
+    cache: dict, key: Hashable,
+) -> list:
+    """The call's outputs from its programs, traced first where there are none current."""
     if isinstance(programs, DeviceSlicePrograms) and programs.constants_current():
         call.output_layout.copy_from(programs.output_layout)  # body does not run
         return _run_slices(call, devices, programs, seed)
@@ -148,7 +159,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
             raise
         outputs = multi_device.run(call)  # every thread of the failed attempt has stopped (one rendezvous each)
         cache[key] = None
-        warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=5)
+        warnings.warn(_fallback_message(call, failure), JitFallbackWarning, stacklevel=6)
         return outputs
     cache.pop(key, None)  # traced anew: a closed-over tensor changed since
     while len(cache) >= config.jit_cache_size:
@@ -169,7 +180,7 @@ def _slices_of(call: MappedCall) -> dict[Hashable, DeviceSlices | None]:
     return cache.device_slices
 
 
-def _trace_slices(call: MappedCall, devices: Sequence[Device], seed: int | None) -> DeviceSlicePrograms:
+def _trace_slices(call: MappedCall, devices: Sequence[Device], seed: Seed) -> DeviceSlicePrograms:
     """Every device thread traces its slice (no thread waits for another: see
     :mod:`thread_ops`); each trace is cut at its exchanges, to be compiled at its first run."""
     k = call.size // len(devices)
@@ -243,7 +254,7 @@ def _check_compilable(graph: torch.fx.GraphModule, randomness: str) -> None:
 
 
 def _run_slices(
-    call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms, seed: int | None
+    call: MappedCall, devices: Sequence[Device], programs: DeviceSlicePrograms, seed: Seed
 ) -> list[torch.Tensor]:
     """Each device thread runs its compiled slice; the exchanges meet at one rendezvous.
     Device ``d``'s program draws from stream ``seed + d`` (see :func:`_check_compilable`)."""

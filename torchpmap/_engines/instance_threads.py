@@ -28,7 +28,7 @@ from torchpmap._engines import batching_rules, vectorized
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
 from torchpmap._engines.multi_device import assembled, check_replicated, device_thread, run_threads
-from torchpmap._engines.random_per_thread import call_seed
+from torchpmap._engines.random_per_thread import Seed, call_seed, settle
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._engines.turn_versions import TurnVersions
 from torchpmap._placement import mesh as _mesh
@@ -117,7 +117,10 @@ def run(
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
     reads = batching_rules.value_reads()
     versions = TurnVersions.of(call.mapped) if parent is None else None  # a nested call's count with its parent's
-    per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None, versions=versions)
+    try:
+        per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None, versions=versions)
+    finally:
+        settle(seed)  # the caller's generator moves on only where a thread took the seed
     # each thread's vmap checked its own out_axes=None (for its slice), except in debug mode
     # and where an instance read a value into Python (the same on its slice, maybe not the others')
     if (k == 1 and not call.vma) or batching_rules.value_reads() != reads:
@@ -132,7 +135,7 @@ def _run_single(
     axis: Hashable,
     offset: int,
     axis_size: int,
-    seed: int | None,
+    seed: Seed,
 ) -> list:
     """One instance on this device. Its axis frame is recorded for the maps nested in it.
 

@@ -22,7 +22,7 @@ import torch
 from torchpmap._engines import batching_rules, closure_writes, module_guard, vectorized, written_copies
 from torchpmap._engines.baton import Baton, FirstTurns
 from torchpmap._engines.mapped_call import MappedCall
-from torchpmap._engines.random_per_thread import call_seed, device_thread_mode, owned
+from torchpmap._engines.random_per_thread import Seed, call_seed, device_thread_mode, owned, settle
 from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.turn_versions import TurnVersions
 from torchpmap._engines.workers import pool
@@ -77,7 +77,10 @@ def run(call: MappedCall) -> list[torch.Tensor]:
 
     reads = batching_rules.value_reads()
     bodies = [functools.partial(one_device, d) for d in range(len(devices))]
-    per_device = run_threads(bodies, rendezvous, devices, k, versions=TurnVersions.of(call.mapped))
+    try:
+        per_device = run_threads(bodies, rendezvous, devices, k, versions=TurnVersions.of(call.mapped))
+    finally:
+        settle(seed)  # the caller's generator moves on only where a thread took the seed
     check_outputs_agree(per_device, devices)
     if batching_rules.value_reads() != reads:  # see batching_rules.value_reads
         check_replicated(call, per_device)
@@ -214,7 +217,7 @@ def run_threads(
 
 @contextlib.contextmanager
 def device_thread(
-    call: MappedCall, rendezvous: Rendezvous, seed: int | None, j: int, k: int, device: Device
+    call: MappedCall, rendezvous: Rendezvous, seed: Seed, j: int, k: int, device: Device
 ) -> Iterator[MappedCall]:
     """A device thread's set-up and tear-down for slice ``j`` (``k`` instances) of ``call``.
 

@@ -10,6 +10,15 @@ in force while the function's body runs (see ``multi_device.device_thread``): ea
 call it sees costs a Python call. Under ``randomness="error"`` the mode refuses
 random ops; ``"per_instance"`` streams are :mod:`torchpmap._engines.random_per_instance`'s.
 
+The seed is drawn only where a thread makes its stream: a call whose threads draw
+nothing leaves the caller's generator as it was, as one device's vectorized call does
+(until 2026-11-29 every call on several devices drew it, so the caller's next
+``torch.rand`` gave other numbers after a call on 2 devices than after the same call on
+one). A call made outside any device thread takes a snapshot of the caller's generator
+instead (:class:`DeferredSeed`): the first thread that needs a stream derives the seed
+from it (a draw there would run inside the call's transforms and traces), and the
+caller's generator moves on by one draw after the call.
+
 Under ``randomness="same"`` every instance draws what one device draws for all of them
 from the caller's generator: the threads' streams start from the caller's generator state
 (no seed is drawn), and when the call ends the caller's generator moves on to where the
@@ -23,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import hashlib
 import threading
 from collections.abc import Iterator
 from typing import Any, cast
@@ -45,8 +55,42 @@ _lock = threading.Lock()
 _drawing = threading.local()  # .now: this thread is drawing from a device thread's stream
 
 
-def call_seed(randomness: str, first: torch.device | None = None) -> int | None:
-    """One draw from the caller's generator for a call that may use random numbers; for
+class DeferredSeed:
+    """The seed of a ``randomness="different"`` call made outside any device thread, drawn
+    only if a thread makes its stream (module docstring).
+
+    Made from a snapshot of the caller's generator (so ``torch.manual_seed`` makes the
+    call reproducible); :meth:`settle`, in the caller after the call, moves the caller's
+    generator on by one draw where a thread took the seed, so that the next call takes
+    another."""
+
+    def __init__(self) -> None:
+        with functorch_layers_cleared():  # an enclosing transform must not wrap the snapshot
+            self._state = torch.default_generator.get_state().numpy().tobytes()
+        self._value: int | None = None
+
+    def value(self) -> int:
+        """The seed (derived at the first request, under the streams' lock)."""
+        if self._value is None:
+            digest = hashlib.blake2b(self._state, digest_size=8).digest()
+            self._value = int.from_bytes(digest, "little") >> 2  # room for the threads' indices
+        return self._value
+
+    def settle(self) -> None:
+        """After the call, in the caller: one draw from its generator where the seed was taken."""
+        if self._value is not None:
+            with functorch_layers_cleared():  # the draw is ours: an enclosing vmap must not batch it
+                torch.randint(0, 2**62, (), generator=torch.default_generator)
+
+
+#: A call's seed: drawn (an int), deferred, or none (no stream of its own).
+Seed = int | DeferredSeed | None
+
+
+def call_seed(randomness: str, first: torch.device | None = None) -> Seed:
+    """The seed of a call that may use random numbers: for ``"different"`` outside any
+    device thread, deferred (:class:`DeferredSeed`: call its ``settle`` after the call),
+    else one draw from the caller's generator (inside a device thread: its stream); for
     ``"same"``, no draw: the caller's generator state (``first``: the call's first
     device, whose CUDA generator one device would draw from) is where the device threads'
     streams start (see :class:`_SameStart`)."""
@@ -55,17 +99,26 @@ def call_seed(randomness: str, first: torch.device | None = None) -> int | None:
     if randomness == "same":
         _same_start.set(_SameStart.of_caller(first))
         return 0
+    if randomness == "different" and not getattr(_entered, "modes", None):
+        return DeferredSeed()
     with functorch_layers_cleared():  # the draw is ours: an enclosing vmap must not batch (or refuse) it
         return int(torch.randint(0, 2**62, (), generator=torch.default_generator))
 
 
+def settle(seed: Seed) -> None:
+    """After a call: see :meth:`DeferredSeed.settle` (nothing for any other seed)."""
+    if isinstance(seed, DeferredSeed):
+        seed.settle()
+
+
 class _DeviceThreadMode(TorchFunctionMode):
     def __init__(
-        self, seed: int | None, device: torch.device, refuse: bool = False, what: str = "pmap",
-        same: _SameStart | None = None,
+        self, seed: Seed, device: torch.device, refuse: bool = False, what: str = "pmap",
+        same: _SameStart | None = None, index: int = 0,
     ):
         super().__init__()
         self.seed, self.refuse, self.what, self.device, self.same = seed, refuse, what, device, same
+        self.index = index  # added to a deferred seed
         self.generators: list[torch.Generator] = []
         self.states: list[torch.Tensor] = []  # the thread's streams, made at its first draw
 
@@ -87,7 +140,8 @@ class _DeviceThreadMode(TorchFunctionMode):
                     self.states.append(self.same.state_for(g))
                     continue
                 own = torch.Generator(device=g.device)
-                own.manual_seed(cast(int, self.seed))
+                seed = self.seed.value() + self.index if isinstance(self.seed, DeferredSeed) else self.seed
+                own.manual_seed(cast(int, seed))
                 self.states.append(own.get_state())
         return self.states
 
@@ -209,20 +263,20 @@ def compiled_draws() -> contextlib.AbstractContextManager:
 
 
 def device_thread_mode(
-    seed: int | None, index: int, randomness: str, device: torch.device, what: str = "pmap"
+    seed: Seed, index: int, randomness: str, device: torch.device, what: str = "pmap"
 ) -> _DeviceThreadMode:
     """The mode for device thread ``index``: its random stream is seed + index for
     "different", the caller's generator state for "same" (see :func:`call_seed`), none
     for "error" (random ops are refused, in messages that name the map as ``what``) and
     for "per_instance" (each instance's own stream: see
     :mod:`torchpmap._engines.random_per_instance`)."""
-    if seed is not None and randomness == "per_instance":
+    if isinstance(seed, int) and randomness == "per_instance":
         # Random ops are drawn per instance (see random_per_instance); what reaches this mode
         # comes from C++ (nn.LSTM's dropout) in an instance run without a vmap level, one
         # per thread: its own stream, seeded from the instance's index, as on any placement
         seed = instance_seed(seed, index) ^ 1
-    elif seed is not None and randomness == "different":
+    elif isinstance(seed, int) and randomness == "different":
         seed += index
     same = _same_start.get() if randomness == "same" else None
     # an instance run without vmap (one per device) has no vmap level to refuse random ops
-    return _DeviceThreadMode(seed, device, refuse=randomness == "error", what=what, same=same)
+    return _DeviceThreadMode(seed, device, refuse=randomness == "error", what=what, same=same, index=index)

@@ -15,7 +15,7 @@ import torch
 from torchpmap._engines import batching_fixes, batching_rules, instance_autograd, written_copies
 from torchpmap._engines.mapped_call import MappedCall, versions_of
 from torchpmap._engines.random_per_instance import InstanceStreams
-from torchpmap._engines.random_per_thread import call_seed
+from torchpmap._engines.random_per_thread import Seed, call_seed
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.sharded import ShardedTensor, as_local
 from torchpmap._state import axis_env as _axis_env
@@ -45,7 +45,7 @@ def run(
     offset: int = 0,
     axis_size: int | None = None,
     exchange: _axis_env.Exchange | None = None,
-    seed: int | None = None,
+    seed: Seed = None,
     on_frame: Callable[[_axis_env.AxisFrame], None] | None = None,
 ) -> list[torch.Tensor]:
     """Runs all ``call.size`` instances vectorized on one device.
@@ -170,7 +170,7 @@ def run_one(
     offset: int,
     axis_size: int,
     exchange: _axis_env.Exchange,
-    seed: int | None = None,
+    seed: Seed = None,
     on_frame: Callable[[_axis_env.AxisFrame], None] | None = None,
     keep_sharded: bool = False,
 ) -> list[torch.Tensor]:
