@@ -454,3 +454,24 @@ def test_eval_after_a_compiled_step_turns_dropout_off(placement):
         losses[jit] = [float(torch.as_tensor(step(batch)).mean()) for _ in range(2)]
     assert losses[False][0] == losses[False][1]  # no dropout: the same loss twice
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_a_frozen_parameters_stale_gradient_is_not_applied_again(placement):
+    """A parameter frozen after a plain step keeps that step's ``.grad``: the replicated
+    step clears it (as zero_grad() does); the sharded step left it, and every
+    optimizer.step() applied it again (the frozen layer moved by 0.034 in 3 SGD steps)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    model[0].requires_grad_(False)
+    before = copy.deepcopy(model[0].state_dict())
+    step = data_parallel_step(model, F.cross_entropy, optimizer, shard_params=True)
+    for _ in range(3):
+        step(shard((x, y), n=4))
+    step.gather_params()
+    for k, v in model[0].state_dict().items():
+        assert torch.equal(v, before[k]), k

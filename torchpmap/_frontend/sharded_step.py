@@ -209,6 +209,8 @@ class ShardedStep:
             )
         with torch.no_grad():
             params.set_grads(grads)
+            for k in frozen:  # no gradient, as after zero_grad(): a stale one would be applied again
+                named[k].grad = None
             self._write_buffers(buffer_change, counters, floating)
             if nonfinite is not None:
                 self._agree_on_skip(params, nonfinite)
