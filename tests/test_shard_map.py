@@ -806,3 +806,30 @@ def test_a_value_read_into_python_keeps_what_it_varies_along(cpu_devices, n):
                     tp.shard_map(read, mesh=mesh, in_specs=spec, out_specs=other)(x)
         same = tp.shard_map(read, mesh=mesh, in_specs=P(), out_specs=P())(x)  # every position reads 28
         torch.testing.assert_close(torch.as_tensor(same), torch.tensor([28.0]))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_shard_map_inside_a_multi_device_pmap_pairs_each_position_with_its_own(four_devices, jit):
+    """A shard_map whose positions run in threads inside a pmap on several devices: a
+    collective over the pmap's axis from a position met whichever position of the other
+    instance came first (one door per pmap slice, shared by its positions), so the sum
+    added another position's block, differently from run to run (17 of 20 runs wrong)."""
+    x = torch.arange(8.0).reshape(2, 4, 1)
+    ring = [(0, 1), (1, 2), (2, 3), (3, 0)]
+    mesh = tp.make_mesh((4,), ("a",), devices=four_devices)
+    inner = tp.shard_map(lambda v: tp.ppermute(v, "a", ring) + 100 * tp.psum(v, "i"),
+                         mesh=mesh, in_specs=tp.P("a"), out_specs=tp.P("a"))
+    f = tp.pmap(inner, axis_name="i", devices=four_devices[:2], jit=jit)
+    want = torch.roll(x, 1, dims=1) + 100 * x.sum(0, keepdim=True)
+    square = tp.make_mesh((2, 2), ("a", "b"), devices=four_devices)
+    g = tp.pmap(tp.shard_map(lambda v: tp.psum(tp.psum(v, "b"), "i") + v, mesh=square, in_specs=tp.P("a", "b"),
+                             out_specs=tp.P("a", "b")), axis_name="i", devices=four_devices[:2], jit=jit)
+    y = torch.arange(8.0).reshape(2, 2, 2)
+    for _ in range(8):
+        torch.testing.assert_close(torch.as_tensor(f(x)), want, rtol=0, atol=0)
+        torch.testing.assert_close(torch.as_tensor(g(y)), y.sum((0, 2), keepdim=True) + y, rtol=0, atol=0)
+    xs = x.clone().requires_grad_()
+    (torch.as_tensor(f(xs)) * torch.arange(8.0).reshape(2, 4, 1)).sum().backward()
+    ws = xs.detach().clone().requires_grad_()
+    ((torch.roll(ws, 1, dims=1) + 100 * ws.sum(0, keepdim=True)) * torch.arange(8.0).reshape(2, 4, 1)).sum().backward()
+    torch.testing.assert_close(xs.grad, ws.grad)

@@ -80,6 +80,20 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
     return parent
 
 
+def _outer_slices(rendezvous: Rendezvous) -> list[tuple[_axis_env.AxisFrame, ThreadExchange, int]]:
+    """The axes of enclosing maps whose slices run in threads that meet elsewhere (a
+    multi-device pmap around a shard_map), each with its exchange and the number of this
+    call among the nested calls of its slice: every thread of this call meets the other
+    slices through a door of its own (see :meth:`ThreadExchange.for_nested`)."""
+    found = []
+    for f in _axis_env.current_frames():
+        ex = f.exchange
+        if isinstance(ex, ThreadExchange) and ex.rendezvous is not rendezvous:
+            ex.nested_calls += 1
+            found.append((f, ex, ex.nested_calls))
+    return found
+
+
 def run(
     call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: Baton | None = None
 ) -> list:
@@ -88,8 +102,13 @@ def run(
     k = call.size // count
     parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")
     frames: tuple[_axis_env.AxisFrame, ...]
+    shared: Baton | None = None
     if parent is None:
-        rendezvous = Rendezvous(config.collective_timeout, baton or Baton())
+        # inside the device thread of another call: its threads and these take turns on one
+        # baton (a thread waiting for the other call's slices sets it down for all of them)
+        shared = next((f.exchange.rendezvous.baton for f in _axis_env.current_frames()
+                       if isinstance(f.exchange, ThreadExchange) and f.exchange.rendezvous.baton is not None), None)
+        rendezvous = Rendezvous(config.collective_timeout, shared or baton or Baton())
         path, coords, frames, outer_along = (object(),), {}, (), {}
         outer_level = private.current_vmap_level()
     else:
@@ -98,11 +117,14 @@ def run(
         frames, outer_along, mesh, outer_level = parent.frames, parent.along, mesh or parent.mesh, parent.outer_level
     devices = list(along(coords))
     seed = call_seed(call.randomness, devices[0].torch_device)
+    outer = _outer_slices(rendezvous)
 
     def one_thread(j: int) -> list[torch.Tensor]:
         state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path, outer_level)
         rebound = tuple(dataclasses.replace(f, exchange=_exchange(state, f.name)) for f in frames)
-        with _context.setting(_context.instance_thread, state), _axis_env.inherited(rebound):
+        doors = [ex.for_nested(number, j) for _, ex, number in outer]
+        elsewhere = tuple(dataclasses.replace(f, exchange=door) for (f, _, _), door in zip(outer, doors))
+        with _context.setting(_context.instance_thread, state), _axis_env.inherited(rebound + elsewhere):
             with device_thread(call, rendezvous, seed, j, k, devices[j]) as part:
                 if k > 1:
                     out = vectorized.run(
@@ -112,13 +134,16 @@ def run(
                     out = _run_single(part, state, rebound, axis, offset=j, axis_size=call.size, seed=seed)
             for name in (*(f.name for f in rebound), axis):
                 _exchange(state, name).leave()  # a meeting of any of its axes that still waits for it raises
+            for door in doors:
+                door.leave()
             return out
 
     bodies = [lambda j=j: one_thread(j) for j in range(count)]
     reads = batching_rules.value_reads()
     versions = TurnVersions.of(call.mapped) if parent is None else None  # a nested call's count with its parent's
+    nested = parent is not None or shared is not None  # this thread holds the baton, and passes it on
     try:
-        per_thread = run_threads(bodies, rendezvous, devices, k, nested=parent is not None, versions=versions)
+        per_thread = run_threads(bodies, rendezvous, devices, k, nested=nested, versions=versions)
     finally:
         settle(seed)  # the caller's generator moves on only where a thread took the seed
     # each thread's vmap checked its own out_axes=None (for its slice), except in debug mode

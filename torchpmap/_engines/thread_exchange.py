@@ -210,6 +210,15 @@ class ThreadExchange:
     devices: tuple[torch.device, ...]
     group: Hashable
     seq: int = 0
+    nested_calls: int = 0  # calls made in this slice that start threads of their own
+
+    def for_nested(self, call: int, thread: Hashable) -> ThreadExchange:
+        """This slice's door for ``thread`` of the ``call``-th call made in this slice that
+        runs in threads of its own (a shard_map's positions inside a pmap): each of those
+        threads meets the same thread of the other slices' same call, and only it. Shared
+        by them all, the door had paired whichever threads came first (a ``psum`` over the
+        pmap's axis added another position's block, differently from run to run)."""
+        return dataclasses.replace(self, group=(self.group, call, thread), seq=0, nested_calls=0)
 
     starts_sums = False  # the threads take turns: a sum completes when they meet, not in the background
     reduces_locally = False  # device threads gather every instance's value: bitwise those of one device
