@@ -178,6 +178,28 @@ def test_half_float_sums_round_once_as_on_one_device_on_every_placement(placemen
         torch.testing.assert_close(scattered, total.expand(8, 2), rtol=0, atol=0, msg=f"jit={jit}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_float_sums_over_a_tuple_of_axes_round_once(placement, dtype):
+    """Over a tuple of axes the sum was taken one axis at a time, each axis' total rounded:
+    psum over ("x", "y") of [[6e4, -6e4], [6e4, -6e4]] in float16 overflowed to nan where
+    ("y", "x") gave 0; in bfloat16 the total was a unit in the last place off."""
+    if dtype == torch.float16:
+        v = torch.tensor([[6e4, -6e4], [6e4, -6e4]], dtype=dtype)
+    else:
+        v = torch.tensor([[-56.75, 37.0], [0.373046875, -0.890625]]).to(dtype)
+    total = v.float().sum().to(dtype)
+    mesh = tp.make_mesh((2, 2), ("x", "y"))  # over the placement's devices
+    for jit in (False, True):
+        for axes in (("x", "y"), ("y", "x")):
+            for reduce, want in ((tp.psum, total), (tp.pmean, (total / 4))):
+                f = tp.shard_map(lambda a: reduce(a, axes), mesh=mesh, in_specs=tp.P("x", "y"), out_specs=tp.P(),
+                                 jit=jit)
+                got = torch.as_tensor(f(v)).cpu().reshape(())
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{axes} {reduce.__name__} jit={jit}")
+        nested = tp.pmap(tp.pmap(lambda a: tp.psum(a, ("i", "j")), axis_name="j"), axis_name="i", jit=jit)
+        torch.testing.assert_close(torch.as_tensor(nested(v)).cpu(), total.expand(2, 2), rtol=0, atol=0)
+
+
 def test_backward_outside_reaches_arguments_and_closed_over_parameters():
     w = torch.randn(3, 2, requires_grad=True)
     x = torch.randn(4, 5, 3, requires_grad=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchpmap._collectives.binding import bind_many
+from torchpmap._collectives.binding import bind_many, narrowed, partial_sum_dtype
 from torchpmap._collectives.math import (
     AllGather,
     AllToAll,
@@ -178,7 +178,7 @@ def psum(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequenc
     if not frames:
         return _over_no_axis(x, "psum", axis_index_groups)
     groups = _check_groups(axis_index_groups, frames, "psum", equal_sizes=False)
-    return _tree_apply("psum", x, lambda ts: _reduce(ts, frames, lambda f: Psum(f, groups=groups)))
+    return _tree_apply("psum", x, lambda ts: _sum(ts, frames, groups))
 
 
 def pmean(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequence[int]] | None = None) -> PyTree:
@@ -197,7 +197,7 @@ def pmean(x: PyTree, axis_name: AxisNames, *, axis_index_groups: Sequence[Sequen
     groups = _check_groups(axis_index_groups, frames, "pmean", equal_sizes=False)
 
     def mean(ts: list[torch.Tensor]) -> Leaves:
-        totals = _reduce(ts, frames, lambda f: Psum(f, groups=groups))
+        totals = _sum(ts, frames, groups)
         if groups is None:
             return [total / _total_size(frames) for total in totals]
         group_size = [0] * frames[0].size
@@ -257,6 +257,19 @@ def _per_instance(table: list[int], axis_name: AxisNames, device: torch.device) 
     make torch call .item(), which vmap cannot do)."""
     index = axis_index(axis_name).reshape(1)
     return torch.tensor(table, device=device).index_select(0, index).squeeze(0)
+
+
+def _sum(ts: Leaves, frames: list[AxisFrame], groups: Groups) -> Leaves:
+    """The sums of ``ts`` over ``frames``. A sum of ``float16``/``bfloat16`` values adds in
+    ``float32`` and rounds the total once, over a tuple of axes too: summed one axis at a
+    time, each axis' total was rounded, so ``psum`` over ``("x", "y")`` of
+    ``[[6e4, -6e4], [6e4, -6e4]]`` overflowed to nan where ``("y", "x")`` gave 0."""
+    if len(frames) == 1:
+        return _reduce(ts, frames, lambda f: Psum(f, groups=groups))
+    dtypes = [t.dtype for t in ts]
+    wide = [t.to(partial_sum_dtype(t.dtype)) for t in ts]
+    totals = _reduce(wide, frames, lambda f: Psum(f, groups=groups))
+    return [narrowed(total, dtype) for total, dtype in zip(totals, dtypes)]
 
 
 def _reduce(ts: Leaves, frames: list[AxisFrame], prim: Callable[[AxisFrame], Any]) -> Leaves:
