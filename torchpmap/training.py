@@ -571,6 +571,9 @@ def data_parallel_step(
       their own, and the threads take turns between collectives, so ``model`` itself is
       used by all of them (``functional_call`` swaps the tensors in and out within one
       turn): every change to it (hooks, train/eval mode, dropout probability) is seen.
+      With ``jit=True`` a change of a module's mode, plain attributes (numbers,
+      strings, booleans) or forward hooks traces the step anew; other Python state the
+      forward reads is kept as traced (see docs/from-jax.md).
 
     Args:
         model: the module; its parameters and buffers are read at every step, so the

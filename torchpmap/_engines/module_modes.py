@@ -1,12 +1,17 @@
-"""The train/eval mode of the modules a compiled program called: part of what it bakes in.
+"""The state of the modules a compiled program called: part of what it bakes in.
 
-A ``jit=True`` program is traced once per signature. A module's forward reads
-``self.training`` in Python while it is traced (dropout on or off, batch norm's batch or
-running statistics, a branch of the user's own), so the compiled program keeps the mode
-the modules had then. Dynamo would guard on the flag; torchpmap's cache keys on the
-arguments, so :func:`recorded` notes every module called during the trace, and a
-program is reused only while each of them is in the mode it was traced in
-(:func:`current`); ``model.eval()`` after training traces the program anew.
+A ``jit=True`` program is traced once per signature. A module's forward reads Python
+state while it is traced: ``self.training`` (dropout on or off, batch norm's batch or
+running statistics, a branch of the user's own), its plain attributes (a dropout's
+``p``, a temperature the user sets between steps) and its hooks, so the compiled program
+keeps what the modules held then. Dynamo would guard on them; torchpmap's cache keys on
+the arguments, so :func:`recorded` notes every module called during the trace, and a
+program is reused only while each of them holds what it was traced with
+(:func:`current`): its ``training`` flag, its public attributes that are numbers,
+strings, booleans or None (or tuples of them), and its forward hooks and pre-hooks.
+``model.eval()``, ``model[1].p = 0.0`` or a hook added after the first call trace the
+program anew (until 2026-11-29 only the flag was checked, and the others were silently
+ignored). Attributes of other types (a tensor, a list, an object) are not compared.
 
     >>> import torch
     >>> layer = torch.nn.Dropout(0.5)
@@ -27,8 +32,12 @@ from typing import Any
 
 import torch
 
-#: Each module a trace called (weakly: a module that is gone no longer matters) and its mode then.
-ModuleModes = tuple[tuple["weakref.ref[torch.nn.Module]", bool], ...]
+#: What a trace read of a module: its ``training`` flag, plain attributes and hooks.
+State = tuple[Any, ...]
+#: Each module a trace called (weakly: a module that is gone no longer matters) and its state then.
+ModuleModes = tuple[tuple["weakref.ref[torch.nn.Module]", State], ...]
+
+_PLAIN = (bool, int, float, str, type(None))
 
 #: Stand-ins made for one call of a module (the sharded step's shadows, see
 #: :class:`torchpmap._frontend.layer_gather.Shadow`) -> the module whose mode they copy.
@@ -63,19 +72,30 @@ def recorded() -> Iterator[list[torch.nn.Module]]:
         handle.remove()
 
 
+def _plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value))
+
+
+def state_of(module: torch.nn.Module) -> State:
+    """What a trace reads of ``module`` besides tensors: its ``training`` flag, its public
+    plain attributes, and the keys of its forward hooks and pre-hooks."""
+    attributes = tuple((k, v) for k, v in vars(module).items() if not k.startswith("_") and _plain(v))
+    return (bool(module.training), attributes, tuple(module._forward_hooks), tuple(module._forward_pre_hooks))
+
+
 def modes_of(modules: Sequence[torch.nn.Module]) -> ModuleModes:
-    """Each distinct module of ``modules`` with its ``training`` flag now."""
+    """Each distinct module of ``modules`` with its state now."""
     seen: dict[int, torch.nn.Module] = {}
     for m in modules:
         m = _originals.get(m, m)
         seen.setdefault(id(m), m)
-    return tuple((weakref.ref(m), bool(m.training)) for m in seen.values())
+    return tuple((weakref.ref(m), state_of(m)) for m in seen.values())
 
 
 def current(modes: ModuleModes) -> bool:
-    """Whether every module of ``modes`` that still exists is in the mode recorded."""
-    for ref, training in modes:
+    """Whether every module of ``modes`` that still exists holds the state recorded."""
+    for ref, state in modes:
         module = ref()
-        if module is not None and module.training != training:
+        if module is not None and state_of(module) != state:
             return False
     return True
