@@ -475,3 +475,37 @@ def test_a_frozen_parameters_stale_gradient_is_not_applied_again(placement):
     step.gather_params()
     for k, v in model[0].state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("optimizer", ["Adagrad", "ASGD", "NAdam"])
+def test_a_scalar_parameters_existing_optimizer_state_is_split_as_the_replicated_step_steps(placement, optimizer):
+    """A 0-dim parameter (a logit scale) whose optimizer already holds state (Adagrad from
+    its construction; after replicated steps): the state's scalars (``step``, ASGD's
+    ``eta`` and ``mu``, NAdam's ``mu_product``) have the parameter's shape ``()`` and were
+    split like it, one row per instance, and ``optimizer.step()`` raised "a Tensor with 4
+    elements cannot be converted to Scalar" where a device held several instances."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(5, 3)
+            self.logit_scale = torch.nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return self.a(v) * self.logit_scale
+
+    results = []
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        model = Scaled()
+        opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.1)
+        data_parallel_step(model, F.cross_entropy, opt)(shard((x, y), n=4))  # the state exists now
+        step = data_parallel_step(model, F.cross_entropy, opt, shard_params=sharded)
+        for _ in range(2):
+            step(shard((x, y), n=4))
+        if sharded:
+            step.gather_params()
+        results.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    torch.testing.assert_close(results[1], results[0])

@@ -30,6 +30,12 @@ ELEMENTWISE: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 
+#: The state entries of :data:`ELEMENTWISE` that are scalars shared by every element (a
+#: step count, ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``): copied to every shard,
+#: never split, even for a 0-dim parameter, whose own state has the same shape ``()``.
+SHARED_STATE: frozenset[str] = frozenset({"step", "eta", "mu", "mu_product"})
+
+
 def check_elementwise(optimizer: torch.optim.Optimizer, what: str) -> None:
     """Raises unless ``optimizer`` is exactly one of :data:`ELEMENTWISE`."""
     if type(optimizer) in ELEMENTWISE:

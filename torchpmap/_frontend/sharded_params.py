@@ -26,6 +26,7 @@ import torch
 
 from torchpmap._collectives.public import all_gather
 from torchpmap._frontend.api import pmap
+from torchpmap._frontend.elementwise_optimizers import SHARED_STATE
 from torchpmap._frontend.flat_shards import FlatLayout
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import Device, DeviceLike
@@ -117,17 +118,20 @@ class ShardedParams:
                     params.append(piece.tensor)
                     if state:
                         optimizer.state[piece.tensor] = {
-                            key: self._split_state(k, value, piece) for key, value in state.items()
+                            key: self._split_state(k, value, piece, shared=key in SHARED_STATE)
+                            for key, value in state.items()
                         }
             group["params"] = params
 
-    def _split_state(self, name: str, value: Any, piece: Shard) -> Any:
+    def _split_state(self, name: str, value: Any, piece: Shard, shared: bool = False) -> Any:
         """One optimizer state entry for ``piece``: a tensor of the parameter's shape split
-        as the parameter is; a scalar (Adam's ``step``) copied."""
+        as the parameter is; a scalar (Adam's ``step``: ``shared``, or of another shape)
+        copied. (Told apart by shape alone, a 0-dim parameter's ``step`` was split like
+        the parameter, into one row per instance, and ``optimizer.step()`` raised.)"""
         if not isinstance(value, torch.Tensor):
             return value
         layout = self.layouts[name]
-        if tuple(value.shape) != tuple(layout.shape):
+        if shared or tuple(value.shape) != tuple(layout.shape):
             return value.clone()
         mine = layout.rows(value, self.first, self.count)
         start = 0
