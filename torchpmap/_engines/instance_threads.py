@@ -106,7 +106,7 @@ def run(
     if parent is None:
         # inside the device thread of another call: its threads and these take turns on one
         # baton (a thread waiting for the other call's slices sets it down for all of them)
-        shared = next((f.exchange.rendezvous.baton for f in _axis_env.current_frames()
+        shared = next((f.exchange.rendezvous.baton for f in reversed(_axis_env.current_frames())
                        if isinstance(f.exchange, ThreadExchange) and f.exchange.rendezvous.baton is not None), None)
         rendezvous = Rendezvous(config.collective_timeout, shared or baton or Baton())
         path, coords, frames, outer_along = (object(),), {}, (), {}
