@@ -833,3 +833,24 @@ def test_shard_map_inside_a_multi_device_pmap_pairs_each_position_with_its_own(f
     ws = xs.detach().clone().requires_grad_()
     ((torch.roll(ws, 1, dims=1) + 100 * ws.sum(0, keepdim=True)) * torch.arange(8.0).reshape(2, 4, 1)).sum().backward()
     torch.testing.assert_close(xs.grad, ws.grad)
+
+
+def test_shard_map_inside_pmap_computes_on_every_placement(placement):
+    """Inside a pmap's instance pinned to a device, a shard_map whose mesh has more
+    positions than devices named the mesh's devices, which a nested map may not: it
+    raised on 1 and 2 devices ("a pmap nested inside a multi-device pmap ... cannot
+    take devices=", on one device too) and computed on 4 and 8."""
+    x = torch.arange(8.0).reshape(2, 4, 1)
+    ring = [(0, 1), (1, 2), (2, 3), (3, 0)]
+    mesh = tp.make_mesh((4,), ("a",))
+    want = torch.roll(x, 1, dims=1).sum(0, keepdim=True).expand(2, 4, 1)
+
+    def f(v: torch.Tensor) -> torch.Tensor:
+        return tp.psum(tp.ppermute(v, "a", ring), "i")
+
+    for inner_jit in (False, True):
+        inner = tp.shard_map(f, mesh=mesh, in_specs=tp.P("a"), out_specs=tp.P("a"), jit=inner_jit)
+        torch.testing.assert_close(torch.as_tensor(tp.pmap(inner, axis_name="i")(x)), want, rtol=0, atol=0)
+    inner = tp.shard_map(lambda v: f(v) * v, mesh=mesh, in_specs=tp.P("a"), out_specs=tp.P("a"))
+    got = torch.func.grad(lambda v: torch.as_tensor(tp.pmap(inner, axis_name="i")(v)).sum())(x)
+    torch.testing.assert_close(got, torch.func.grad(lambda v: (torch.roll(v, 1, 1).sum(0, keepdim=True) * v).sum())(x))

@@ -36,6 +36,7 @@ from torchpmap._frontend import shard_map_backward as _backward
 from torchpmap._frontend.call import MapOptions, MappedFunction
 from torchpmap._frontend.implicit_pvary import implicit_pvary
 from torchpmap._frontend.tree_prefix import broadcast_prefix
+from torchpmap._placement import devices as _devices
 from torchpmap._placement import dtensor as _dtensor
 from torchpmap._placement.mesh import AbstractMesh, Mesh, ProcessMesh
 from torchpmap._placement.partition_spec import PartitionSpec
@@ -395,7 +396,11 @@ class ShardMapped:
                 placement = {"mesh": mesh}
                 local_size = mesh.shape[axis]
             else:  # the first axis spread over the devices, the rest vectorized inside (see first_axis_devices)
-                placement = {"devices": first_axis_devices(mesh) if level == 0 else None}
+                # inside an enclosing pmap's device thread (or one instance run alone), every
+                # position runs on that instance's device, as any nested pmap does: naming
+                # the mesh's devices there was refused, on 1 and 2 devices only
+                pinned = _devices.current_default() is not None
+                placement = {"devices": first_axis_devices(mesh) if level == 0 and not pinned else None}
                 local_size = mesh.shape[axis]
             opts = MapOptions(
                 kind="pmap",
