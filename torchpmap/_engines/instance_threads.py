@@ -80,15 +80,21 @@ def _parent(axis: Hashable, what: str) -> _ThreadState | None:
     return parent
 
 
-def _outer_slices(rendezvous: Rendezvous) -> list[tuple[_axis_env.AxisFrame, ThreadExchange, int]]:
-    """The axes of enclosing maps whose slices run in threads that meet elsewhere (a
-    multi-device pmap around a shard_map), each with its exchange and the number of this
-    call among the nested calls of its slice: every thread of this call meets the other
-    slices through a door of its own (see :meth:`ThreadExchange.for_nested`)."""
+def _threaded_frames() -> list[tuple[_axis_env.AxisFrame, ThreadExchange]]:
+    """The enclosing axes whose slices run in threads, with their exchanges, outermost first."""
+    return [(f, f.exchange) for f in _axis_env.current_frames() if isinstance(f.exchange, ThreadExchange)]
+
+
+def _outer_slices(
+    threaded: list[tuple[_axis_env.AxisFrame, ThreadExchange]], rendezvous: Rendezvous
+) -> list[tuple[_axis_env.AxisFrame, ThreadExchange, int]]:
+    """Of ``threaded``, the axes whose threads meet elsewhere (a multi-device pmap around
+    a shard_map), each with its exchange and the number of this call among the nested
+    calls of its slice: every thread of this call meets the other slices through a door
+    of its own (see :meth:`ThreadExchange.for_nested`)."""
     found = []
-    for f in _axis_env.current_frames():
-        ex = f.exchange
-        if isinstance(ex, ThreadExchange) and ex.rendezvous is not rendezvous:
+    for f, ex in threaded:
+        if ex.rendezvous is not rendezvous:
             ex.nested_calls += 1
             found.append((f, ex, ex.nested_calls))
     return found
@@ -103,11 +109,11 @@ def run(
     parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")
     frames: tuple[_axis_env.AxisFrame, ...]
     shared: Baton | None = None
+    threaded = _threaded_frames()
     if parent is None:
         # inside the device thread of another call: its threads and these take turns on one
         # baton (a thread waiting for the other call's slices sets it down for all of them)
-        shared = next((f.exchange.rendezvous.baton for f in reversed(_axis_env.current_frames())
-                       if isinstance(f.exchange, ThreadExchange) and f.exchange.rendezvous.baton is not None), None)
+        shared = next((ex.rendezvous.baton for _, ex in reversed(threaded) if ex.rendezvous.baton is not None), None)
         rendezvous = Rendezvous(config.collective_timeout, shared or baton or Baton())
         path, coords, frames, outer_along = (object(),), {}, (), {}
         outer_level = private.current_vmap_level()
@@ -117,7 +123,7 @@ def run(
         frames, outer_along, mesh, outer_level = parent.frames, parent.along, mesh or parent.mesh, parent.outer_level
     devices = list(along(coords))
     seed = call_seed(call.randomness, devices[0].torch_device)
-    outer = _outer_slices(rendezvous)
+    outer = _outer_slices(threaded, rendezvous)
 
     def one_thread(j: int) -> list[torch.Tensor]:
         state = _ThreadState(mesh, rendezvous, {**coords, axis: j}, {**outer_along, axis: along}, path, outer_level)

@@ -53,7 +53,7 @@ class TurnVersions:
         self._start = list(counts)
         self._unattributed = [0] * len(counts)  # writes made in turns of no registered thread
         self._left_at = list(counts)  # the counts when the last registered turn ended
-        self._holders: dict[int, _Holder] = {}
+        self._holders: dict[int | None, _Holder] = {}  # None (nobody's turn) never registered
 
     @classmethod
     def of(cls, arguments: Sequence[object]) -> TurnVersions | None:
@@ -85,11 +85,11 @@ class TurnVersions:
 
     def entered(self, holder: int | None) -> None:
         """A turn begins: a registered thread finds the counts it would have alone."""
-        mine = self._holders.get(holder) if holder is not None else None
+        mine = self._holders.get(holder)
         if mine is None:
             return
         now = self._now()
-        self._unattributed = [u + max(n - left, 0) for u, n, left in zip(self._unattributed, now, self._left_at)]
+        self._unattributed = _moved(self._unattributed, now, self._left_at)
         target = [b + u + o for b, u, o in zip(self._start, self._unattributed, mine.own)]
         if target != now:
             private.set_version_counters(self._tensors, target)
@@ -97,18 +97,23 @@ class TurnVersions:
 
     def left(self, holder: int | None) -> None:
         """A turn ends: a registered thread's writes in it are its own."""
-        mine = self._holders.get(holder) if holder is not None else None
+        mine = self._holders.get(holder)
         if mine is None:
             return
         now = self._now()
-        mine.own = [o + max(n - e, 0) for o, n, e in zip(mine.own, now, mine.entered_at)]
+        mine.own = _moved(mine.own, now, mine.entered_at)
         self._left_at = now
 
     def finish(self) -> None:
         """After the call: each count is the most that any thread counted."""
         now = self._now()
-        unattributed = [u + max(n - left, 0) for u, n, left in zip(self._unattributed, now, self._left_at)]
+        unattributed = _moved(self._unattributed, now, self._left_at)
         most = [max((h.own[i] for h in self._holders.values()), default=0) for i in range(len(now))]
         final = [b + u + m for b, u, m in zip(self._start, unattributed, most)]
         if final != now:
             private.set_version_counters(self._tensors, final)
+
+
+def _moved(counted: list[int], now: list[int], since: list[int]) -> list[int]:
+    """``counted`` plus each counter's writes from ``since`` to ``now``."""
+    return [c + max(n - s, 0) for c, n, s in zip(counted, now, since)]
