@@ -41,6 +41,18 @@ def test_a_write_on_one_device_into_a_result_split_over_several(four_devices):
     torch.testing.assert_close(torch.as_tensor(z), torch.arange(16.0).reshape(4, 4) + 100)
 
 
+@pytest.mark.parametrize("write", [False, True])
+def test_a_gathered_argument_under_inference_mode(placement, write):
+    """A previous map's result taken along another axis under ``torch.inference_mode``
+    (an evaluation loop): the gathered copy was an inference tensor, whose version counter
+    cannot be read, and every call on several devices raised; a write into it is seen."""
+    with torch.inference_mode():
+        z = _result_of_a_previous_map()
+        got = tp.pmap(_write if write else (lambda v: v.sum()), in_axes=1)(z)
+    torch.testing.assert_close(torch.as_tensor(got), torch.arange(16.0).reshape(4, 4).sum(0) + 400 * write)
+    torch.testing.assert_close(torch.as_tensor(z), torch.arange(16.0).reshape(4, 4) + 100 * write)
+
+
 OWN_BLOCKS = [P(("x", "y")), P("x", "y"), P(("y", "x")), P("y", "x"), P(None, ("x", "y"))]
 SHARED_BLOCKS = [P("x"), P(None, "x"), P("y")]
 

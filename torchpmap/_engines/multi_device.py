@@ -43,8 +43,9 @@ def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.
             shard = t.shards[d]
             if shard.device == device and shard.tensor.shape[dim] == k and _starts_at(t, d, dim) == d * k:
                 return shard.tensor
-        t = t.gather()
-    return t.narrow(dim, d * k, k).to(device.torch_device, non_blocking=True)
+    with written_copies.trackable():
+        whole = t.gather() if isinstance(t, ShardedTensor) else t
+        return whole.narrow(dim, d * k, k).to(device.torch_device, non_blocking=True)
 
 
 def _starts_at(t: ShardedTensor, d: int, dim: int) -> int:

@@ -35,8 +35,9 @@ def place(value: Any, device: torch.device | None) -> Any:
 
 def _own_view(t: Any, device: torch.device | None) -> Any:
     """``t`` placed on ``device``, as a view of its own (see :func:`run`)."""
-    t = place(t, device)
-    return t.view_as(t) if type(t) is torch.Tensor else t
+    with written_copies.trackable():
+        t = place(t, device)
+        return t.view_as(t) if type(t) is torch.Tensor else t
 
 
 def run(

@@ -14,12 +14,28 @@ slice with its argument (a type test and a device comparison).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from torchpmap._placement.sharded import ShardedTensor, ShardedView
+
+
+def trackable() -> contextlib.AbstractContextManager[None]:
+    """Where an engine makes its copies. Under ``torch.inference_mode`` a copy would be an
+    inference tensor, which keeps no version counter, so a write into it could not be seen
+    (and reading its counter raises): the copy is made with inference mode off, and grad
+    mode off as inference mode had it. It is a plain tensor, written into in place, under
+    inference mode, as any other."""
+    return _outside_inference_mode() if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _outside_inference_mode() -> Iterator[None]:
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def is_copy(argument: Any, part: Any) -> bool:
