@@ -36,6 +36,7 @@ gets it gathered where it reads it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -48,7 +49,7 @@ from torchpmap._collectives.public import all_gather
 from torchpmap._engines import module_modes
 from torchpmap._frontend.flat_shards import FlatLayout
 from torchpmap._frontend.reached import reached
-from torchpmap._state.context import Autocast, autocast_as, autocast_regions
+from torchpmap._state.context import Autocast, autocast_as, autocast_regions, run_in_copy
 from torchpmap._state.torch_private import make_wrapper_subclass, pytree
 
 #: The forwards of PyTorch layers that read only their own parameters, hold no buffers
@@ -119,6 +120,9 @@ class _LayerCall:
     axis_name: Any
     owner: LayerRows  # whose forward is open while a derivative taken inside it runs
     autocast: tuple[Autocast, ...]  # the regions the forward ran under: the backward runs it again so
+    #: the forward's context (its bound axes, devices, instance thread): the backward runs the layer
+    #: again in it, since autograd runs a CUDA backward in a thread of its own, where no axis is bound
+    context: contextvars.Context
 
     def run(self, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The layer's output: its rows gathered (the last ``len(names)`` tensors), cut
@@ -171,9 +175,12 @@ class _GatheredLayer(torch.autograd.Function):
         # until the step ends: not recorded when the step's own backward runs this. A
         # derivative taken inside the forward (a gradient penalty) is part of the loss,
         # and is differentiated again: recorded then.
-        with contextlib.nullcontext() if ctx.call.owner.open else torch.no_grad(), autocast_as(ctx.call.autocast):
-            _, pull = vjp(again, *(tensors[i] for i in wanted))[:2]
-            pulled = pull(grad)
+        def pulled_back() -> tuple[torch.Tensor, ...]:
+            with contextlib.nullcontext() if ctx.call.owner.open else torch.no_grad(), autocast_as(ctx.call.autocast):
+                _, pull = vjp(again, *(tensors[i] for i in wanted))[:2]
+                return pull(grad)
+
+        pulled = run_in_copy(ctx.call.context, pulled_back)
         grads: list[torch.Tensor | None] = [None] * len(tensors)
         for i, g in zip(wanted, pulled):
             grads[i] = g
@@ -224,7 +231,7 @@ class LayerRows:
             rows.append(seen)
         call = _LayerCall(
             layer, spec, constants, tuple(names), tuple(self.layouts[k] for k in names.values()), self.axis_name,
-            self, autocast_regions(),
+            self, autocast_regions(), contextvars.copy_context(),
         )
         return _GatheredLayer.apply(call, *tensors, *rows)
 
