@@ -9,8 +9,11 @@ part leaves the others' outcomes), and writes what it found as Markdown and JSON
 part                      what it checks
 ========================  =====================================================================
 ``versions``              the private-API door's probes (``torch_private.check()``), versions
-``tests``                 the device-equivalence, API, sharded and multi-device tests with
-                          CUDA as the device (instances on the one GPU, vectorized)
+``tests``                 the device-equivalence, API, sharded, multi-device and autocast
+                          tests with CUDA as the device (instances on the one GPU, vectorized)
+``tests-sharded-step``    the sharded-step, layer-gather and written-copy tests, likewise
+``tests-shard-map``       the shard_map and output-copy tests, likewise
+``tests-rnn``             the RNN-rule tests, likewise
 ``tests-mixed``           the API and multi-device tests on CUDA and CPU devices together
 ``jit``                   ``pmap(jit=True)`` (inductor, Triton) against eager: values, gradients
 ``step``                  ``data_parallel_step`` against plain PyTorch: eager, compiled, bf16

@@ -39,6 +39,9 @@ from torchpmap.bench.gpu_check.parts import PARTS, Context, Part, by_name, comma
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 #: A part is not started with less than this many seconds of the budget left.
 MIN_START_S = 20.0
+#: A part still running this many seconds before its deadline is interrupted (SIGINT), then
+#: killed at the deadline.
+INTERRUPT_S = 15.0
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -61,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(out, exist_ok=True)
     ctx = Context(out=out, quick=args.quick, cuda=torch.cuda.is_available())
     parts = by_name(args.only) if args.only else PARTS
-    jobs = args.jobs or (3 if ctx.cuda else 1)
+    jobs = args.jobs or (4 if ctx.cuda else 1)
     started = time.monotonic()
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -124,6 +127,7 @@ class Running:
     start: float
     timeout: float
     returncode: int | None = None
+    interrupted: bool = False  # sent SIGINT, INTERRUPT_S before its deadline
     killed: bool = False
 
     def poll(self) -> bool:
@@ -132,7 +136,12 @@ class Running:
         if code is not None:
             self.returncode = code
             return True
-        if time.monotonic() - self.start > self.timeout:
+        late = time.monotonic() - self.start - self.timeout
+        if late > -INTERRUPT_S and not self.interrupted:
+            # Ctrl-C first: pytest then names the failures so far and writes its JUnit file
+            os.killpg(self.proc.pid, signal.SIGINT)
+            self.interrupted = True
+        if late > 0:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the part and whatever it started
             self.proc.wait()
             self.killed = True
@@ -144,11 +153,10 @@ class Running:
         with open(self.log_path, errors="replace") as log:
             tail = log.read()[-6000:]
         findings = _findings(part, self.ctx, self.result_file)
-        if self.killed:
+        if self.killed or self.interrupted:
             outcome = TIMED_OUT
-            findings.checks.append(
-                Check(f"{part.name}: finished within {self.timeout:.0f} s", False, "killed at the deadline")
-            )
+            how = "killed at the deadline" if self.killed else f"interrupted {INTERRUPT_S:.0f} s before the deadline"
+            findings.checks.append(Check(f"{part.name}: finished within {self.timeout:.0f} s", False, how))
             code = None
         elif self.returncode == 0 and all(c.ok for c in findings.checks):
             outcome, code = PASSED, 0

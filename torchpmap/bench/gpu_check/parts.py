@@ -6,15 +6,19 @@ import dataclasses
 import sys
 from collections.abc import Callable, Mapping
 
-#: Test files run with CUDA as the device (the issue's list: equivalence, API, sharded, multi-device; then
-#: what was added on the CPU since the last GPU session: the sharded step, autocast under the map, shard_map,
-#: results in memory of their own, writes into copies of the arguments' slices, the sharded step's layer by layer
-#: gathering).
+#: Test files run with CUDA as the device, in three parts that run side by side (one part
+#: took 240 s for 79% of them on an H200, 2026-11-30): the issue's list (equivalence, API,
+#: sharded, multi-device) and autocast under the map; the sharded step, its layer by layer
+#: gathering and writes into copies of the arguments' slices; shard_map and results in
+#: memory of their own.
 TEST_FILES = (
     "tests/test_device_equivalence.py", "tests/test_api.py", "tests/test_sharded.py", "tests/test_multi_device.py",
-    "tests/test_sharded_step.py", "tests/test_autocast_policy.py", "tests/test_shard_map.py",
-    "tests/test_output_copies.py", "tests/test_written_copies.py", "tests/test_layer_gather.py",
+    "tests/test_autocast_policy.py",
 )
+SHARDED_STEP_TEST_FILES = (
+    "tests/test_sharded_step.py", "tests/test_layer_gather.py", "tests/test_written_copies.py",
+)
+SHARD_MAP_TEST_FILES = ("tests/test_shard_map.py", "tests/test_output_copies.py")
 #: The RNN and value-read rules' tests, a part of their own: their compiled steps unroll the
 #: sequence, and Triton compiles them for minutes on an H200 (196 s of the 286 s that all the
 #: test files took in one part).
@@ -63,7 +67,8 @@ def _program(name: str) -> Callable[[Context], list[str]]:
 def _pytest(files: tuple[str, ...], junit: str, quick_files: tuple[str, ...]) -> Callable[[Context], list[str]]:
     def argv(ctx: Context) -> list[str]:
         chosen = quick_files if ctx.quick else files
-        return ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+        # -rfE: the failures' names last, also when the part is interrupted at its deadline
+        return ["-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", "-o", "addopts=",
                 f"--junitxml={ctx.out}/{junit}", *chosen]
     return argv
 
@@ -85,12 +90,27 @@ PARTS: list[Part] = [
     ),
     Part(
         "tests",
-        "device-equivalence, API, sharded, multi-device, sharded-step, autocast, shard_map, output- and "
-        "written-copy tests, CUDA as the device",
+        "device-equivalence, API, sharded, multi-device and autocast tests, CUDA as the device",
         _pytest(TEST_FILES, "tests.xml", ("tests/test_sharded.py",)),
         env=_tests_env,
         timeout=240,
         junit="tests.xml",
+    ),
+    Part(
+        "tests-sharded-step",
+        "sharded-step, layer-gather and written-copy tests, CUDA as the device",
+        _pytest(SHARDED_STEP_TEST_FILES, "tests-sharded-step.xml", ("tests/test_written_copies.py",)),
+        env=_tests_env,
+        timeout=240,
+        junit="tests-sharded-step.xml",
+    ),
+    Part(
+        "tests-shard-map",
+        "shard_map and output-copy tests, CUDA as the device",
+        _pytest(SHARD_MAP_TEST_FILES, "tests-shard-map.xml", ("tests/test_output_copies.py",)),
+        env=_tests_env,
+        timeout=240,
+        junit="tests-shard-map.xml",
     ),
     Part("host-sync", "no host synchronisation in a warmed step: one device, gloo (2 processes), NCCL",
          _program("host_sync"), cuda_only=True, timeout=300),
