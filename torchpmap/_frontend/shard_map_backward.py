@@ -22,6 +22,7 @@ The forward is thus computed twice, as under activation checkpointing; random dr
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -30,6 +31,7 @@ import torch
 
 from torchpmap._placement import dtensor as _dtensor
 from torchpmap._placement.partition_spec import PartitionSpec
+from torchpmap._state.context import run_in_copy
 from torchpmap._state.torch_private import pytree
 
 
@@ -71,6 +73,9 @@ class _Call:
     out_tree: pytree.TreeSpec | None = None
     out_specs: list[PartitionSpec | None] = dataclasses.field(default_factory=list)
     rng: tuple[list[int], list[torch.Tensor]] | None = None  # CUDA devices and the generators' states
+    #: the forward's context (meshes entered, default devices, debug mode): the backward maps in it,
+    #: also where autograd runs it in a device thread of its own (CUDA), where none of it is set
+    context: contextvars.Context | None = None
 
     def arguments(self, tensors: Sequence[Any]) -> Any:
         leaves = list(self.leaves)
@@ -99,6 +104,7 @@ class _AcrossProcesses(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Call, *tensors: torch.Tensor) -> tuple[Any, ...]:
         plan.rng = _random_states()
+        plan.context = contextvars.copy_context()
         results = plan.mapped.run(plan.arguments(tensors))
         out_leaves, plan.out_tree = pytree.tree_flatten(results)
         plan.out_specs = [s for s, _ in plan.mapped.out_spec_leaves(results)]
@@ -111,13 +117,17 @@ class _AcrossProcesses(torch.autograd.Function):
         plan: _Call = ctx.plan
         tensors = ctx.saved_tensors
         wanted = [k for k, t in enumerate(tensors) if ctx.needs_input_grad[1 + k]]
-        assert plan.rng is not None
+        assert plan.rng is not None and plan.context is not None
         devices, states = plan.rng
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(states[0])
-            for d, state in zip(devices, states[1:]):
-                torch.cuda.set_rng_state(state, d)
-            grads = _pullback(plan, wanted)(tensors, cotangents)
+
+        def pulled_back() -> Any:
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(states[0])
+                for d, state in zip(devices, states[1:]):
+                    torch.cuda.set_rng_state(state, d)
+                return _pullback(plan, wanted)(tensors, cotangents)
+
+        grads = run_in_copy(plan.context, pulled_back)
         out: list[Any] = [None] * len(tensors)
         for k, g in zip(wanted, grads):
             out[k] = _like_input(g, tensors[k])
