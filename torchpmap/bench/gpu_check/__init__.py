@@ -21,6 +21,7 @@ part                      what it checks
 ``host-sync``             no host synchronisation in a warmed step, eager and compiled: one
                           device; 2 processes over gloo with CUDA tensors; NCCL, one process
 ``memory``                a step's peak CUDA memory against plain PyTorch's
+``dispatch-profile``      where an eager call's time goes, on CUDA and on the CPU (measures)
 ``bench``                 benchmark rows (a), (b) and (h), as ratios to plain PyTorch and to
                           ``torch.compile``
 ========================  =====================================================================

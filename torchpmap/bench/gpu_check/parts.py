@@ -140,6 +140,14 @@ PARTS: list[Part] = [
          timeout=120),
     Part("versions", "versions, the device, the private-API door's probes", _program("versions"), timeout=90),
     Part(
+        "dispatch-profile",
+        "where an eager call's time goes, on CUDA and on the CPU: host time, the machine's primitives, cProfile",
+        _program("dispatch_profile"),
+        env=lambda ctx: {"TORCHPMAP_NUM_CPU_DEVICES": None if ctx.cuda else "1",
+                         "TORCHPMAP_EXTRA_CPU_DEVICES": "1" if ctx.cuda else None},
+        timeout=90,
+    ),
+    Part(
         "bench",
         "benchmark rows (a) dispatch, (b) MLP step, (h) transformer step",
         lambda ctx: ["-m", "torchpmap.bench", "--no-jax", f"--json={ctx.out}/bench.json", f"--png={ctx.out}/bench.png",
