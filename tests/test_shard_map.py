@@ -854,3 +854,22 @@ def test_shard_map_inside_pmap_computes_on_every_placement(placement):
     inner = tp.shard_map(lambda v: f(v) * v, mesh=mesh, in_specs=tp.P("a"), out_specs=tp.P("a"))
     got = torch.func.grad(lambda v: torch.as_tensor(tp.pmap(inner, axis_name="i")(v)).sum())(x)
     torch.testing.assert_close(got, torch.func.grad(lambda v: (torch.roll(v, 1, 1).sum(0, keepdim=True) * v).sum())(x))
+
+
+def test_model_parallel_inference_under_inference_mode(placement):
+    """A Megatron-style product under ``torch.inference_mode`` (inference tensors in):
+    the replicated weight's version counter was read to refuse writes into it, and every
+    placement raised "Inference tensors do not track version counter"."""
+    mesh = tp.make_mesh((2, 2), ("data", "model"))
+    f = tp.shard_map(
+        lambda x, w: tp.psum(x @ w, "model"), mesh=mesh, in_specs=(P("data", "model"), P("model", None)),
+        out_specs=P("data"),
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        x, w = torch.randn(8, 6, generator=g), torch.randn(6, 4, generator=g)
+        got = torch.as_tensor(f(x, w))
+        resharded = torch.as_tensor(tp.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P(None, "data"),
+                                                 out_specs=P(None, "data"))(f(x, w)))
+    torch.testing.assert_close(got, x @ w)
+    torch.testing.assert_close(resharded, 2 * (x @ w))

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
+from torchpmap._engines import written_copies
+from torchpmap._engines.mapped_call import version_of
 from torchpmap._frontend import shard_map_backward as _backward
 from torchpmap._frontend.call import MapOptions, MappedFunction
 from torchpmap._frontend.implicit_pvary import implicit_pvary
@@ -305,7 +307,8 @@ class ShardMapped:
         if in_place is not None:
             return _Blocked(in_place, frozenset(named), label)
         if isinstance(leaf, ShardedTensor):  # gathered once, a plain tensor for the maps
-            gathered = leaf.gather()
+            with written_copies.trackable():  # under inference mode too, a copy whose writes are seen
+                gathered = leaf.gather()
             return _Blocked(gathered.reshape(shape).permute(order), frozenset(named), label, gathered)
         value = leaf.reshape(shape).permute(order)
         return _Blocked(value, frozenset(named), label)
@@ -488,10 +491,11 @@ class ShardMapped:
 
 def _versions(t: torch.Tensor) -> tuple[int, ...]:
     """The version counters that a write into ``t`` moves: its own, and a ShardedTensor's
-    shards' (a position may write into its shard's block in place)."""
+    shards' (a position may write into its shard's block in place). An inference tensor
+    keeps none (-1): a write into it under inference mode is not seen."""
     if isinstance(t, ShardedTensor):
-        return (t._version, *(v for s in t.shards for v in _versions(s.tensor)))
-    return (t._version,)
+        return (version_of(t), *(v for s in t.shards for v in _versions(s.tensor)))
+    return (version_of(t),)
 
 
 def first_axis_devices(mesh: AnyMesh) -> tuple[Any, ...]:
