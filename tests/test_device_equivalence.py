@@ -1012,6 +1012,34 @@ def test_a_collective_inside_no_grad_inside_the_function(eight_devices):
     assert torch.equal(grads[0], grads[1])  # no gradient flows through the collective: bitwise
 
 
+def test_grad_enabled_inside_a_function_called_under_no_grad(eight_devices):
+    """``with torch.enable_grad():`` inside the function, the caller under ``no_grad``
+    (computing forces in an evaluation loop): ``torch.vmap``'s result is differentiable
+    back to the argument. One device's result required grad but ``.backward()`` left
+    ``x.grad`` None (its view of the argument had no ``grad_fn``); on several devices it
+    did not require grad. Also a ShardedTensor argument and a psum."""
+
+    def f(x):
+        with torch.enable_grad():
+            return x * tp.psum(x, "i")
+
+    x0 = X.clone()
+    grads = []
+    for devices in (eight_devices[:1], eight_devices[:2], eight_devices[:4]):
+        x = x0.clone().requires_grad_()
+        resplit = tp.pmap(lambda v: v * 1, devices=devices[::-1])(x)  # a ShardedTensor on 2 and 4
+        with torch.no_grad():
+            y = tp.pmap(f, "i", devices=devices)(x)
+            z = tp.pmap(f, "i", devices=devices)(resplit)
+        assert y.requires_grad and z.requires_grad
+        (torch.as_tensor(y).sum() + torch.as_tensor(z).sum()).backward()
+        grads.append(x.grad)
+    x = x0.clone().requires_grad_()
+    (2 * (x * x.sum(0)).sum()).backward()  # plain autograd, the same math twice
+    for g in grads:
+        torch.testing.assert_close(g, x.grad)
+
+
 def test_device_threads_use_the_callers_intra_op_thread_count(eight_devices):
     """OpenMP keeps the thread count per thread: a pooled device thread made earlier must
     not keep its old count (reductions would round differently from call to call)."""

@@ -8,6 +8,7 @@ back, and :class:`VmapFallback` what the engines remember about a function betwe
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
@@ -113,6 +114,22 @@ class OutputLayout:
 
     def copy_from(self, other: OutputLayout) -> None:
         self.record(other.spec, other.leaves, other.none_leaves)
+
+
+def views_recorded(arguments: Sequence[Any]) -> contextlib.AbstractContextManager[Any]:
+    """Where an engine makes the views, slices and copies of a call's ``arguments`` that
+    the function receives. Under ``torch.no_grad()`` a view of a tensor that requires grad
+    is made without a ``grad_fn``, so a function that turns grad mode back on itself
+    (``with torch.enable_grad():`` inside) differentiated to the view, never to the
+    caller's tensor (on one device its result required grad and ``.backward()`` left
+    ``x.grad`` None; on several it was not differentiable): where grad mode is off and an
+    argument requires grad, they are made with grad mode on, as ``torch.vmap``'s are.
+    Nothing to do in grad mode (the common case: one check)."""
+    if torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in arguments):
+        return contextlib.nullcontext()
+    return torch.enable_grad()
 
 
 def versions_of(ts: Sequence[torch.Tensor]) -> list[int]:

@@ -21,7 +21,7 @@ import torch
 
 from torchpmap._engines import batching_rules, closure_writes, module_guard, vectorized, written_copies
 from torchpmap._engines.baton import Baton, FirstTurns
-from torchpmap._engines.mapped_call import MappedCall
+from torchpmap._engines.mapped_call import MappedCall, views_recorded
 from torchpmap._engines.random_per_thread import Seed, call_seed, device_thread_mode, owned, settle
 from torchpmap._engines.thread_exchange import PeerFailed, Rendezvous, ThreadExchange
 from torchpmap._engines.turn_versions import TurnVersions
@@ -234,7 +234,8 @@ def device_thread(
         # a random op before this mode does, as they always have: the mode then stays outside.
         whole = call.randomness == "per_instance"
         with cuda_device(device.torch_device), owned(mode), mode if whole else contextlib.nullcontext():
-            mapped = [slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)]
+            with views_recorded(call.mapped):
+                mapped = [slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)]
             copied = written_copies.copies(call.mapped, mapped)  # a write into one reaches the caller (below)
             yield dataclasses.replace(
                 call,

@@ -13,7 +13,7 @@ from typing import Any, cast
 import torch
 
 from torchpmap._engines import batching_fixes, batching_rules, instance_autograd, written_copies
-from torchpmap._engines.mapped_call import MappedCall, versions_of
+from torchpmap._engines.mapped_call import MappedCall, versions_of, views_recorded
 from torchpmap._engines.random_per_instance import InstanceStreams
 from torchpmap._engines.random_per_thread import Seed, call_seed
 from torchpmap._placement import devices as _devices
@@ -64,12 +64,13 @@ def run(
     # changes the instances' view, not the caller's tensor (values written still reach it)
     mapped: list[torch.Tensor] = []
     moved: list[int] = []
-    for t in call.mapped:  # a plain loop: this runs on every call
-        if type(t) is torch.Tensor and (device is None or t.device == device):
-            mapped.append(t.view_as(t))  # the common case: one call per argument
-        else:  # placed here (moved, gathered): a copy, whose writes are written back below
-            moved.append(len(mapped))
-            mapped.append(_own_view(t, device))
+    with views_recorded(call.mapped):
+        for t in call.mapped:  # a plain loop: this runs on every call
+            if type(t) is torch.Tensor and (device is None or t.device == device):
+                mapped.append(t.view_as(t))  # the common case: one call per argument
+            else:  # placed here (moved, gathered): a copy, whose writes are written back below
+                moved.append(len(mapped))
+                mapped.append(_own_view(t, device))
     copied = written_copies.copies(call.mapped, mapped, moved) if moved else None
     fallback = call.vmap_fallback
     first = fallback is not None and not fallback.ran.once  # the code's first vectorized run: does it write?

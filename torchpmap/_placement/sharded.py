@@ -84,8 +84,11 @@ class ShardedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, shards: Sequence[tuple[Device, torch.Tensor]], dim: int = 0) -> ShardedTensor:
         pairs, dim = _checked_shards(shards, dim)
-        if torch.is_grad_enabled() and any(s.tensor.requires_grad for s in pairs):
-            return _Assemble.apply(dim, pairs, *(s.tensor for s in pairs))
+        if any(s.tensor.requires_grad for s in pairs):
+            # in grad mode or not (a function under no_grad that enabled grad itself returned
+            # these): as the shards are, the whole is differentiable, as one device's result is
+            with torch.enable_grad():
+                return _Assemble.apply(dim, pairs, *(s.tensor for s in pairs))
         return _wrap(pairs, dim)
 
     # ------------------------------------------------------------------ where the data is
