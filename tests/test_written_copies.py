@@ -53,6 +53,28 @@ def test_a_gathered_argument_under_inference_mode(placement, write):
     torch.testing.assert_close(torch.as_tensor(z), torch.arange(16.0).reshape(4, 4) + 100 * write)
 
 
+@pytest.mark.parametrize("source, target", [(4, 2), (2, 4), (4, 1)])
+def test_writes_into_a_resplit_argument_under_inference_mode(four_devices, source, target):
+    """A write into a copy of a result split over another number of devices, under
+    inference mode, in a map's first call (its attempt runs under a journal's dispatch
+    mode): inside a dispatch mode under inference mode a write through some views moves no
+    version counter, and the write was dropped, silently (4 -> 2 and 2 -> 4 devices)."""
+    for write, in_axes, expected in ((lambda v: v[0].mul_(2), 0, 40.0), (lambda v: v.mul_(2), 1, 64.0)):
+        with torch.inference_mode():
+            y = tp.pmap(lambda x: x + 0, devices=four_devices[:source])(torch.ones(8, 4))
+            tp.pmap(write, in_axes=in_axes, devices=four_devices[:target])(y)
+        assert torch.as_tensor(y).sum().item() == expected
+
+
+@pytest.mark.parametrize("spec", [P(("x", "y")), P(None, ("x", "y"))], ids=str)
+def test_shard_map_writes_into_blocks_under_inference_mode(placement, spec):
+    mesh = tp.make_mesh((2, 2), ("x", "y"))
+    with torch.inference_mode():
+        z = tp.shard_map(lambda v: v * 1, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(torch.ones(4, 4))
+        tp.shard_map(lambda v: v.add_(100), mesh=mesh, in_specs=spec, out_specs=spec)(z)
+    torch.testing.assert_close(torch.as_tensor(z), torch.full((4, 4), 101.0))
+
+
 OWN_BLOCKS = [P(("x", "y")), P("x", "y"), P(("y", "x")), P("y", "x"), P(None, ("x", "y"))]
 SHARED_BLOCKS = [P("x"), P(None, "x"), P("y")]
 

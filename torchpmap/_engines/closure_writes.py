@@ -131,6 +131,11 @@ class _Watch(private.TorchDispatchMode):
         return out
 
 
+def watching() -> bool:
+    """Whether a journal's dispatch mode watches the attempt running here."""
+    return _active.get() is not None
+
+
 def start(arguments: Sequence[torch.Tensor]) -> Journal | None:
     """A journal for a vectorized attempt over ``arguments`` (None inside another's attempt,
     whose journal sees this one's writes)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchpmap._engines import closure_writes
 from torchpmap._placement.sharded import ShardedTensor, ShardedView
 
 
@@ -49,24 +50,32 @@ def is_copy(argument: Any, part: Any) -> bool:
     return isinstance(argument, torch.Tensor) and isinstance(part, torch.Tensor) and part.device != argument.device
 
 
-def copies(arguments: Sequence[Any], parts: Sequence[Any], only: Sequence[int] | None = None) -> dict[int, int]:
+def copies(
+    arguments: Sequence[Any], parts: Sequence[Any], only: Sequence[int] | None = None
+) -> dict[int, int | None]:
     """The positions of ``parts`` that are copies of their ``arguments`` (among ``only``,
-    or all), each with its version counter now."""
-    found = {}
+    or all), each with its version counter now; None where the counter cannot tell.
+
+    Under inference mode, inside a dispatch mode (a journal's, watching a first attempt:
+    :mod:`~torchpmap._engines.closure_writes`), an in-place write through some views
+    (``movedim``, vmap's ``in_dims=1``) moves no version counter (torch 2.11-2.14): such
+    copies are written back whether or not their counter moved."""
+    blind = torch.is_inference_mode_enabled() and closure_writes.watching()
+    found: dict[int, int | None] = {}
     for i in range(len(parts)) if only is None else only:
         if is_copy(arguments[i], parts[i]):
-            found[i] = parts[i]._version
+            found[i] = None if blind else parts[i]._version
     return found
 
 
 def write_back(
     arguments: Sequence[Any],
     parts: Sequence[torch.Tensor],
-    noted: dict[int, int],
+    noted: dict[int, int | None],
     region: Callable[[int, Any], Any] = lambda i, argument: argument,
 ) -> None:
     """Copies each noted part whose version moved (the function wrote into it) into its
     argument's ``region`` (all of it unless given: a device's slice, say)."""
     for i, version in noted.items():
-        if parts[i]._version != version:
+        if version is None or parts[i]._version != version:
             region(i, arguments[i]).copy_(parts[i])

@@ -186,8 +186,13 @@ class ShardMapped:
         for seen, versions, label, axes in watched:
             if _versions(seen) != versions:
                 raise self._written(label, axes)
-        for leaf, gathered, version in copies:  # each position wrote its own block: into the shards
-            if gathered._version != version:
+        # each position wrote its own block: into the shards. Under inference mode the copy is
+        # written back whether or not its counter moved: the nested maps' first attempts run
+        # under a dispatch mode, inside which some views' writes move no counter (see
+        # written_copies.copies)
+        blind = torch.is_inference_mode_enabled()
+        for leaf, gathered, version in copies:
+            if blind or gathered._version != version:
                 leaf.copy_(gathered)
         return self._unblock_all(stacked)
 
