@@ -216,6 +216,23 @@ def test_backward_outside_reaches_arguments_and_closed_over_parameters():
     torch.testing.assert_close(grads["jit"], grads["eager"])
 
 
+def test_forward_mode_tangents_in_the_callers_dual_level_run_eagerly(placement):
+    """A compiled program carries no forward-mode tangent: inside the caller's
+    ``forward_ad.dual_level()`` the tangent of the result (of an argument's, of a
+    closed-over tensor's) was None, silently, on every placement. Now the call runs
+    eagerly, with a JitFallbackWarning, and gives eager's tangents (JAX's: 2 x sum)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, t = torch.arange(4.0), torch.ones(4)
+    with fwAD.dual_level():
+        w = fwAD.make_dual(torch.tensor(3.0), torch.tensor(1.0))
+        f = jit_pmap(lambda v: tp.psum(v * v, "i") * w, jit=True, devices=placement)
+        with pytest.warns(tp.JitFallbackWarning, match="dual_level"):
+            got = fwAD.unpack_dual(f(fwAD.make_dual(x, t)))
+    torch.testing.assert_close(got.primal, torch.full((4,), 42.0))
+    torch.testing.assert_close(got.tangent, torch.full((4,), 2 * 6.0 * 3 + 14.0))
+
+
 def test_grad_inside_the_map_and_data_parallel_update():
     w = torch.randn(3, 2)
     x, y = torch.randn(4, 8, 3), torch.randn(4, 8, 2)

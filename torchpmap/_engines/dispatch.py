@@ -236,6 +236,12 @@ def _corrected(
 
 def _run_vectorized(call: MappedCall) -> list[torch.Tensor]:
     programs = call.programs if call.programs is not None and not _inside_a_map() else None  # jit=True
+    if programs is not None and private.forward_ad_level() >= 0:  # the caller's forward_ad.dual_level()
+        # a compiled program carries no forward-mode tangents (torch.compile drops them too,
+        # silently): the arguments' or the closed-over tensors' tangents would be lost
+        _warn_eager(call, "runs inside torch.autograd.forward_ad.dual_level(), whose tangents a compiled "
+                    "program does not carry")
+        programs = None
     if call.mesh is not None:
         if programs is not None:
             _warn_not_compiled(call, "maps an axis of a device mesh")
@@ -273,9 +279,13 @@ def _log_engine(call: MappedCall, engine: str) -> None:
 
 
 def _warn_not_compiled(call: MappedCall, why: str) -> None:
+    _warn_eager(call, f"{why}; a mesh axis is not compiled yet (one device, and several devices along a plain "
+                "pmap axis, are)", stacklevel=7)
+
+
+def _warn_eager(call: MappedCall, why: str, stacklevel: int = 6) -> None:
     warnings.warn(
-        f"pmap(jit=True) over axis {call.axis_name!r} {why}; a mesh axis is not compiled yet (one device, and "
-        "several devices along a plain pmap axis, are), so this call runs eagerly (same results).",
+        f"pmap(jit=True) over axis {call.axis_name!r} {why}, so this call runs eagerly (same results).",
         JitFallbackWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
