@@ -275,6 +275,18 @@ def test_nested_pmap_without_mesh_vectorizes_the_inner_axis(cpu_devices):
     assert torch.as_tensor(out).tolist() == [[6.0] * 4, [23.0] * 4]
 
 
+@pytest.mark.parametrize("outer", ["pmap", "vmap"])
+def test_a_nested_pmap_with_devices_is_refused_naming_the_enclosing_map(cpu_devices, outer):
+    """Refused on every placement, also under torchpmap.vmap (the message spoke of a
+    multi-device pmap there)."""
+    devs = cpu_devices(2)
+    inner = tp.pmap(lambda v: v * 2, axis_name="j", devices=devs[:1])
+    wrap = tp.pmap if outer == "pmap" else tp.vmap
+    for devices in ({"devices": devs[:1]}, {"devices": devs}) if outer == "pmap" else ({},):
+        with pytest.raises(ValueError, match=r"nested inside another map \(a pmap, torchpmap.vmap or shard_map\)"):
+            wrap(inner, axis_name="i", **devices)(torch.ones(2, 3))
+
+
 def test_mesh_places_instance_d_m_on_mesh_device(cpu_devices):
     devs = cpu_devices(4)
     mesh = tp.Mesh(np.array(devs).reshape(2, 2), ("data", "model"))

@@ -130,9 +130,12 @@ def resolve(requested: Sequence[DeviceLike] | DeviceLike | None) -> tuple[Device
     if requested is None:  # every call of a pmap without devices=: no more calls than needed
         return _context.default_devices.get() or _this_process()
     if _context.default_devices.get() is not None:  # current_default(), inlined: this runs on every call
+        # refused on every placement, also where devices= names the enclosing instance's own
+        # device: on several devices another instance's is another device
         raise ValueError(
-            "pmap: a pmap nested inside a multi-device pmap runs on the device of its enclosing instance, so it "
-            "cannot take devices=. To spread nested axes over devices, use a Mesh with one named axis per pmap."
+            "pmap: a pmap nested inside another map (a pmap, torchpmap.vmap or shard_map) runs on the device of "
+            f"its enclosing instance, so it cannot take devices= (got {requested!r}). Leave devices= out; to "
+            "spread nested axes over devices, use a Mesh with one named axis per pmap."
         )
     if isinstance(requested, (str, Device, torch.device)):
         raise TypeError(
