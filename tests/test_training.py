@@ -764,6 +764,15 @@ def test_a_parameter_frozen_between_steps_stops_moving_as_in_plain_pytorch(devic
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_a_step_under_inference_mode_is_refused_naming_it(shard_params):
+    """The message was "the loss does not depend on any of the model's parameters"."""
+    model = torch.nn.Linear(3, 2)
+    step = data_parallel_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), shard_params=shard_params)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"called under torch.inference_mode\(\)"):
+        step(shard((torch.ones(4, 3), torch.ones(4, 2)), 2))
+
+
 def test_a_trainable_tensor_outside_the_model_is_refused_and_trains_as_a_model_parameter():
     """A learnable temperature that loss_fn uses, held by the optimizer but not by the
     model, was silently never trained (the step differentiates the model's parameters).

@@ -878,6 +878,12 @@ def data_parallel_step(
 
     def prepare(batch: PyTree) -> tuple[PyTree, int]:
         """The batch as the instances take it, and its number of instances."""
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "data_parallel_step: called under torch.inference_mode(), where no gradient can be taken. A "
+                "training step takes gradients: call it outside inference_mode; to evaluate, "
+                "call the model itself, or a pmap of it, under inference_mode."
+            )
         _refuse_backward_hooks(model)
         if model_inputs is None:
             batch = _pair(batch)
