@@ -33,6 +33,22 @@ def placement(request, monkeypatch):
 
 
 @pytest.fixture
+def autograd_device_thread():
+    """Each custom autograd function's backward and each tensor hook runs in an empty
+    ``contextvars`` context, as in autograd's CUDA device thread (tests/_autograd_thread.py)."""
+    from _autograd_thread import empty_backward_context
+
+    with empty_backward_context():
+        yield
+
+
+if os.environ.get("TORCHPMAP_TEST_BACKWARD_CONTEXT") == "empty":  # the whole run, as on CUDA
+    from _autograd_thread import empty_backward_context
+
+    empty_backward_context().__enter__()
+
+
+@pytest.fixture
 def four_devices(monkeypatch):
     """Four CPU devices for this test, whatever TORCHPMAP_NUM_CPU_DEVICES the run uses."""
     yield from _cpu_devices(monkeypatch, 4)

@@ -116,16 +116,11 @@ def test_layer_by_layer_training_gives_the_replicated_steps_weights(placement, r
     torch.testing.assert_close(torch.stack(losses), torch.stack(want_losses), rtol=1e-5, atol=1e-6)
 
 
-def test_a_backward_run_in_a_thread_of_autograds_own_gives_the_same_weights(placement, monkeypatch):
+def test_a_backward_run_in_a_thread_of_autograds_own_gives_the_same_weights(placement, autograd_device_thread):
     """On CUDA autograd runs a layer's backward in a device thread of its own, where the
     forward's context (its bound axis) is not set: every sharded step raised "unbound axis
     name" on a GPU (``make gpu-check``, 2026-11-30). Here each backward runs in an empty
     context, as there; the backward runs the layer again in its forward's context."""
-    import contextvars
-
-    backward = layer_gather._GatheredLayer.backward
-    in_empty_context = staticmethod(lambda ctx, g: contextvars.Context().run(backward, ctx, g))
-    monkeypatch.setattr(layer_gather._GatheredLayer, "backward", in_empty_context)
     want_losses, want = run(Block(), False, placement[:1], steps=2)
     losses, got = run(Block(), True, None, steps=2)
     for k in want:
