@@ -187,8 +187,15 @@ def start_part(part: Part, ctx: Context, left: float) -> Running | PartResult:
             env[key] = value
     log_path = os.path.join(ctx.out, f"{part.name}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # SIGINT as the default in the part: a job started in the background by a shell (make's halves,
+        # `cmd &`) inherits it ignored, and Python then never raises KeyboardInterrupt (see Running.poll)
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_sigint_default)
     return Running(part, ctx, proc, shown, log_path, result_file, time.monotonic(), min(part.timeout, left - 5))
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _findings(part: Part, ctx: Context, result_file: str) -> Findings:
