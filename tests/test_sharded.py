@@ -460,3 +460,34 @@ def test_a_result_made_under_inference_mode_reads_as_a_tensor(four_devices):
         inside = torch.as_tensor(y).cpu()
     torch.testing.assert_close(inside, x * 2)
     torch.testing.assert_close(torch.as_tensor(y).cpu(), x * 2)
+
+
+def _user_ops_on_a_result(devices) -> tuple:
+    """What a user does with a pmap result: conversions that change nothing (then a write
+    into them), a save and load of a result that requires grad, nn.Parameter, deepcopy."""
+    import io
+
+    r = tp.pmap(lambda v: v * 1.0, devices=devices)(torch.ones(4, 2))
+    for same in (lambda t: t.to(torch.float32), lambda t: t.to("cpu"), lambda t: t.cpu(), lambda t: t.to(t)):
+        same(r).mul_(10)
+    x = torch.ones(4, 3, requires_grad=True)
+    out = tp.pmap(lambda v: v * 2, devices=devices)(x)
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    (loaded * 3).sum().backward()
+    param = torch.nn.Parameter(out)
+    copied = copy.deepcopy(out.detach().requires_grad_())
+    with pytest.raises(RuntimeError, match="deepcopy protocol"):
+        copy.deepcopy(out)
+    return (torch.as_tensor(r).sum().item(), loaded.is_leaf, loaded.grad.sum().item(),
+            isinstance(param, torch.nn.Parameter), param.requires_grad, copied.requires_grad,
+            r.to(torch.float64).dtype)
+
+
+def test_what_users_do_with_a_result_matches_one_device(placement):
+    """On several devices a no-op ``.to``/``.cpu()`` gathered a copy, so a write into it
+    was lost; a saved result that requires grad loaded as a non-leaf without a gradient;
+    ``nn.Parameter(result)`` raised; a deepcopy of a leaf dropped requires_grad."""
+    assert _user_ops_on_a_result(placement) == (80000.0, True, 36.0, True, True, True, torch.float64)

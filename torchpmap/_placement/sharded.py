@@ -20,8 +20,8 @@ How it works, for a reader of the code:
 * Reading a part of it without a gather (``st[3]``, ``select``/``movedim``/``unsqueeze``
   keeping the sharding) goes through :class:`_Split`, so those reads stay on the graph
   through the ShardedTensor itself.
-* Any other view (``view``, ``reshape`` when it can view, slicing, ``t()``, ``detach()``,
-  ...) is a :class:`ShardedView`: the view op replayed on the gathered value whenever it
+* Any other view (``view``, ``reshape`` when it can view, slicing, ``t()``, ...) is a
+  :class:`ShardedView` (``detach()`` is a ShardedTensor of the detached shards): the view op replayed on the gathered value whenever it
   is read, and a write into it is a write into the gathered value, written back into the
   shards. So writes through views reach the ShardedTensor, as writes through a view reach
   its base; autograd sees an ordinary view of it.
@@ -115,11 +115,37 @@ class ShardedTensor(torch.Tensor):
         return _concatenated(self, target)
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Like ``Tensor.to``, on the gathered value: a plain tensor."""
+        """Like ``Tensor.to``: where nothing would change (the dtype and every shard's
+        device already the target's), this ShardedTensor itself, as torch returns the
+        tensor itself (a write into the result reaches it, as on one device); else the
+        gathered value converted, a plain tensor."""
+        if self._to_changes_nothing(args, kwargs):
+            return self
         return self.gather().to(*args, **kwargs)
 
     def cpu(self) -> torch.Tensor:  # type: ignore[override]  # no memory_format: a gather
+        """Itself where every shard is on the CPU already (as ``Tensor.cpu``), else the
+        gathered value there."""
+        if all(s.tensor.device.type == "cpu" for s in self.shards):
+            return self
         return self.gather("cpu")
+
+    def _to_changes_nothing(self, args: tuple, kwargs: dict) -> bool:
+        """Whether ``to(*args, **kwargs)`` leaves every shard as it is: probed on a 0-d
+        tensor of the dtype per shard device (no copy of the data). A memory format, a copy
+        asked for, or a positional flag (``non_blocking``, ``copy``) goes the gathered way."""
+        if "memory_format" in kwargs or kwargs.get("copy") or any(isinstance(a, bool) for a in args):
+            return False
+        for device in {s.tensor.device for s in self.shards}:
+            probe = torch.empty((), dtype=self.dtype, device=device)
+            if probe.to(*args, **kwargs) is not probe:
+                return False
+        return True
+
+    def detach(self) -> ShardedTensor:
+        """A ShardedTensor of the shards detached: the same memory, no autograd history
+        (``nn.Parameter(st)`` takes it, as it takes a tensor)."""
+        return _wrap([Shard(s.device, s.tensor.detach()) for s in self.shards], self.shard_dim)
 
     def numpy(self, *, force: bool = False) -> Any:
         """The gathered value as a NumPy array (detached, as ``.tolist()``)."""
@@ -208,11 +234,22 @@ class ShardedTensor(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickling keeps the shards where they are; ``torch.load(weights_only=True)``
         loads it (its one function is on torch's safe list once torchpmap is imported)."""
-        shards = [((s.device.platform, s.device.id, s.device.process_index), s.tensor) for s in self.shards]
-        return (_rebuild_sharded, (shards, self.shard_dim, self.requires_grad and self.grad_fn is None))
+        # the shards' data, detached: a result that requires grad loads as a leaf that requires
+        # grad, as a tensor saved by torch.save does
+        shards = [((s.device.platform, s.device.id, s.device.process_index), s.tensor.detach()) for s in self.shards]
+        return (_rebuild_sharded, (shards, self.shard_dim, self.requires_grad))
 
     def __deepcopy__(self, memo: dict) -> ShardedTensor:
-        return ShardedTensor([(s.device, copy.deepcopy(s.tensor, memo)) for s in self.shards], self.shard_dim)
+        if self.grad_fn is not None:  # as torch refuses a non-leaf tensor
+            raise RuntimeError(
+                "Only Tensors created explicitly by the user (graph leaves) support the deepcopy protocol at the "
+                "moment. If you were attempting to deepcopy a module, this may be because of a torch.nn.utils."
+                "weight_norm usage, see https://github.com/pytorch/pytorch/pull/103001"
+            )
+        out = _wrap([Shard(s.device, copy.deepcopy(s.tensor.detach(), memo)) for s in self.shards], self.shard_dim)
+        if self.requires_grad:
+            out.requires_grad_()
+        return out
 
     # ------------------------------------------------------------------ ops
 
