@@ -21,10 +21,11 @@ How it works, for a reader of the code:
   keeping the sharding) goes through :class:`_Split`, so those reads stay on the graph
   through the ShardedTensor itself.
 * Any other view (``view``, ``reshape`` when it can view, slicing, ``t()``, ...) is a
-  :class:`ShardedView` (``detach()`` is a ShardedTensor of the detached shards): the view op replayed on the gathered value whenever it
-  is read, and a write into it is a write into the gathered value, written back into the
-  shards. So writes through views reach the ShardedTensor, as writes through a view reach
-  its base; autograd sees an ordinary view of it.
+  :class:`ShardedView` (``detach()`` is a ShardedTensor of the detached shards): the
+  view op replayed on the gathered value whenever it is read, and a write into it is a
+  write into the gathered value, written back into the shards. So writes through views
+  reach the ShardedTensor, as writes through a view reach its base; autograd sees an
+  ordinary view of it.
 * It behaves as a tensor or refuses: shards are checked when it is made (one dtype, one
   layout, one shape but along the sharded dim), indexing is bounds-checked as torch's,
   an in-place op on one whose shards are leaves that require grad raises as on a view
