@@ -78,40 +78,24 @@ def _tests_env(ctx: Context) -> Mapping[str, str | None]:
     return {"TORCHPMAP_NUM_CPU_DEVICES": None if ctx.cuda else "4"}
 
 
+def _tests_part(name: str, what: str, files: tuple[str, ...], quick_files: tuple[str, ...],
+                timeout: float = 240) -> Part:
+    """A part that runs test files with CUDA as the device (``quick_files`` with ``--quick``)."""
+    junit = f"{name}.xml"
+    return Part(name, f"{what}, CUDA as the device", _pytest(files, junit, quick_files), env=_tests_env,
+                timeout=timeout, junit=junit)
+
+
 PARTS: list[Part] = [
-    Part(
-        "tests-rnn",
-        "RNN-rule tests (GRU, LSTM, RNN; value reads; Hugging Face padding masks), CUDA as the device",
-        _pytest(RNN_TEST_FILES, "tests-rnn.xml",
-                ("tests/test_recurrent_rules.py::test_weights_per_instance_run_one_call_each",)),
-        env=_tests_env,
-        timeout=300,
-        junit="tests-rnn.xml",
-    ),
-    Part(
-        "tests",
-        "device-equivalence, API, sharded, multi-device and autocast tests, CUDA as the device",
-        _pytest(TEST_FILES, "tests.xml", ("tests/test_sharded.py",)),
-        env=_tests_env,
-        timeout=240,
-        junit="tests.xml",
-    ),
-    Part(
-        "tests-sharded-step",
-        "sharded-step, layer-gather and written-copy tests, CUDA as the device",
-        _pytest(SHARDED_STEP_TEST_FILES, "tests-sharded-step.xml", ("tests/test_written_copies.py",)),
-        env=_tests_env,
-        timeout=240,
-        junit="tests-sharded-step.xml",
-    ),
-    Part(
-        "tests-shard-map",
-        "shard_map and output-copy tests, CUDA as the device",
-        _pytest(SHARD_MAP_TEST_FILES, "tests-shard-map.xml", ("tests/test_output_copies.py",)),
-        env=_tests_env,
-        timeout=240,
-        junit="tests-shard-map.xml",
-    ),
+    _tests_part("tests-rnn", "RNN-rule tests (GRU, LSTM, RNN; value reads; Hugging Face padding masks)",
+                RNN_TEST_FILES, ("tests/test_recurrent_rules.py::test_weights_per_instance_run_one_call_each",),
+                timeout=300),
+    _tests_part("tests", "device-equivalence, API, sharded, multi-device and autocast tests", TEST_FILES,
+                ("tests/test_sharded.py",)),
+    _tests_part("tests-sharded-step", "sharded-step, layer-gather and written-copy tests", SHARDED_STEP_TEST_FILES,
+                ("tests/test_written_copies.py",)),
+    _tests_part("tests-shard-map", "shard_map and output-copy tests", SHARD_MAP_TEST_FILES,
+                ("tests/test_output_copies.py",)),
     Part("host-sync", "no host synchronisation in a warmed step: one device, gloo (2 processes), NCCL",
          _program("host_sync"), cuda_only=True, timeout=300),
     Part("step", "data_parallel_step against plain PyTorch: eager, compiled, bf16, fp16 + GradScaler",
