@@ -78,6 +78,13 @@ def _tests_env(ctx: Context) -> Mapping[str, str | None]:
     return {"TORCHPMAP_NUM_CPU_DEVICES": None if ctx.cuda else "4"}
 
 
+def _beside_a_cpu_device(without_cuda: int) -> Callable[[Context], Mapping[str, str | None]]:
+    """The environment of a part that runs on ``cuda:0`` and one CPU device together with
+    CUDA, on ``without_cuda`` CPU devices without."""
+    return lambda ctx: {"TORCHPMAP_NUM_CPU_DEVICES": None if ctx.cuda else str(without_cuda),
+                        "TORCHPMAP_EXTRA_CPU_DEVICES": "1" if ctx.cuda else None}
+
+
 def _tests_part(name: str, what: str, files: tuple[str, ...], quick_files: tuple[str, ...],
                 timeout: float = 240) -> Part:
     """A part that runs test files with CUDA as the device (``quick_files`` with ``--quick``)."""
@@ -107,8 +114,7 @@ PARTS: list[Part] = [
         "shard-map",
         "shard_map's notebook programs on the GPU, and on the GPU and a CPU device together, against a CPU device",
         _program("shard_map_check"),
-        env=lambda ctx: {"TORCHPMAP_NUM_CPU_DEVICES": None if ctx.cuda else "2",
-                         "TORCHPMAP_EXTRA_CPU_DEVICES": "1" if ctx.cuda else None},
+        env=_beside_a_cpu_device(without_cuda=2),
         timeout=180,
     ),
     Part(
@@ -127,8 +133,7 @@ PARTS: list[Part] = [
         "dispatch-profile",
         "where an eager call's time goes, on CUDA and on the CPU: host time, the machine's primitives, cProfile",
         _program("dispatch_profile"),
-        env=lambda ctx: {"TORCHPMAP_NUM_CPU_DEVICES": None if ctx.cuda else "1",
-                         "TORCHPMAP_EXTRA_CPU_DEVICES": "1" if ctx.cuda else None},
+        env=_beside_a_cpu_device(without_cuda=1),
         timeout=90,
     ),
     Part(
