@@ -51,7 +51,7 @@ def is_copy(argument: Any, part: Any) -> bool:
 
 
 def copies(
-    arguments: Sequence[Any], parts: Sequence[Any], only: Sequence[int] | None = None
+    arguments: Sequence[Any], parts: Sequence[Any], only: Sequence[int] | None = None, *, nested: bool = False
 ) -> dict[int, int | None]:
     """The positions of ``parts`` that are copies of their ``arguments`` (among ``only``,
     or all), each with its version counter now; None where the counter cannot tell.
@@ -59,8 +59,10 @@ def copies(
     Under inference mode, inside a dispatch mode (a journal's, watching a first attempt:
     :mod:`~torchpmap._engines.closure_writes`), an in-place write through some views
     (``movedim``, vmap's ``in_dims=1``) moves no version counter (torch 2.11-2.14): such
-    copies are written back whether or not their counter moved."""
-    blind = torch.is_inference_mode_enabled() and closure_writes.watching()
+    copies are written back whether or not their counter moved. ``nested``: the parts go
+    to maps of their own (shard_map's), whose first attempts may run under such a mode
+    where this caller cannot see it: under inference mode, every copy is so."""
+    blind = torch.is_inference_mode_enabled() and (nested or closure_writes.watching())
     found: dict[int, int | None] = {}
     for i in range(len(parts)) if only is None else only:
         if is_copy(arguments[i], parts[i]):
@@ -70,7 +72,7 @@ def copies(
 
 def write_back(
     arguments: Sequence[Any],
-    parts: Sequence[torch.Tensor],
+    parts: Sequence[Any],
     noted: dict[int, int | None],
     region: Callable[[int, Any], Any] = lambda i, argument: argument,
 ) -> None:

@@ -178,7 +178,10 @@ class ShardMapped:
         if mapped is None:
             mapped = self._maps[key] = self._nest(tree, [b.axes for b in blocked], grid)
         watched = self._replicated_inputs(leaves, blocked)
-        copies = [(leaf, b.gathered, b.gathered._version) for leaf, b in zip(leaves, blocked) if b.gathered is not None]
+        # a ShardedTensor argument gathered: each position writes its own block into the copy
+        gathered = [b.gathered for b in blocked]
+        copied = written_copies.copies(leaves, gathered, [k for k, g in enumerate(gathered) if g is not None],
+                                       nested=True)
         try:
             stacked = mapped(*(b.value for b in blocked))
         except OutputVaries as varies:
@@ -186,14 +189,8 @@ class ShardMapped:
         for seen, versions, label, axes in watched:
             if _versions(seen) != versions:
                 raise self._written(label, axes)
-        # each position wrote its own block: into the shards. Under inference mode the copy is
-        # written back whether or not its counter moved: the nested maps' first attempts run
-        # under a dispatch mode, inside which some views' writes move no counter (see
-        # written_copies.copies)
-        blind = torch.is_inference_mode_enabled()
-        for leaf, gathered, version in copies:
-            if blind or gathered._version != version:
-                leaf.copy_(gathered)
+        if copied:  # into the shards
+            written_copies.write_back(leaves, gathered, copied)
         return self._unblock_all(stacked)
 
     def _replicated_inputs(
