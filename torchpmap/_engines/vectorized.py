@@ -17,7 +17,7 @@ from torchpmap._engines.mapped_call import MappedCall, versions_of, views_record
 from torchpmap._engines.random_per_instance import InstanceStreams
 from torchpmap._engines.random_per_thread import Seed, call_seed
 from torchpmap._placement import devices as _devices
-from torchpmap._placement.sharded import ShardedTensor, as_local
+from torchpmap._placement.sharded import ShardedTensor, as_local, select_of_shards, unsqueeze_of_shards
 from torchpmap._state import axis_env as _axis_env
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
@@ -190,7 +190,8 @@ def run_one(
     """
     device = call.devices[0].torch_device if call.devices else None
     slices = [
-        (t if keep_sharded and isinstance(t, ShardedTensor) else place(t, device)).select(dim, 0)
+        select_of_shards(t, dim, 0) if keep_sharded and isinstance(t, ShardedTensor)
+        else place(t, device).select(dim, 0)
         for t, dim in zip(call.mapped, call.in_dims)
     ]
     broadcast = [place(v, device) for v in call.broadcast]
@@ -212,8 +213,10 @@ def run_one(
     finally:
         _devices.set_current_default(previous)
     # a result that is (a view of) an argument is copied by the caller: see torchpmap._frontend.output_copies
-    return [o.unsqueeze(0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0)
-            for o in outputs]
+    return [
+        unsqueeze_of_shards(o, 0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0)
+        for o in outputs
+    ]
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}

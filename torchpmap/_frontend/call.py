@@ -25,7 +25,7 @@ from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.mesh import Mesh
-from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor, movedim_of_shards, row_of_shards
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.compile_guard import refuse_under_compile
@@ -591,8 +591,10 @@ class MappedFunction:
         return pytree.tree_unflatten(result, spec)
 
     def _place_out_axis(self, t: torch.Tensor | ShardedTensor, axis: int | None, path: str) -> Any:
+        # a new result from the stacked one, which nothing else sees: sharded, it keeps its
+        # sharding (no ShardedView of it, as a user's views of a result that requires grad are)
         if axis is None:
-            return t[0]
+            return row_of_shards(t, 0) if isinstance(t, ShardedTensor) else t[0]
         t = output_copies.own_rows(t)
         rank = t.dim()
         if not -rank <= axis < rank:
@@ -600,7 +602,7 @@ class MappedFunction:
                 f"{self.opts.kind} out_axes{path} is {axis}, but the output there has rank {rank - 1} per instance "
                 f"(shape {tuple(t.shape[1:])}), so the mapped axis can go at positions {-rank}..{rank - 1}"
             )
-        return t.movedim(0, axis)
+        return movedim_of_shards(t, 0, axis) if isinstance(t, ShardedTensor) else t.movedim(0, axis)
 
 
 def _under_a_transform_of_its_own() -> bool:

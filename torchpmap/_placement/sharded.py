@@ -19,7 +19,10 @@ How it works, for a reader of the code:
   shards.
 * Reading a part of it without a gather (``st[3]``, ``select``/``movedim``/``unsqueeze``
   keeping the sharding) goes through :class:`_Split`, so those reads stay on the graph
-  through the ShardedTensor itself.
+  through the ShardedTensor itself. Its pieces are detached views of the shards, so
+  autograd would not see a write through them: when the ShardedTensor requires grad (in
+  grad mode) those reads are ShardedViews instead (:func:`records_views`), a row of one
+  shard read and written where it lives (:class:`InShard`).
 * Any other view (``view``, ``reshape`` when it can view, slicing, ``t()``, ...) is a
   :class:`ShardedView` (``detach()`` is a ShardedTensor of the detached shards): the
   view op replayed on the gathered value whenever it is read, and a write into it is a
@@ -49,6 +52,20 @@ from torchpmap._state.torch_private import pytree
 class Shard(NamedTuple):
     device: Device
     tensor: torch.Tensor
+
+
+class InShard(NamedTuple):
+    """Where a view of a ShardedTensor lies within one of its shards: ``view`` of shard
+    ``shard``'s tensor is the view's data (the same memory)."""
+
+    shard: int
+    view: Callable[[torch.Tensor], Any]
+
+    def of(self, st: ShardedTensor) -> torch.Tensor:
+        """The view's data: a plain view of the shard's memory, outside autograd (it shares
+        the shard's version counter)."""
+        with torch.no_grad():
+            return self.view(st.shards[self.shard].tensor.detach())
 
 
 class ShardedTensor(torch.Tensor):
@@ -172,38 +189,35 @@ class ShardedTensor(torch.Tensor):
 
     # ------------------------------------------------------------------ views that keep the sharding
 
-    def movedim(self, source: int, destination: int) -> ShardedTensor:  # type: ignore[override]
-        """Like ``torch.movedim``: moves dims of every shard, keeping the sharding."""
-        order = list(range(self.dim()))
-        order.insert(destination % self.dim(), order.pop(source % self.dim()))
-        return self.map_shards(lambda t: t.movedim(source, destination), order.index(self.shard_dim))
+    def movedim(self, source: int, destination: int) -> torch.Tensor:  # type: ignore[override]
+        """Like ``torch.movedim``: moves dims of every shard, keeping the sharding (a
+        ShardedTensor). When it requires grad in grad mode, a :class:`ShardedView` instead,
+        so that autograd records a write through it (see :func:`records_views`)."""
+        if records_views(self):
+            return torch.Tensor.movedim(self, source, destination)
+        return movedim_of_shards(self, source, destination)
 
-    def unsqueeze(self, dim: int) -> ShardedTensor:
-        """Like ``torch.unsqueeze``, keeping the sharding (no data moves)."""
-        dim = dim % (self.dim() + 1)
-        return self.map_shards(lambda t: t.unsqueeze(dim), self.shard_dim + (dim <= self.shard_dim))
+    def unsqueeze(self, dim: int) -> torch.Tensor:
+        """Like ``torch.unsqueeze``, keeping the sharding (no data moves); a ShardedView
+        when it requires grad in grad mode (as :meth:`movedim`)."""
+        if records_views(self):
+            return torch.Tensor.unsqueeze(self, dim)
+        return unsqueeze_of_shards(self, dim)
 
     def select(self, dim: int, index: int) -> Any:  # type: ignore[override]
-        """Like ``torch.select``; along another dim than the sharded one, no data moves."""
-        dim = dim % self.dim()
-        if dim == self.shard_dim:
-            return self[(slice(None),) * dim + (index,)]
-        return self.map_shards(lambda t: t.select(dim, index), self.shard_dim - (dim < self.shard_dim))
+        """Like ``torch.select``; along another dim than the sharded one, no data moves (a
+        ShardedView when it requires grad in grad mode, as :meth:`movedim`)."""
+        if records_views(self):
+            return torch.Tensor.select(self, dim, index)
+        return select_of_shards(self, dim, index)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         first = index[0] if isinstance(index, tuple) and index else index
-        if self.shard_dim == 0 and isinstance(first, int) and not isinstance(first, bool):  # one row: read its shard
-            rows = len(self)
-            if not -rows <= first < rows:
-                raise IndexError(f"index {first} is out of bounds for dimension 0 with size {rows}")
-            row = first % rows
-            for piece in _pieces(self):
-                if row < piece.shape[0]:
-                    rest = index[1:] if isinstance(index, tuple) else ()
-                    return piece[(row,) + rest]
-                row -= piece.shape[0]
+        if self.shard_dim == 0 and isinstance(first, int) and not isinstance(first, bool) and not records_views(self):
+            return row_of_shards(self, index)
         # as torch indexes: slices and integers are views (a ShardedView, writes reach the
-        # shards), advanced indexing a copy; bounds checked as torch checks them
+        # shards; a row of one shard reads that shard alone), advanced indexing a copy;
+        # bounds checked as torch checks them
         return torch.Tensor.__getitem__(self, index)
 
     def __setitem__(self, index: Any, value: Any) -> None:
@@ -213,6 +227,8 @@ class ShardedTensor(torch.Tensor):
         self.copy_(updated)
 
     def __iter__(self) -> Any:
+        if records_views(self):  # as a tensor iterates: the views of unbind(0)
+            return iter(torch.Tensor.unbind(self, 0))
         return (self[i] for i in range(len(self)))
 
     def map_shards(self, view: Callable[[torch.Tensor], torch.Tensor], dim: int) -> ShardedTensor:
@@ -342,6 +358,8 @@ def _materialized(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, ShardedTensor):
         return _concatenated(t, t.device)
     if isinstance(t, ShardedView):
+        if t.local is not None:  # a view of one shard's memory: as a tensor's view reads its base's
+            return t.local.of(t.base)
         return t.replay(_concatenated(t.base, t.base.device))
     return t
 
@@ -397,9 +415,66 @@ def _view_of(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(inner(b), *rest, **kwargs)
 
     meta = replay(torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta"))
+    local = _in_one_shard(func, args, kwargs)
     if isinstance(meta, (list, tuple)):
-        return type(meta)(ShardedView(base, _item(replay, i), m) for i, m in enumerate(meta))
-    return ShardedView(base, replay, meta)
+        return type(meta)(
+            ShardedView(base, _item(replay, i), m, _local_item(local, i)) for i, m in enumerate(meta)
+        )
+    return ShardedView(base, replay, meta, cast("InShard | None", local))
+
+
+_SELECT = torch.ops.aten.select.int
+_UNBIND = torch.ops.aten.unbind.int
+
+
+def _in_one_shard(func: Any, args: tuple, kwargs: dict) -> InShard | list[InShard] | None:
+    """Where a view op's result lies within one shard: a row along the sharded dim
+    (``select``, each of ``unbind``'s), or any view of such a view; else ``None``."""
+    src, rest = args[0], args[1:]
+    if isinstance(src, ShardedView):
+        if src.local is None:
+            return None
+        inner = src.local
+
+        def view(t: torch.Tensor) -> Any:
+            return func(inner.view(t), *rest, **kwargs)
+
+        return InShard(inner.shard, view)
+    if has_nested_shards(src):
+        return None
+    if func is _SELECT:
+        dim, index = rest[0] % src.dim(), rest[1]
+        if dim == src.shard_dim:
+            return InShard(*_row_view(src, dim, index % src.shape[dim]))
+    if func is _UNBIND:
+        dim = (rest[0] if rest else kwargs.get("dim", 0)) % src.dim()
+        if dim == src.shard_dim:
+            return [InShard(*_row_view(src, dim, i)) for i in range(src.shape[dim])]
+    return None
+
+
+def _row_view(st: ShardedTensor, dim: int, index: int) -> tuple[int, Callable[[torch.Tensor], torch.Tensor]]:
+    shard, row = _holder(st, index)
+    return shard, lambda t: t.select(dim, row)
+
+
+def _holder(st: ShardedTensor, index: int) -> tuple[int, int]:
+    """The shard that holds ``index`` along the sharded dim, and the index within it."""
+    for k, s in enumerate(st.shards):
+        size = s.tensor.shape[st.shard_dim]
+        if index < size:
+            return k, index
+        index -= size
+    raise IndexError(f"index {index} is out of bounds of the shards")
+
+
+def _local_item(local: InShard | list[InShard] | None, i: int) -> InShard | None:
+    """Result ``i``'s place within a shard, of a view op that returns several views."""
+    if isinstance(local, list):
+        return local[i]
+    if local is None:
+        return None
+    return InShard(local.shard, lambda t: local.view(t)[i])
 
 
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -408,6 +483,8 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         if not any(isinstance(v, (ShardedTensor, ShardedView)) for v in pytree.tree_leaves((args[1:], kwargs))):
             return _view_of(func, args, kwargs)
     written = _written(func, args, kwargs)
+    if written and all(isinstance(w, ShardedView) and w.local is not None for w in written):
+        return _write_in_shards(func, args, kwargs, cast("list[ShardedView]", written))
     bases: dict[int, tuple[ShardedTensor, torch.Tensor]] = {}  # the gathered value of every base written into
     for w in written:
         base, _ = _base_and_replay(w)
@@ -434,15 +511,41 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if not written:
         return out
     for w in written:
-        if _layout(plains[id(w)]) != before[id(w)]:
-            raise RuntimeError(
-                f"{func.name()}: a {type(w).__name__} cannot change its shape or strides in place (its shards keep "
-                f"theirs; shape {tuple(w.shape)}). Gather it first (st.gather() is a plain tensor) or make a new one."
-            )
+        _refuse_changed_layout(func, w, plains[id(w)], before[id(w)])
     for base, whole in bases.values():  # an in-place op: its result goes back into the shards
         _scatter(whole, base)
     by_plain = {id(plains[id(w)]): w for w in written}
     return pytree.tree_map(lambda v: by_plain.get(id(v), v), out)
+
+
+def _write_in_shards(func: Any, args: tuple, kwargs: dict, written: list[ShardedView]) -> Any:
+    """An in-place op on views that lie within one shard each (``st[i].mul_(2)``): run on
+    the shards' memory where it is, no gather; each written shard's version counter moves,
+    as a write through a view moves its base's."""
+    for w in written:
+        _refuse_writing_leaves(func, w.base)
+    plains = {id(w): cast(InShard, w.local).of(w.base) for w in written}
+    before = {k: _layout(t) for k, t in plains.items()}
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (ShardedTensor, ShardedView)):
+            return plains[id(v)] if id(v) in plains else _materialized(v)
+        return v
+
+    out = func(*pytree.tree_map(plain, args), **pytree.tree_map(plain, kwargs))
+    for w in written:
+        _refuse_changed_layout(func, w, plains[id(w)], before[id(w)])
+        torch.autograd.graph.increment_version(w.base.shards[cast(InShard, w.local).shard].tensor)
+    by_plain = {id(plains[id(w)]): w for w in written}
+    return pytree.tree_map(lambda v: by_plain.get(id(v), v), out)
+
+
+def _refuse_changed_layout(func: Any, w: torch.Tensor, plain: torch.Tensor, before: tuple) -> None:
+    if _layout(plain) != before:
+        raise RuntimeError(
+            f"{func.name()}: a {type(w).__name__} cannot change its shape or strides in place (its shards keep "
+            f"theirs; shape {tuple(w.shape)}). Gather it first (st.gather() is a plain tensor) or make a new one."
+        )
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -486,6 +589,8 @@ def _part(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(t, ShardedTensor):
         return _concatenated(t, device)
     if isinstance(t, ShardedView):
+        if t.local is not None:
+            return t.local.of(t.base).to(device)
         return t.replay(_concatenated(t.base, device))
     return t
 
@@ -517,6 +622,62 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
         and a.alias_info.is_write
         and isinstance(v := values.get(a.name), (ShardedTensor, ShardedView))
     ]
+
+
+def records_views(st: ShardedTensor) -> bool:
+    """Whether a view of ``st`` must be one that autograd records: in grad mode, when it
+    requires grad. Then ``st[i]``, ``select``, ``movedim``, ``unsqueeze`` and iteration
+    are :class:`ShardedView` s (autograd views of ``st``, so that a write through one is
+    differentiated as a write through a view of a tensor); else the cheaper pieces of the
+    shards (a row of one shard, a ShardedTensor of the shards' views), whose writes
+    autograd would not see."""
+    return torch.is_grad_enabled() and st.requires_grad
+
+
+# What the library uses where it builds a new result from another (nothing outside sees
+# the other, so a write into the new one need not reach it): the sharding kept, whether it
+# requires grad or not.
+
+
+def movedim_of_shards(st: ShardedTensor, source: int, destination: int) -> ShardedTensor:
+    """``st.movedim(source, destination)`` as a ShardedTensor of each shard's, no data moved."""
+    order = list(range(st.dim()))
+    order.insert(destination % st.dim(), order.pop(source % st.dim()))
+    return st.map_shards(lambda t: t.movedim(source, destination), order.index(st.shard_dim))
+
+
+def unsqueeze_of_shards(st: ShardedTensor, dim: int) -> ShardedTensor:
+    """``st.unsqueeze(dim)`` as a ShardedTensor of each shard's, no data moved."""
+    dim = dim % (st.dim() + 1)
+    return st.map_shards(lambda t: t.unsqueeze(dim), st.shard_dim + (dim <= st.shard_dim))
+
+
+def select_of_shards(st: ShardedTensor, dim: int, index: int) -> torch.Tensor:
+    """``st.select(dim, index)``: along the sharded dim, read from the shard that holds it
+    (along another, a ShardedTensor of each shard's)."""
+    dim = dim % st.dim()
+    if dim == st.shard_dim:
+        return row_of_shards(st, (slice(None),) * dim + (index,))
+    return st.map_shards(lambda t: t.select(dim, index), st.shard_dim - (dim < st.shard_dim))
+
+
+def row_of_shards(st: ShardedTensor, index: Any) -> torch.Tensor:
+    """``st[i]`` (or ``st[i, ...]``) of a ShardedTensor split along dim 0: read from the
+    shard that holds row ``i``, differentiably, bounds checked as torch checks them. Split
+    along another dim, the ShardedView of ``st[index]``."""
+    first = index[0] if isinstance(index, tuple) else index
+    if st.shard_dim != 0 or not isinstance(first, int):
+        return torch.Tensor.__getitem__(st, index)
+    rows = len(st)
+    if not -rows <= first < rows:
+        raise IndexError(f"index {first} is out of bounds for dimension 0 with size {rows}")
+    row = first % rows
+    for piece in _pieces(st):
+        if row < piece.shape[0]:
+            rest = index[1:] if isinstance(index, tuple) else ()
+            return piece[(row,) + rest]
+        row -= piece.shape[0]
+    raise AssertionError("unreachable: the rows were counted")
 
 
 def _pieces(st: ShardedTensor) -> list[torch.Tensor]:
@@ -613,21 +774,28 @@ class ShardedView(torch.Tensor):
     Attributes:
         base: the ShardedTensor it is a view of.
         replay: makes the view of a plain tensor laid out as ``base``.
+        local: where the view lies within one shard (``st[i]`` of a ShardedTensor that
+            requires grad, and views of it): it is read from that shard and written into
+            it, without a gather, and its device is that shard's. ``None`` for a view
+            across shards.
     """
 
     base: ShardedTensor
     replay: Callable[[torch.Tensor], torch.Tensor]
+    local: InShard | None
     __torch_function__ = private.disabled_torch_function
 
     @staticmethod
     def __new__(
-        cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor
+        cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor,
+        local: InShard | None = None,
     ) -> ShardedView:
+        device = base.shards[local.shard].tensor.device if local is not None else base.device
         out = private.make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
-            device=base.device, requires_grad=False,
+            device=device, requires_grad=False,
         )
-        out.base, out.replay = base, replay
+        out.base, out.replay, out.local = base, replay, local
         return out
 
     @classmethod
