@@ -157,8 +157,8 @@ test-main: $(VENV)/.stamp-test
 test-oldest: $(OLDEST_VENV)/.stamp-test
 	$(call suite,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
 	$(call aot_eager_sweep,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
-	@echo "== $$(date +%T) torch $(TORCH_OLDEST): gpu-check --quick (no CUDA: its CPU parts)"
-	$(MAKE) --no-print-directory gpu-check PYTHON=$(OLDEST_VENV)/bin/python GPU_CHECK_FLAGS=--quick \
+	@echo "== $$(date +%T) torch $(TORCH_OLDEST): gpu-check --quick (no CUDA: its CPU parts, two at once)"
+	$(MAKE) --no-print-directory gpu-check PYTHON=$(OLDEST_VENV)/bin/python GPU_CHECK_FLAGS="--quick --jobs 2" \
 		GPU_CHECK_OUT=build/gpu-check-quick
 
 # The release between the oldest and the newest, which run everything: the private torch

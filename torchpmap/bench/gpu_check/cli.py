@@ -52,7 +52,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", action="append", metavar="PART",
                         help=f"run only this part: {[p.name for p in PARTS]}")
     parser.add_argument("--jobs", type=int, default=0,
-                        help="parts run at once (default 3 with CUDA, else 1); the bench always runs alone")
+                        help="parts run at once (default 4 with CUDA, else 1); the bench always runs alone")
     parser.add_argument("--budget", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET", 450)),
                         help="seconds for all parts together (default 450: the check ends within 8 minutes)")
     return parser.parse_args(argv)

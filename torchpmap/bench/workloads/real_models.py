@@ -115,16 +115,16 @@ def _hugging_face(cfg: Config) -> dict[str, _Model]:
     except ImportError:
         return {}
     transformers.logging.set_verbosity_error()
-    width, length = (16, 8) if cfg.quick else (64, 32)
+    width, length, layers = (16, 8, 1) if cfg.quick else (64, 32, 2)  # quick: less to compile
     bert = transformers.BertConfig(
-        vocab_size=100, hidden_size=width, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * width,
+        vocab_size=100, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=2 * width,
         max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )
     gpt2 = transformers.GPT2Config(
         vocab_size=100,
         n_positions=64,
         n_embd=width,
-        n_layer=2,
+        n_layer=layers,
         n_head=4,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
