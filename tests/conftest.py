@@ -67,8 +67,9 @@ _PINNING_FIXTURES = {"placement", "four_devices"}
 # same order every time: whole files (a module's fixtures run once), the heaviest first,
 # each to the part with the least weight so far; a run of one file is dealt out test by
 # test. A file's weight is the sum of its selected tests' seconds in tests/durations.json
-# (every test of 1 s or more in a 1-device pass on the 2-core machine, torch 2.13, Nov 2026:
-# `pytest --durations=0`, setup, call and teardown summed), a tenth of a second for the rest.
+# (every test of 0.5 s or more in CI's 1-device pass, torch 2.11, both halves at once on the
+# 2-core machine, 2026-11-30: `pytest --durations=0 --durations-min=0.5`, setup, call and
+# teardown summed), a tenth of a second for the rest. Refresh it when the halves drift apart.
 _DURATIONS: dict[str, float] = json.loads((Path(__file__).parent / "durations.json").read_text())
 _SECONDS_A_TEST = 0.1
 
