@@ -559,3 +559,27 @@ def test_iterating_a_result_that_requires_grad_refuses_a_write_as_a_tensor_does(
         assert [torch.equal(torch.as_tensor(row), torch.full((2,), 2.0)) for row in rows] == [True] * 4
         with pytest.raises(RuntimeError, match="output of a function that returns multiple views"):
             rows[2].mul_(2)
+
+
+def _set_data(devices) -> tuple:
+    """``r.data = t`` (as a module's conversion or old optimizer code does), then reads."""
+    r = tp.pmap(lambda v: v * 2, devices=devices)(torch.ones(4, 2))
+    t = torch.arange(8.0).reshape(4, 2)
+    r.data = t
+    t[0, 0] = 100.0  # the value's memory, where it is already on the shard's device (one process, CPU devices)
+    x = torch.ones(4, 2, requires_grad=True)
+    s = tp.pmap(lambda v: v * 3, devices=devices)(x)
+    s.data = torch.full((4, 2), 5.0)
+    (s * s).sum().backward()  # the history stays (d(3x)^2/dx with the value read now), as on a tensor
+    if len(devices) > 1:  # a tensor takes another shape; the shards keep theirs, and say so
+        with pytest.raises(ValueError, match=r"the value has shape \(2, 2\).*hold a \(4, 2\)"):
+            r.data = torch.zeros(2, 2)
+    return torch.as_tensor(r).tolist(), torch.as_tensor(s).tolist(), x.grad.tolist(), type(r.data) is type(r)
+
+
+def test_setting_data_puts_the_value_in_the_shards(placement):
+    """``r.data = t`` on several devices set the wrapper's data and left the shards: every
+    read still gave the old values (16.0 summed where one device gives 28.0)."""
+    got = _set_data(placement)
+    assert got[:3] == _set_data(placement[:1])[:3]
+    assert got[0][0][0] == 100.0 and got[1] == [[5.0, 5.0]] * 4 and got[2] == [[30.0, 30.0]] * 4

@@ -165,6 +165,41 @@ class ShardedTensor(torch.Tensor):
         (``nn.Parameter(st)`` takes it, as it takes a tensor)."""
         return _wrap([Shard(s.device, s.tensor.detach()) for s in self.shards], self.shard_dim)
 
+    @property  # torch.Tensor.data is a C descriptor: this one reads and writes the shards
+    def data(self) -> ShardedTensor:
+        """As a tensor's ``.data``: the same memory without autograd history (:meth:`detach`)."""
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``st.data = value`` puts ``value``'s data in the shards, each piece on its shard's
+        device (a view of ``value`` where it is already there, as a tensor then shares the
+        value's memory; a ShardedTensor split alike gives its shards). The autograd history
+        stays, as on a tensor. Torch's own setter would swap the wrapper's metadata and
+        leave the shards as they were, so the value was silently not read."""
+        if value is self:
+            return
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"ShardedTensor.data must be set to a tensor, got {type(value).__name__}")
+        if value.shape != self.shape or value.dtype != self.dtype:
+            raise ValueError(
+                f"ShardedTensor.data = value: the value has shape {tuple(value.shape)} and dtype {value.dtype}, but "
+                f"the shards hold a {tuple(self.shape)} {self.dtype} value split along dim {self.shard_dim}, and keep "
+                "their shapes. Set it to a value of that shape and dtype, or make a new one (st.gather() is a plain "
+                "tensor; torchpmap.ShardedTensor(...) builds one from shards)."
+            )
+        sizes = [s.tensor.shape[self.shard_dim] for s in self.shards]
+        if _split_alike(value, self.shard_dim, sizes) and not has_nested_shards(self):
+            pieces = [s.tensor.detach() for s in cast(ShardedTensor, value).shards]
+        else:
+            whole = _concatenated(value, value.device) if isinstance(value, ShardedTensor) else value.detach()
+            pieces = list(whole.split(sizes, self.shard_dim))
+        for k, (shard, piece) in enumerate(zip(self.shards, pieces)):
+            if isinstance(shard.tensor, ShardedTensor):  # a nested mesh block: its own shards take the piece
+                shard.tensor.data = piece
+            else:
+                self.shards[k] = Shard(shard.device, piece.to(shard.tensor.device))
+
     def numpy(self, *, force: bool = False) -> Any:
         """The gathered value as a NumPy array (detached, as ``.tolist()``)."""
         return _concatenated(self, torch.device("cpu")).numpy()
