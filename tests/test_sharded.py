@@ -583,3 +583,119 @@ def test_setting_data_puts_the_value_in_the_shards(placement):
     got = _set_data(placement)
     assert got[:3] == _set_data(placement[:1])[:3]
     assert got[0][0][0] == 100.0 and got[1] == [[5.0, 5.0]] * 4 and got[2] == [[30.0, 30.0]] * 4
+
+
+def _row_mul(r, x):
+    r[1].mul_(3)
+
+
+def _whole_mul(r, x):
+    r.mul_(3)
+
+
+def _set_row(r, x):
+    r[1] = x[2].sum() * 5
+
+
+AFTER_THE_FIRST = {"row mul_": _row_mul, "mul_": _whole_mul, "setitem": _set_row}
+
+
+def _fed_back(devices, after, jit, hook) -> tuple:
+    """A result that requires grad, touched (written, hooked) then fed to another pmap."""
+    x = torch.arange(1.0, 13.0).reshape(4, 3).requires_grad_()
+    r = tp.pmap(lambda v: v * 2, axis_name="i", devices=devices)(x)
+    AFTER_THE_FIRST[after](r, x)
+    seen = []
+    if hook:
+        r.register_hook(lambda g: seen.append(torch.as_tensor(g).sum().item()))
+        r.retain_grad()
+    q = tp.pmap(lambda v: v.exp() / 1e4 + tp.psum(v, "i"), axis_name="i", devices=devices, jit=jit)(r)
+    (torch.as_tensor(q) * torch.arange(12.0).reshape(4, 3)).sum().backward()
+    return x.grad, seen, torch.as_tensor(r.grad) if hook else None
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("hook", [False, True], ids=["", "hooked"])
+@pytest.mark.parametrize("after", sorted(AFTER_THE_FIRST))
+def test_a_result_fed_to_another_pmap_keeps_what_autograd_recorded_on_it(devices, after, hook, jit):
+    """On several devices the second pmap took each shard's own tensor, skipping what
+    autograd had recorded on the ShardedTensor since it was made: the gradient missed a
+    write into it (x.grad row 1: 2 where one device gives 6), and its hooks and retain_grad
+    never ran. It now takes the shards on the graph through the ShardedTensor."""
+    one = _fed_back(devices[:1], after, jit, hook)
+    many = _fed_back(devices, after, jit, hook)
+    torch.testing.assert_close(many[0], one[0], rtol=1e-5, atol=1e-5)
+    assert len(many[1]) == len(one[1]) and many[1] == pytest.approx(one[1], rel=1e-5)
+    assert (many[2] is None) == (one[2] is None)
+    if one[2] is not None:
+        torch.testing.assert_close(many[2], one[2], rtol=1e-5, atol=1e-5)
+
+
+def _parameter_fed_back(devices) -> tuple:
+    """nn.Parameter of a result, fed to a pmap beside an input that requires grad."""
+    p = torch.nn.Parameter(tp.pmap(lambda v: v * 1.0, devices=devices)(torch.ones(4, 3)))
+    z = torch.ones(4, 3, requires_grad=True)
+    tp.pmap(lambda a, b: a * b, devices=devices)(p, z).sum().backward()
+    return None if p.grad is None else torch.as_tensor(p.grad).tolist(), z.grad.tolist()
+
+
+def _written_inside(devices) -> tuple:
+    """A pmap that writes its argument, a result that requires grad, in place."""
+    x = torch.ones(4, 3, requires_grad=True)
+    r = tp.pmap(lambda v: v * 2, devices=devices)(x)
+    tp.pmap(lambda v: v.mul_(3), devices=devices)(r)
+    (torch.as_tensor(r) * 1.0).sum().backward()
+    return torch.as_tensor(r).tolist(), x.grad.tolist()
+
+
+def test_a_parameter_or_a_write_inside_the_next_pmap_is_differentiated_as_on_one_device(devices):
+    """nn.Parameter(result) fed to a pmap got no gradient on several devices (p.grad None,
+    silently, beside another input that requires grad); a pmap that wrote into such a
+    result in place left the write out of the gradient (x.grad 2 where one device gives 6)."""
+    assert _parameter_fed_back(devices) == _parameter_fed_back(devices[:1])
+    assert _written_inside(devices) == _written_inside(devices[:1])
+
+
+def test_a_mesh_result_fed_to_another_mesh_map_keeps_its_write_and_hook(four_devices):
+    grids = ([[four_devices[0]]], [four_devices[:2], four_devices[2:]])
+    outcomes = []
+    for grid in grids:
+        x = torch.ones(2, 2, 3, requires_grad=True)
+        with tp.Mesh(grid, ("x", "y")):
+            r = tp.pmap(tp.pmap(lambda v: v * 2.0, axis_name="y"), axis_name="x")(x)
+            r[1].mul_(3)
+            seen = []
+            r.register_hook(lambda g: seen.append(torch.as_tensor(g).sum().item()))
+            q = tp.pmap(tp.pmap(lambda v: tp.psum(v, "y") * 1.0, axis_name="y"), axis_name="x")(r)
+        q.sum().backward()
+        outcomes.append((x.grad.sum().item(), seen))
+    assert outcomes[1] == outcomes[0] == (96.0, [24.0])
+
+
+VIEW_ARGUMENTS = {
+    "r.t()": lambda r: r.t(),
+    "r[2:6]": lambda r: r[2:6],
+    "r[1]": lambda r: r[1],
+    "r.view(-1, 2)": lambda r: r.view(-1, 2),
+}
+
+
+def _view_argument_written(devices, view, requires_grad) -> tuple:
+    x = torch.arange(32.0).reshape(8, 4).requires_grad_(requires_grad)
+    r = tp.pmap(lambda v: v * 1.0, devices=devices)(x)
+    tp.pmap(lambda v: v.mul_(2).add_(1), devices=devices)(VIEW_ARGUMENTS[view](r))
+    if requires_grad:
+        (torch.as_tensor(r) ** 2).sum().backward()
+    return torch.as_tensor(r).tolist(), None if x.grad is None else x.grad.tolist()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["", "requires grad"])
+@pytest.mark.parametrize("view", sorted(VIEW_ARGUMENTS))
+def test_a_pmap_writing_a_view_of_a_result_writes_the_result(devices, view, requires_grad):
+    """A ShardedView argument (``r.t()``, ``r[2:6]``, a row) reached the device threads as
+    itself (``.to()`` onto its own device returns it), and their writes through it were
+    lost: r summed 0 where one device gives 16. It is now read as its value, and a write
+    is written back into the result, recorded by autograd."""
+    assert _view_argument_written(devices, view, requires_grad) == _view_argument_written(
+        devices[:1], view, requires_grad
+    )

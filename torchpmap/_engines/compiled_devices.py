@@ -130,6 +130,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     """Runs ``call`` (``jit=True``, several devices, no transform around it) through its
     compiled slices, tracing them on the signature's first call; eagerly, with a
     warning, where they cannot be compiled."""
+    call = multi_device.split_on_the_graph(call)
     cache = _slices_of(call)
     devices = list(call.devices or ())
     key = (call.signature, tuple(devices), config.bitwise_placement)  # it decides what a slice sends

@@ -27,7 +27,7 @@ import torch
 from torchpmap._engines import batching_rules, vectorized
 from torchpmap._engines.baton import Baton
 from torchpmap._engines.mapped_call import MappedCall
-from torchpmap._engines.multi_device import assembled, check_replicated, device_thread, run_threads
+from torchpmap._engines.multi_device import assembled, check_replicated, device_thread, run_threads, split_on_the_graph
 from torchpmap._engines.random_per_thread import Seed, call_seed, settle
 from torchpmap._engines.thread_exchange import Rendezvous, ThreadExchange
 from torchpmap._engines.turn_versions import TurnVersions
@@ -104,6 +104,7 @@ def run(
     call: MappedCall, along: Along, count: int, mesh: _mesh.Mesh | None, baton: Baton | None = None
 ) -> list:
     """Runs ``call`` in ``count`` threads, ``call.size / count`` instances each."""
+    call = split_on_the_graph(call)
     axis = call.axis_name if call.axis_name is not None else object()  # an unnamed axis still has coordinates
     k = call.size // count
     parent = _parent(call.axis_name, "pmap" if call.devices is not None else "vmap")

@@ -73,6 +73,9 @@ class MappedCall:
             raise at their first exchange. None for a ``vmap``.
         vmap_fallback: the mapped function's :class:`VmapFallback`, shared by its calls
             (None: a call that never falls back to one instance at a time).
+        pieces: for each mapped ShardedTensor that requires grad (in grad mode), its
+            shards split once on the caller's thread, on the graph through it (see
+            :func:`torchpmap._engines.multi_device.split_on_the_graph`); None elsewhere.
     """
 
     body: Callable[[Sequence[torch.Tensor], Sequence[Any]], Sequence[torch.Tensor]]
@@ -91,6 +94,7 @@ class MappedCall:
     vmap_fallback: VmapFallback | None = None
     vma: bool = False
     program: tuple[int, str] | None = None
+    pieces: Sequence[Sequence[torch.Tensor] | None] | None = None
 
 
 @dataclasses.dataclass(eq=False)

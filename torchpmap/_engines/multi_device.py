@@ -28,23 +28,42 @@ from torchpmap._engines.turn_versions import TurnVersions
 from torchpmap._engines.workers import pool
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import Device
-from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor, ShardedView, shard_pieces
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.faults import OutputVaries
 
 
-def slice_for_device(t: Any, dim: int, d: int, k: int, device: Device) -> torch.Tensor:
+def split_on_the_graph(call: MappedCall) -> MappedCall:
+    """``call`` with the pieces of each mapped ShardedTensor that requires grad (in grad
+    mode), split once here on the caller's thread: a device thread that takes its shard in
+    place takes that piece, on the graph through the ShardedTensor itself. The shard's own
+    tensor would skip what autograd recorded on the ShardedTensor since it was made: an
+    in-place write into it, a hook, ``retain_grad``, a leaf's gradient (``nn.Parameter`` of
+    a result), so that the gradient differed from one device's."""
+    if not torch.is_grad_enabled() or not any(isinstance(t, ShardedTensor) and t.requires_grad for t in call.mapped):
+        return call
+    pieces = [shard_pieces(t) if isinstance(t, ShardedTensor) and t.requires_grad else None for t in call.mapped]
+    return dataclasses.replace(call, pieces=pieces)
+
+
+def slice_for_device(
+    t: Any, dim: int, d: int, k: int, device: Device, pieces: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Instances ``d*k .. d*k+k-1`` of ``t`` along ``dim``, on ``device``; a shard already
-    in place is used as it is."""
+    in place is used as it is (its piece in ``pieces``, where given: see
+    :func:`split_on_the_graph`)."""
     if isinstance(t, ShardedTensor):
         if t.shard_dim == dim and len(t.shards) > d:
             shard = t.shards[d]
             if shard.device == device and shard.tensor.shape[dim] == k and _starts_at(t, d, dim) == d * k:
-                return shard.tensor
+                return shard.tensor if pieces is None else pieces[d]
     with written_copies.trackable():
-        whole = t.gather() if isinstance(t, ShardedTensor) else t
+        # a view of a ShardedTensor is read as its value (a copy, written back where written:
+        # torch's .to() of it onto its own device returned the view, which the instances
+        # then wrote through out of the caller's sight)
+        whole = t.gather() if isinstance(t, ShardedTensor) else t.materialized() if isinstance(t, ShardedView) else t
         return whole.narrow(dim, d * k, k).to(device.torch_device, non_blocking=True)
 
 
@@ -59,6 +78,7 @@ def slice_label(d: int, k: int, device: Device) -> str:
 
 
 def run(call: MappedCall) -> list[torch.Tensor]:
+    call = split_on_the_graph(call)
     devices = list(cast("Sequence[Device]", call.devices))  # a pmap's
     k = call.size // len(devices)
     rendezvous, group = Rendezvous(config.collective_timeout, Baton()), object()
@@ -234,8 +254,11 @@ def device_thread(
         # a random op before this mode does, as they always have: the mode then stays outside.
         whole = call.randomness == "per_instance"
         with cuda_device(device.torch_device), owned(mode), mode if whole else contextlib.nullcontext():
+            pieces = call.pieces or [None] * len(call.mapped)
             with views_recorded(call.mapped):
-                mapped = [slice_for_device(t, dim, j, k, device) for t, dim in zip(call.mapped, call.in_dims)]
+                mapped = [
+                    slice_for_device(t, dim, j, k, device, p) for t, dim, p in zip(call.mapped, call.in_dims, pieces)
+                ]
             copied = written_copies.copies(call.mapped, mapped)  # a write into one reaches the caller (below)
             yield dataclasses.replace(
                 call,

@@ -271,7 +271,7 @@ class ShardedTensor(torch.Tensor):
         ``dim`` (the caller says where the split lands): differentiable, no gather. For
         ops that act on each shard's rows alone (a permutation of the other dims, a
         reshape merging the split dim with dims after it)."""
-        return ShardedTensor([(s.device, view(p)) for s, p in zip(self.shards, _pieces(self))], dim)
+        return ShardedTensor([(s.device, view(p)) for s, p in zip(self.shards, shard_pieces(self))], dim)
 
     # ------------------------------------------------------------------ Python protocols
 
@@ -707,7 +707,7 @@ def row_of_shards(st: ShardedTensor, index: Any) -> torch.Tensor:
     if not -rows <= first < rows:
         raise IndexError(f"index {first} is out of bounds for dimension 0 with size {rows}")
     row = first % rows
-    for piece in _pieces(st):
+    for piece in shard_pieces(st):
         if row < piece.shape[0]:
             rest = index[1:] if isinstance(index, tuple) else ()
             return piece[(row,) + rest]
@@ -715,8 +715,9 @@ def row_of_shards(st: ShardedTensor, index: Any) -> torch.Tensor:
     raise AssertionError("unreachable: the rows were counted")
 
 
-def _pieces(st: ShardedTensor) -> list[torch.Tensor]:
-    """The shards' tensors, on the graph through ``st`` when it requires grad."""
+def shard_pieces(st: ShardedTensor) -> list[torch.Tensor]:
+    """The shards' tensors, on the graph through ``st`` when it requires grad (in grad
+    mode): views of the shards' memory, their gradients routed into ``st``'s."""
     if torch.is_grad_enabled() and st.requires_grad:
         return list(_Split.apply(st))
     return [s.tensor for s in st.shards]
