@@ -699,3 +699,22 @@ def test_a_pmap_writing_a_view_of_a_result_writes_the_result(devices, view, requ
     assert _view_argument_written(devices, view, requires_grad) == _view_argument_written(
         devices[:1], view, requires_grad
     )
+
+
+def test_a_result_passed_unmapped_is_read_once_and_a_write_into_it_refused(devices):
+    """A ShardedTensor passed with ``in_axes=None`` was gathered by every device into a
+    copy of its own: a write into it raised nothing on several devices (one device's plain
+    tensor raises SharedWrite) and reached nothing. It is gathered once now; reading it is
+    differentiable as before."""
+    for placement in (devices[:1], devices):
+        r = tp.pmap(lambda v: v * 1.0, devices=placement)(torch.zeros(4, 3))
+        with pytest.raises(RuntimeError, match="argument .w. .*in_axes None"):
+            tp.pmap(lambda v, w: v + w.add_(1), devices=placement, in_axes=(0, None))(torch.zeros(4, 3), r)
+    grads = []
+    for placement in (devices[:1], devices):
+        x = torch.arange(12.0).reshape(4, 3).requires_grad_()
+        w = tp.pmap(lambda v: v * 2.0, devices=placement)(x)
+        out = tp.pmap(lambda v, w: (v * w).sum(), devices=placement, in_axes=(0, None))(torch.ones(4, 4, 3), w)
+        out.sum().backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0])

@@ -25,7 +25,7 @@ from torchpmap._placement import devices as _devices
 from torchpmap._placement import mesh as _mesh
 from torchpmap._placement.devices import DeviceLike
 from torchpmap._placement.mesh import Mesh
-from torchpmap._placement.sharded import ShardedTensor, movedim_of_shards, row_of_shards
+from torchpmap._placement.sharded import ShardedTensor, ShardedView, as_local, movedim_of_shards, row_of_shards
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.compile_guard import refuse_under_compile
@@ -197,6 +197,20 @@ class _Flat:
     size: int
 
 
+def _sharded_broadcasts_gathered(flat: _Flat, broadcast_slots: Sequence[int]) -> _Flat:
+    """``flat`` with each ``in_axes=None`` argument that is a ShardedTensor or a view of one
+    gathered once, differentiably, onto its first device: every instance reads all of it.
+    Each device had gathered a copy of its own, so a write into it in place reached
+    neither the argument nor the shared-write check (one device's plain tensor raises)."""
+    if not any(isinstance(flat.leaves[k], (ShardedTensor, ShardedView)) for k in broadcast_slots):
+        return flat
+    leaves = list(flat.leaves)
+    for k in broadcast_slots:
+        if isinstance(leaves[k], (ShardedTensor, ShardedView)):
+            leaves[k] = as_local(leaves[k], None)
+    return dataclasses.replace(flat, leaves=leaves)
+
+
 def _at_path(spec: Any, k: int) -> str:
     """`` at <key path>`` of leaf ``k`` of an output with pytree ``spec`` ('' for a lone leaf)."""
     if spec.num_leaves == 1:
@@ -251,6 +265,7 @@ class MappedFunction:
         else:
             mapped = set(flat.mapped_slots)
             broadcast_slots = [k for k in range(len(flat.leaves)) if k not in mapped]
+            flat = _sharded_broadcasts_gathered(flat, broadcast_slots)
             mapped_leaves = [flat.leaves[k] for k in flat.mapped_slots]
         layout = OutputLayout()  # filled by body; restored by a compiled program that skips it
         # the common case: positional tensors, all mapped; an instance's arguments are its slices
