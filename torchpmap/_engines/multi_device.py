@@ -42,7 +42,9 @@ def split_on_the_graph(call: MappedCall) -> MappedCall:
     tensor would skip what autograd recorded on the ShardedTensor since it was made: an
     in-place write into it, a hook, ``retain_grad``, a leaf's gradient (``nn.Parameter`` of
     a result), so that the gradient differed from one device's."""
-    if not torch.is_grad_enabled() or not any(isinstance(t, ShardedTensor) and t.requires_grad for t in call.mapped):
+    if call.pieces is not None or not torch.is_grad_enabled():  # split already (a compiled call run eagerly)
+        return call
+    if not any(isinstance(t, ShardedTensor) and t.requires_grad for t in call.mapped):
         return call
     pieces = [shard_pieces(t) if isinstance(t, ShardedTensor) and t.requires_grad else None for t in call.mapped]
     return dataclasses.replace(call, pieces=pieces)
