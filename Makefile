@@ -151,10 +151,10 @@ test-main: $(VENV)/.stamp-test
 # machines run this release; the check must not rot between their sessions). The aot_eager
 # jit sweep (the trace through Dynamo and AOTAutograd, without generated code) is left to
 # `make test-main`: the inductor sweep traces the same programs the same way before it
-# generates code, and CI's hour is short (its last run took 71 minutes). The inductor sweep on 4 CPU devices (`make
-# test-jit-inductor`, `make test-main`) was on course for 14 minutes in two halves here,
-# too much for CI's 90; tests/test_jit_multi_device.py compiles on 4 devices in every
-# release's pass.
+# generates code, and CI's hour is short (its last run took 71 minutes). The inductor sweep
+# on 4 CPU devices (`make test-jit-inductor`, `make test-main`) was on course for 14
+# minutes in two halves here, too much for CI's 90; tests/test_jit_multi_device.py
+# compiles on 4 devices in every release's pass.
 test-oldest: $(OLDEST_VENV)/.stamp-test
 	$(call suite,$(OLDEST_VENV)/bin/python,$(TORCH_OLDEST))
 	@echo "== $$(date +%T) torch $(TORCH_OLDEST): gpu-check --quick (no CUDA: its CPU parts, two at once)"

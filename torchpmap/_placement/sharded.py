@@ -247,8 +247,7 @@ class ShardedTensor(torch.Tensor):
         return select_of_shards(self, dim, index)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        first = index[0] if isinstance(index, tuple) and index else index
-        if self.shard_dim == 0 and isinstance(first, int) and not isinstance(first, bool) and not records_views(self):
+        if not records_views(self):  # a row read from its shard's piece (no autograd view to record)
             return row_of_shards(self, index)
         # as torch indexes: slices and integers are views (a ShardedView, writes reach the
         # shards; a row of one shard reads that shard alone), advanced indexing a copy;
@@ -699,20 +698,16 @@ def select_of_shards(st: ShardedTensor, dim: int, index: int) -> torch.Tensor:
 def row_of_shards(st: ShardedTensor, index: Any) -> torch.Tensor:
     """``st[i]`` (or ``st[i, ...]``) of a ShardedTensor split along dim 0: read from the
     shard that holds row ``i``, differentiably, bounds checked as torch checks them. Split
-    along another dim, the ShardedView of ``st[index]``."""
-    first = index[0] if isinstance(index, tuple) else index
-    if st.shard_dim != 0 or not isinstance(first, int):
+    along another dim, or any other index, ``st[index]`` as torch indexes it (a ShardedView)."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    if st.shard_dim != 0 or not isinstance(first, int) or isinstance(first, bool):
         return torch.Tensor.__getitem__(st, index)
     rows = len(st)
     if not -rows <= first < rows:
         raise IndexError(f"index {first} is out of bounds for dimension 0 with size {rows}")
-    row = first % rows
-    for piece in shard_pieces(st):
-        if row < piece.shape[0]:
-            rest = index[1:] if isinstance(index, tuple) else ()
-            return piece[(row,) + rest]
-        row -= piece.shape[0]
-    raise AssertionError("unreachable: the rows were counted")
+    shard, row = _holder(st, first % rows)
+    rest = index[1:] if isinstance(index, tuple) else ()
+    return shard_pieces(st)[shard][(row,) + rest]
 
 
 def shard_pieces(st: ShardedTensor) -> list[torch.Tensor]:
