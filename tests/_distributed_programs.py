@@ -81,6 +81,12 @@ def collective_programs(d: dict[str, torch.Tensor], jit: bool = False):
         "all_to_all_tiled": lambda d: pm(lambda v: tp.all_to_all(v, "i", 0, 1, tiled=True))(d["x_tiled"]),
         "psum_scatter": lambda d: pm(lambda v: tp.psum_scatter(v, "i"))(d["x_sq"]),
         "psum_scatter_tiled": lambda d: pm(lambda v: tp.psum_scatter(v, "i", tiled=True))(d["x_tiled"]),
+        "psum_scatter_groups": lambda d: pm(
+            lambda v: tp.psum_scatter(v[:2], "i", scatter_dimension=0, axis_index_groups=[[0, 3], [2, 1]])
+        )(d["x_sq"]),
+        "all_to_all_groups_tiled": lambda d: pm(
+            lambda v: tp.all_to_all(v, "i", 0, 1, axis_index_groups=[[1, 2], [0, 3]], tiled=True)
+        )(d["x_tiled"]),
         "axis_index": lambda d: pm(lambda v: tp.axis_index("i"))(d["x"]),
         "half_sums": lambda d: pm(
             lambda v: (

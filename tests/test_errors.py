@@ -362,7 +362,14 @@ def test_all_gather_axis_out_of_range():
         collective(lambda x: tp.all_gather(x, "i", axis=5), torch.ones(4, 3))
 
 
-@pytest.mark.parametrize("op", ["psum", "pmean", "pmax", "pmin", "all_gather"])
+def _grouped_scatter(op: str):
+    """psum_scatter or all_to_all of a (4, 3) value per instance, in groups."""
+    if op == "psum_scatter":
+        return lambda groups: (lambda x: tp.psum_scatter(x.expand(4, 3), "i", axis_index_groups=groups))
+    return lambda groups: (lambda x: tp.all_to_all(x.expand(4, 3), "i", 0, 0, axis_index_groups=groups))
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "all_to_all"])
 @pytest.mark.parametrize(
     "groups",
     [[[0, 1], [2]], [[0, 1], [1, 2, 3]], [[0, 1], [2, 3, 4]]],
@@ -370,12 +377,29 @@ def test_all_gather_axis_out_of_range():
 )
 def test_axis_index_groups_that_do_not_partition_the_axis(op, groups):
     with raises(ValueError, op, "axis_index_groups", repr(groups), "exactly once", "0..3"):
-        collective(lambda x: getattr(tp, op)(x, "i", axis_index_groups=groups))
+        if op in ("psum_scatter", "all_to_all"):
+            collective(_grouped_scatter(op)(groups), torch.ones(4, 1))
+        else:
+            collective(lambda x: getattr(tp, op)(x, "i", axis_index_groups=groups))
 
 
-def test_all_gather_axis_index_groups_of_unequal_sizes():
-    with raises(ValueError, "all_gather", "same size", "[[0], [1, 2, 3]]"):
-        collective(lambda x: tp.all_gather(x, "i", axis_index_groups=[[0], [1, 2, 3]]))
+@pytest.mark.parametrize("op", ["all_gather", "psum_scatter", "all_to_all"])
+def test_axis_index_groups_of_unequal_sizes(op):
+    """JAX refuses them too (all_to_all: "Replica groups must be equally sized"; psum_scatter
+    fails to lower)."""
+    groups = [[0], [1, 2, 3]]
+    with raises(ValueError, op, "same size", "[[0], [1, 2, 3]]"):
+        if op == "all_gather":
+            collective(lambda x: tp.all_gather(x, "i", axis_index_groups=groups))
+        else:
+            collective(_grouped_scatter(op)(groups), torch.ones(4, 1))
+
+
+@pytest.mark.parametrize("op", ["psum_scatter", "all_to_all"])
+def test_grouped_scatter_needs_the_group_size(op):
+    """Within groups of 2, the scattered (split) dim has the group's size, not the axis'."""
+    with raises(ValueError, op, "(4, 3)", "has size 4", "groups (2, on axis 'i' (size 4))", "tiled=True"):
+        collective(_grouped_scatter(op)([[0, 1], [2, 3]]), torch.ones(4, 1))
 
 
 def test_axis_index_groups_with_a_tuple_of_axis_names():

@@ -417,22 +417,50 @@ class Ppermute(Primitive):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AllToAll(Primitive):
+    """Instance ``d`` receives piece ``d`` of every instance's value. With ``groups``
+    (of equal size ``s``) the exchange stays within each group: the member at position
+    ``p`` of its group receives piece ``p`` of each member's value, in group order."""
+
     split_axis: int = 0
     concat_axis: int = 0
     tiled: bool = False
+    groups: Groups = None
     name = "all_to_all"
     views_input = True
 
     def compute(self, X: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        if self.groups is not None:
+            return moved_as_signed(self._within_groups, X), 0
         n, split = X.shape[0], self.dim(self.split_axis)
         if self.tiled:  # split the split dim into (destination, chunk)
             X = X.unflatten(split, (n, X.shape[split] // n))
         Y = X.movedim(split, 0)  # (destination, source, *lead, *chunked instance)
+        return self._sources_at_concat(Y), 0
+
+    def _within_groups(self, X: torch.Tensor) -> torch.Tensor:
+        groups = self.groups
+        assert groups is not None
+        table = torch.tensor(groups, dtype=torch.long, device=X.device)  # (G, s): equal sizes
+        count, size = table.shape
+        split = 1 + self.dim(self.split_axis)  # in (group, source, *lead, *instance)
+        by_group = X.index_select(0, table.flatten()).unflatten(0, (count, size))
+        if self.tiled:
+            by_group = by_group.unflatten(split, (size, by_group.shape[split] // size))
+        # (group, destination position, source, ...): row g * s + p goes to member table[g][p]
+        Y = by_group.movedim(split, 1).flatten(0, 1)
+        row_of = [0] * (count * size)
+        for row, member in enumerate(m for g in groups for m in g):
+            row_of[member] = row
+        return self._sources_at_concat(Y.index_select(0, torch.tensor(row_of, device=X.device)))
+
+    def _sources_at_concat(self, Y: torch.Tensor) -> torch.Tensor:
+        """``Y`` (destination, source, *lead, *instance) with the sources placed along
+        the concat axis (a new dim, or merged into it when tiled)."""
         out = Y.movedim(1, self.dim(self.concat_axis))
         if self.tiled:  # merge (source, concat dim) into one concatenated dim
             at = self.dim(self.concat_axis)
             out = out.flatten(at, at + 1)
-        return out, 0
+        return out
 
     def transpose(self) -> Primitive:
         return dataclasses.replace(self, split_axis=self.concat_axis, concat_axis=self.split_axis)

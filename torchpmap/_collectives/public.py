@@ -119,6 +119,15 @@ def _index(i: Any) -> int:
     return int(i.__index__())
 
 
+def _scattered_size(frames: list[AxisFrame], groups: Groups) -> tuple[int, str]:
+    """The number of pieces a value is cut into (the axes' size, or one group's) and how
+    an error names it."""
+    if groups is None:
+        return _total_size(frames), f"the size of {_axis_phrase(frames)}"
+    size = len(groups[0])
+    return size, f"the size of each of axis_index_groups' groups ({size}, on {_axis_phrase(frames)})"
+
+
 def _check_groups(groups: Any, frames: list[AxisFrame], what: str, equal_sizes: bool) -> Groups:
     """``axis_index_groups`` as a tuple of tuples, checked against the axis size."""
     if groups is None:
@@ -325,7 +334,14 @@ def all_gather(
     return _tree_apply("all_gather", x, gather, varying=frames)
 
 
-def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0, tiled: bool = False) -> PyTree:
+def psum_scatter(
+    x: PyTree,
+    axis_name: AxisNames,
+    *,
+    scatter_dimension: int = 0,
+    axis_index_groups: Sequence[Sequence[int]] | None = None,
+    tiled: bool = False,
+) -> PyTree:
     """``psum`` followed by each instance keeping only its own slice of the total.
 
     Without ``tiled`` the value's ``scatter_dimension`` must have the axis size and is
@@ -334,16 +350,24 @@ def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
     transpose is :func:`all_gather`. Booleans are refused, as in JAX (``psum`` counts
     them): cast them to an integer dtype first.
 
+    With ``axis_index_groups`` (groups of equal size) each group sums on its own, and the
+    member at position ``p`` of its group keeps slice ``p`` of its group's sum: the
+    ``scatter_dimension`` then has the group's size (or a multiple of it, tiled).
+
     Example:
         >>> import torch, torchpmap
         >>> x = torch.arange(16.).reshape(4, 4)
         >>> torchpmap.pmap(lambda r: torchpmap.psum_scatter(r, "i"), axis_name="i")(x)
         tensor([24., 28., 32., 36.])
+        >>> grouped = lambda r: torchpmap.psum_scatter(r[:2], "i", axis_index_groups=[[0, 1], [2, 3]])
+        >>> torchpmap.pmap(grouped, axis_name="i")(x)
+        tensor([ 4.,  6., 20., 22.])
     """
     frames = _frames(axis_name, "psum_scatter", allow_empty=True)
     if not frames:
-        return _over_no_axis(x, "psum_scatter")
-    n = _total_size(frames)
+        return _over_no_axis(x, "psum_scatter", axis_index_groups)
+    groups = _check_groups(axis_index_groups, frames, "psum_scatter", equal_sizes=True)
+    n, over = _scattered_size(frames, groups)
 
     def dimension(t: torch.Tensor) -> int:
         if t.dtype == torch.bool:  # as JAX does; psum counts booleans
@@ -360,12 +384,12 @@ def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
         if not tiled and size != n:
             raise ValueError(
                 f"psum_scatter: scatter_dimension {scatter_dimension} of the value (shape {tuple(t.shape)}) has size "
-                f"{size}, but it must equal the size of {_axis_phrase(frames)}. Use tiled=True to scatter blocks."
+                f"{size}, but it must equal {over}. Use tiled=True to scatter blocks."
             )
         if tiled and size % n:
             raise ValueError(
                 f"psum_scatter: with tiled=True, scatter_dimension {scatter_dimension} of the value (shape "
-                f"{tuple(t.shape)}) has size {size}, which is not divisible by the size of {_axis_phrase(frames)}"
+                f"{tuple(t.shape)}) has size {size}, which is not divisible by {over}"
             )
         return dim
 
@@ -373,7 +397,7 @@ def psum_scatter(x: PyTree, axis_name: AxisNames, *, scatter_dimension: int = 0,
         dims = [dimension(t) for t in ts]
         for k, frame in enumerate(frames):  # most significant axis first, each keeps its block
             blocks = tiled or k < len(frames) - 1
-            ts = bind_many([PsumScatter(frame, dimension=dim, tiled=blocks) for dim in dims], ts)
+            ts = bind_many([PsumScatter(frame, dimension=dim, tiled=blocks, groups=groups) for dim in dims], ts)
         return ts
 
     return _tree_apply("psum_scatter", x, scatter, varying=frames)
@@ -483,7 +507,15 @@ def pshuffle(x: PyTree, axis_name: AxisNames, perm: Sequence[int]) -> PyTree:
     return ppermute(x, axis_name, [(int(src), dst) for dst, src in enumerate(perm)])
 
 
-def all_to_all(x: PyTree, axis_name: AxisNames, split_axis: int, concat_axis: int, *, tiled: bool = False) -> PyTree:
+def all_to_all(
+    x: PyTree,
+    axis_name: AxisNames,
+    split_axis: int,
+    concat_axis: int,
+    *,
+    axis_index_groups: Sequence[Sequence[int]] | None = None,
+    tiled: bool = False,
+) -> PyTree:
     """Each instance splits its value along ``split_axis`` into one piece per instance,
     sends piece ``k`` to instance ``k``, and receives the pieces addressed to it along
     ``concat_axis``.
@@ -494,6 +526,11 @@ def all_to_all(x: PyTree, axis_name: AxisNames, split_axis: int, concat_axis: in
     received blocks are concatenated along the existing ``concat_axis``. The transpose
     is ``all_to_all`` with the two axes swapped.
 
+    With ``axis_index_groups`` (groups of equal size) the exchange stays within each
+    group: ``x.shape[split_axis]`` has the group's size (or a multiple of it, tiled), and
+    the member at position ``p`` of its group receives piece ``p`` of each member's
+    value, in the group's order.
+
     Example:
         >>> import torch, torchpmap
         >>> x = torch.arange(9).reshape(3, 3)
@@ -501,9 +538,16 @@ def all_to_all(x: PyTree, axis_name: AxisNames, split_axis: int, concat_axis: in
         tensor([[0, 3, 6],
                 [1, 4, 7],
                 [2, 5, 8]])
+        >>> pairs = lambda r: torchpmap.all_to_all(r, "i", 0, 0, axis_index_groups=[[0, 1], [2, 3]])
+        >>> torchpmap.pmap(pairs, axis_name="i")(torch.arange(8).reshape(4, 2))
+        tensor([[0, 2],
+                [1, 3],
+                [4, 6],
+                [5, 7]])
     """
     frames = _frames(axis_name, "all_to_all")
-    n = _total_size(frames)
+    groups = _check_groups(axis_index_groups, frames, "all_to_all", equal_sizes=True)
+    n, over = _scattered_size(frames, groups)
 
     def axes(t: torch.Tensor) -> tuple[int, int]:
         if t.dim() == 0:
@@ -514,19 +558,21 @@ def all_to_all(x: PyTree, axis_name: AxisNames, split_axis: int, concat_axis: in
         if not tiled and size != n:
             raise ValueError(
                 f"all_to_all: split_axis {split_axis} of the value (shape {tuple(t.shape)}) has size {size}, but it "
-                f"must equal the size of {_axis_phrase(frames)}. Use tiled=True to split it into equal blocks."
+                f"must equal {over}. Use tiled=True to split it into equal blocks."
             )
         if tiled and size % n:
             raise ValueError(
                 f"all_to_all: with tiled=True, split_axis {split_axis} of the value (shape {tuple(t.shape)}) has size "
-                f"{size}, which is not divisible by the size of {_axis_phrase(frames)}"
+                f"{size}, which is not divisible by {over}"
             )
         return split, concat
 
     def exchange(ts: list[torch.Tensor]) -> Leaves:
         split_concat = [axes(t) for t in ts]
         if len(frames) == 1:
-            prims = [AllToAll(frames[0], split_axis=s, concat_axis=c, tiled=tiled) for s, c in split_concat]
+            prims = [
+                AllToAll(frames[0], split_axis=s, concat_axis=c, tiled=tiled, groups=groups) for s, c in split_concat
+            ]
             return bind_many(prims, ts)
         everyone = all_gather(ts, axis_name)
         return [_my_pieces(e, axis_name, n, s, c, tiled) for e, (s, c) in zip(everyone, split_concat)]
