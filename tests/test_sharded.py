@@ -546,8 +546,27 @@ def test_a_row_of_a_result_that_requires_grad_reads_its_own_shard(devices):
     assert row.local is not None and row.local.shard == 3
     row.mul_(0.5)
     assert torch.equal(r.shards[3].tensor.detach(), x[3:].detach())  # written where it lives
-    with torch.no_grad():  # nothing to record: the shard's row itself, as before
-        assert type(r[3]) is torch.Tensor
+
+
+@pytest.mark.parametrize("leaf", [False, True], ids=["result", "leaf"])
+def test_a_row_taken_under_no_grad_refuses_a_write_in_grad_mode_as_on_one_device(devices, leaf):
+    """torch refuses to write, in grad mode, a view made under no_grad of a tensor that
+    requires grad; several devices took such a row as the shard's own and wrote it (into
+    a leaf that requires grad too). Under no_grad the write goes through, on both."""
+    for placement in (devices[:1], devices):
+        w = torch.ones(2, requires_grad=True)
+        r = tp.pmap(lambda v: v * w, devices=placement)(torch.arange(8.0).reshape(4, 2))
+        if leaf:
+            r = r.detach().requires_grad_()
+        with torch.no_grad():
+            row, column = r[3], r.select(1, 0)
+            row.mul_(2)
+        if len(placement) > 1:
+            assert row.device == r.shards[3].tensor.device  # read from its shard, no gather
+        for view in (row, column):
+            with pytest.raises(RuntimeError, match="created in no_grad mode"):
+                view.mul_(2)
+        assert torch.as_tensor(r.detach())[3].tolist() == [12.0, 14.0], placement
 
 
 def test_iterating_a_result_that_requires_grad_refuses_a_write_as_a_tensor_does(devices):

@@ -20,8 +20,8 @@ How it works, for a reader of the code:
 * Reading a part of it without a gather (``st[3]``, ``select``/``movedim``/``unsqueeze``
   keeping the sharding) goes through :class:`_Split`, so those reads stay on the graph
   through the ShardedTensor itself. Its pieces are detached views of the shards, so
-  autograd would not see a write through them: when the ShardedTensor requires grad (in
-  grad mode) those reads are ShardedViews instead (:func:`records_views`), a row of one
+  autograd would not see a write through them: when the ShardedTensor requires grad
+  those reads are ShardedViews instead (:func:`records_views`), a row of one
   shard read and written where it lives (:class:`InShard`).
 * Any other view (``view``, ``reshape`` when it can view, slicing, ``t()``, ...) is a
   :class:`ShardedView` (``detach()`` is a ShardedTensor of the detached shards): the
@@ -226,7 +226,7 @@ class ShardedTensor(torch.Tensor):
 
     def movedim(self, source: int, destination: int) -> torch.Tensor:  # type: ignore[override]
         """Like ``torch.movedim``: moves dims of every shard, keeping the sharding (a
-        ShardedTensor). When it requires grad in grad mode, a :class:`ShardedView` instead,
+        ShardedTensor). When it requires grad, a :class:`ShardedView` instead,
         so that autograd records a write through it (see :func:`records_views`)."""
         if records_views(self):
             return torch.Tensor.movedim(self, source, destination)
@@ -234,14 +234,14 @@ class ShardedTensor(torch.Tensor):
 
     def unsqueeze(self, dim: int) -> torch.Tensor:
         """Like ``torch.unsqueeze``, keeping the sharding (no data moves); a ShardedView
-        when it requires grad in grad mode (as :meth:`movedim`)."""
+        when it requires grad (as :meth:`movedim`)."""
         if records_views(self):
             return torch.Tensor.unsqueeze(self, dim)
         return unsqueeze_of_shards(self, dim)
 
     def select(self, dim: int, index: int) -> Any:  # type: ignore[override]
         """Like ``torch.select``; along another dim than the sharded one, no data moves (a
-        ShardedView when it requires grad in grad mode, as :meth:`movedim`)."""
+        ShardedView when it requires grad, as :meth:`movedim`)."""
         if records_views(self):
             return torch.Tensor.select(self, dim, index)
         return select_of_shards(self, dim, index)
@@ -659,13 +659,13 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
 
 
 def records_views(st: ShardedTensor) -> bool:
-    """Whether a view of ``st`` must be one that autograd records: in grad mode, when it
-    requires grad. Then ``st[i]``, ``select``, ``movedim``, ``unsqueeze`` and iteration
-    are :class:`ShardedView` s (autograd views of ``st``, so that a write through one is
-    differentiated as a write through a view of a tensor); else the cheaper pieces of the
-    shards (a row of one shard, a ShardedTensor of the shards' views), whose writes
-    autograd would not see."""
-    return torch.is_grad_enabled() and st.requires_grad
+    """Whether a view of ``st`` must be one that autograd records: when it requires grad.
+    Then ``st[i]``, ``select``, ``movedim``, ``unsqueeze`` and iteration are
+    :class:`ShardedView` s (autograd views of ``st``, so that a write through one is
+    differentiated as a write through a view of a tensor, and a view made under
+    ``no_grad`` refuses a write in grad mode, as torch's do); else the cheaper pieces of
+    the shards (a row of one shard, a ShardedTensor of the shards' views)."""
+    return st.requires_grad
 
 
 # What the library uses where it builds a new result from another (nothing outside sees
