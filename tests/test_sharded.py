@@ -510,25 +510,28 @@ ROW_WRITES = {
 }
 
 
-def _write_through_a_read_then_backward(devices, read, write) -> tuple:
-    x = torch.arange(1.0, 9.0).reshape(4, 2).requires_grad_()
+def _write_through_a_read_then_backward(devices, read, write, grad_x=True) -> tuple:
+    x = torch.arange(1.0, 9.0).reshape(4, 2).requires_grad_(grad_x)
     w = torch.tensor(3.0, requires_grad=True)
     r = tp.pmap(lambda v: v.exp() * 2, devices=devices)(x)
     ROW_WRITES[write](ROW_READS[read](r), w)
-    (torch.as_tensor(r) * torch.arange(8.0).reshape(4, 2)).sum().backward()
+    loss = (torch.as_tensor(r) * torch.arange(8.0).reshape(4, 2)).sum() + w
+    loss.backward()
     return torch.as_tensor(r).detach(), x.grad, w.grad
 
 
+@pytest.mark.parametrize("grad_x", [True, False], ids=["result requires grad", "result without grad"])
 @pytest.mark.parametrize("write", sorted(ROW_WRITES))
 @pytest.mark.parametrize("read", sorted(ROW_READS))
-def test_a_write_through_a_row_or_a_moved_view_is_differentiated_as_on_one_device(devices, read, write):
-    """``st[i]``, ``select``, ``movedim`` and ``unsqueeze`` of a result that requires grad
-    handed out detached pieces of the shards: a write through one reached the values, but
-    the gradient missed it on several devices (the mul_ case: x.grad summed to 60537
-    against one device's 61353, and w.grad was None). Now they are autograd views of the
-    result, as on one device; a row still reads its own shard, without a gather."""
-    one = _write_through_a_read_then_backward(devices[:1], read, write)
-    many = _write_through_a_read_then_backward(devices, read, write)
+def test_a_write_through_a_row_or_a_moved_view_is_differentiated_as_on_one_device(devices, read, write, grad_x):
+    """``st[i]``, ``select``, ``movedim`` and ``unsqueeze`` of a result handed out detached
+    pieces of the shards: a write through one reached the values, but the gradient missed
+    it on several devices (the mul_ case: x.grad summed to 60537 against one device's
+    61353, and w.grad was None; into a result without grad, w.grad was 1 where one device
+    gives 1 plus the write's part). Now they are autograd views of the result, as on one
+    device; a row still reads its own shard, without a gather."""
+    one = _write_through_a_read_then_backward(devices[:1], read, write, grad_x)
+    many = _write_through_a_read_then_backward(devices, read, write, grad_x)
     for a, b in zip(one, many):
         assert (a is None) == (b is None), (read, write)
         if a is not None:
@@ -567,6 +570,17 @@ def test_a_row_taken_under_no_grad_refuses_a_write_in_grad_mode_as_on_one_device
             with pytest.raises(RuntimeError, match="created in no_grad mode"):
                 view.mul_(2)
         assert torch.as_tensor(r.detach())[3].tolist() == [12.0, 14.0], placement
+
+
+def test_a_row_taken_under_no_grad_refuses_a_value_that_requires_grad_as_on_one_device(devices):
+    """Of a result without grad too: the write of a value that requires grad, in grad mode,
+    through a row made under no_grad (several devices wrote it, unrecorded)."""
+    for placement in (devices[:1], devices):
+        r = tp.pmap(lambda v: v * 2, devices=placement)(torch.arange(8.0).reshape(4, 2))
+        with torch.no_grad():
+            row = r[1]
+        with pytest.raises(RuntimeError, match="created in no_grad mode"):
+            row.copy_(torch.ones(2, requires_grad=True))
 
 
 def test_iterating_a_result_that_requires_grad_refuses_a_write_as_a_tensor_does(devices):
@@ -737,3 +751,41 @@ def test_a_result_passed_unmapped_is_read_once_and_a_write_into_it_refused(devic
         out.sum().backward()
         grads.append(x.grad)
     torch.testing.assert_close(grads[1], grads[0])
+
+
+#: Two arguments viewing one result, each mapped along the result's rows: in_axes, the views.
+ALIASED_ARGUMENTS = {
+    "a column twice": ((0, 0), lambda r: (r[:, 0], r[:, 0])),
+    "the result and its transpose": ((0, 1), lambda r: (r, r.t())),
+    "the result and a column": ((0, 0), lambda r: (r, r[:, 1])),
+    "overlapping column windows": ((0, 0), lambda r: (r[:, :2], r[:, 1:])),
+}
+
+
+def _aliased_arguments_written(devices, case, n, requires_grad) -> tuple:
+    """A function that writes through its first argument and reads (and writes) the second;
+    returns the result, the caller's tensor and the gradients."""
+    in_axes, views = ALIASED_ARGUMENTS[case]
+    x = torch.arange(n * 3.0).reshape(n, 3).requires_grad_(requires_grad)
+    w = torch.tensor(2.0, requires_grad=requires_grad)
+    r = tp.pmap(lambda v: v * 1.0, devices=devices)(x)
+    out = tp.pmap(lambda a, b: a.mul_(w).sum() * b.add_(1).sum(), devices=devices, in_axes=in_axes)(*views(r))
+    if requires_grad:
+        (torch.as_tensor(out).sum() + (torch.as_tensor(r) ** 2).sum()).backward()
+    grads = None if x.grad is None else (x.grad.tolist(), w.grad.item())
+    return torch.as_tensor(out).tolist(), torch.as_tensor(r).tolist(), grads
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["", "requires grad"])
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("case", sorted(ALIASED_ARGUMENTS))
+def test_arguments_viewing_one_result_share_its_memory_as_on_one_device(devices, case, n, requires_grad):
+    """Each view reached the device threads as a copy of its own: a write through one was
+    not seen through the other, and one of two writes was lost in the caller's tensor
+    (overlapping windows: [[1, 2, 4], ...] where one device gives [[1, 4, 4], ...]). A
+    view that is its op on each shard (a column, a transpose) is now taken as a view of the
+    device's shard; with grad, of one split of the result shared by both arguments, so
+    that autograd sees the write through either. A function that saved what it wrote
+    raised "modified by an inplace operation" on several devices at the write-back."""
+    want = _aliased_arguments_written(devices[:1], case, n, requires_grad)
+    assert _aliased_arguments_written(devices, case, n, requires_grad) == want

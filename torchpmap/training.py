@@ -73,7 +73,7 @@ from torchpmap._frontend.reached import reached as _reached
 from torchpmap._frontend.sharded_step import ShardedStep
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import DeviceLike
-from torchpmap._placement.sharded import ShardedTensor
+from torchpmap._placement.sharded import ShardedTensor, row_of_shards
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
 from torchpmap._state.faults import SharedWrite
@@ -181,7 +181,9 @@ def unreplicate(tree: PyTree) -> PyTree:
 
     def first(path: pytree.KeyPath, leaf: Any) -> torch.Tensor:
         if isinstance(leaf, ShardedTensor) and leaf.dim() > 0:
-            return leaf[0]  # read from the first shard only
+            # read from the first shard only: a plain tensor, a view of it, where no autograd
+            # view is needed (a ShardedView, so that a write through it is recorded, otherwise)
+            return leaf[0] if leaf.requires_grad else row_of_shards(leaf, 0)
         x = _as_tensor(leaf, path, "unreplicate", "tree")
         _leading_axis(x, path, "unreplicate", "tree", "instance")
         return x[0]

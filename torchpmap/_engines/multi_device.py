@@ -28,7 +28,7 @@ from torchpmap._engines.turn_versions import TurnVersions
 from torchpmap._engines.workers import pool
 from torchpmap._placement import devices as _devices
 from torchpmap._placement.devices import Device
-from torchpmap._placement.sharded import ShardedTensor, ShardedView, shard_pieces
+from torchpmap._placement.sharded import ShardedTensor, ShardedView, has_nested_shards, shard_pieces
 from torchpmap._state import context as _context
 from torchpmap._state import torch_private as private
 from torchpmap._state.config import config
@@ -44,10 +44,27 @@ def split_on_the_graph(call: MappedCall) -> MappedCall:
     a result), so that the gradient differed from one device's."""
     if call.pieces is not None or not torch.is_grad_enabled():  # split already (a compiled call run eagerly)
         return call
-    if not any(isinstance(t, ShardedTensor) and t.requires_grad for t in call.mapped):
+    if not any(isinstance(t, (ShardedTensor, ShardedView)) and t.requires_grad for t in call.mapped):
         return call
-    pieces = [shard_pieces(t) if isinstance(t, ShardedTensor) and t.requires_grad else None for t in call.mapped]
-    return dataclasses.replace(call, pieces=pieces)
+    split: dict[int, list[torch.Tensor]] = {}
+    return dataclasses.replace(call, pieces=[_pieces_on_the_graph(t, split) for t in call.mapped])
+
+
+def _pieces_on_the_graph(t: Any, split: dict[int, list[torch.Tensor]]) -> list[torch.Tensor] | None:
+    """A mapped argument's parts held by each shard, on the graph through the ShardedTensor
+    (see :func:`split_on_the_graph`): a ShardedTensor's shards; a ShardedView's (one that is
+    its op on each shard, see ``ShardedView.along``) the op on its base's; else None. One
+    base is split once (``split``), so that arguments that view it are views of the same
+    pieces: a write through one is seen by autograd through the others, as on one device."""
+    if not (isinstance(t, (ShardedTensor, ShardedView)) and t.requires_grad):
+        return None
+    if isinstance(t, ShardedView) and (t.along is None or has_nested_shards(t.base)):
+        return None
+    base = t if isinstance(t, ShardedTensor) else t.base
+    if id(base) not in split:
+        split[id(base)] = shard_pieces(base)
+    pieces = split[id(base)]
+    return pieces if isinstance(t, ShardedTensor) else [t.replay(p) for p in pieces]
 
 
 def slice_for_device(
@@ -61,6 +78,19 @@ def slice_for_device(
             shard = t.shards[d]
             if shard.device == device and shard.tensor.shape[dim] == k and _starts_at(t, d, dim) == d * k:
                 return shard.tensor if pieces is None else pieces[d]
+    if isinstance(t, ShardedView) and t.along == dim and len(t.base.shards) > d:
+        # a view of a result that keeps each shard's part in its shard (a column, a
+        # transpose): this device's part is a view of its shard, so that two arguments
+        # viewing one result share memory on every device, as on one device
+        base, at = t.base, t.base.shard_dim
+        shard = base.shards[d]
+        if shard.device == device and shard.tensor.shape[at] == k and _starts_at(base, d, at) == d * k:
+            if pieces is not None:
+                return pieces[d]
+            if not (t.requires_grad and torch.is_grad_enabled()):
+                own = t.of_shard(dim, d)
+                if own is not None:
+                    return own
     with written_copies.trackable():
         # a view of a ShardedTensor is read as its value (a copy, written back where written:
         # torch's .to() of it onto its own device returned the view, which the instances

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchpmap._engines import closure_writes
-from torchpmap._placement.sharded import ShardedTensor, ShardedView
+from torchpmap._placement.sharded import ShardedTensor, ShardedView, rewriting_unchanged_quietly
 
 
 def trackable() -> contextlib.AbstractContextManager[None]:
@@ -45,8 +45,11 @@ def is_copy(argument: Any, part: Any) -> bool:
     shards) or ShardedView, or a tensor on another device."""
     if isinstance(argument, ShardedTensor):
         return all(part is not s.tensor for s in argument.shards)
-    if isinstance(argument, ShardedView):
-        return True
+    if isinstance(argument, ShardedView):  # a copy, or a view of one of its base's shards
+        if part.requires_grad:  # on the graph through its base: a write is written back through autograd
+            return True
+        memory = part.untyped_storage().data_ptr()
+        return all(memory != s.tensor.untyped_storage().data_ptr() for s in argument.base.shards)
     return isinstance(argument, torch.Tensor) and isinstance(part, torch.Tensor) and part.device != argument.device
 
 
@@ -78,6 +81,7 @@ def write_back(
 ) -> None:
     """Copies each noted part whose version moved (the function wrote into it) into its
     argument's ``region`` (all of it unless given: a device's slice, say)."""
-    for i, version in noted.items():
-        if version is None or parts[i]._version != version:
-            region(i, arguments[i]).copy_(parts[i])
+    with rewriting_unchanged_quietly():  # a part that is its shard's memory holds the values already
+        for i, version in noted.items():
+            if version is None or parts[i]._version != version:
+                region(i, arguments[i]).copy_(parts[i])

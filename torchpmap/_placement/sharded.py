@@ -17,18 +17,19 @@ How it works, for a reader of the code:
   ``__torch_function__`` off), which runs them on the gathered data and returns plain
   tensors. An op that writes a ShardedTensor in place writes the result back into its
   shards.
-* Reading a part of it without a gather (``st[3]``, ``select``/``movedim``/``unsqueeze``
-  keeping the sharding) goes through :class:`_Split`, so those reads stay on the graph
-  through the ShardedTensor itself. Its pieces are detached views of the shards, so
-  autograd would not see a write through them: when the ShardedTensor requires grad
-  those reads are ShardedViews instead (:func:`records_views`), a row of one
-  shard read and written where it lives (:class:`InShard`).
-* Any other view (``view``, ``reshape`` when it can view, slicing, ``t()``, ...) is a
-  :class:`ShardedView` (``detach()`` is a ShardedTensor of the detached shards): the
-  view op replayed on the gathered value whenever it is read, and a write into it is a
-  write into the gathered value, written back into the shards. So writes through views
-  reach the ShardedTensor, as writes through a view reach its base; autograd sees an
-  ordinary view of it.
+* A view (``st[3]``, ``select``, ``movedim``, iteration, ``view``, ``reshape`` when it can
+  view, slicing, ``t()``, ...) is a :class:`ShardedView` (``detach()`` is a ShardedTensor
+  of the detached shards): the view op replayed on the gathered value whenever it is
+  read, and a write into it is a write into the gathered value, written back into the
+  shards. So writes through views reach the ShardedTensor, as writes through a view
+  reach its base; autograd sees an ordinary view of it (a write of a value that requires
+  grad is recorded on it, a view made under ``no_grad`` refuses a write in grad mode). A
+  row (``st[3]``, ``select`` along the sharded dim, a row of an iteration) is read from
+  and written into the shard that holds it, without a gather (:class:`InShard`).
+* The library's own reads of a part, where nobody else holds the result (a nested
+  map's slice, ``out_axes``), keep the sharding: :func:`movedim_of_shards` and its
+  siblings go through :class:`_Split`, whose pieces are views of the shards on the graph
+  through the ShardedTensor.
 * It behaves as a tensor or refuses: shards are checked when it is made (one dtype, one
   layout, one shape but along the sharded dim), indexing is bounds-checked as torch's,
   an in-place op on one whose shards are leaves that require grad raises as on a view
@@ -37,8 +38,10 @@ How it works, for a reader of the code:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -222,48 +225,17 @@ class ShardedTensor(torch.Tensor):
     def __dlpack_device__(self) -> Any:
         return _concatenated(self, self.device).__dlpack_device__()
 
-    # ------------------------------------------------------------------ views that keep the sharding
-
-    def movedim(self, source: int, destination: int) -> torch.Tensor:  # type: ignore[override]
-        """Like ``torch.movedim``: moves dims of every shard, keeping the sharding (a
-        ShardedTensor). When it requires grad, a :class:`ShardedView` instead,
-        so that autograd records a write through it (see :func:`records_views`)."""
-        if records_views(self):
-            return torch.Tensor.movedim(self, source, destination)
-        return movedim_of_shards(self, source, destination)
-
-    def unsqueeze(self, dim: int) -> torch.Tensor:
-        """Like ``torch.unsqueeze``, keeping the sharding (no data moves); a ShardedView
-        when it requires grad (as :meth:`movedim`)."""
-        if records_views(self):
-            return torch.Tensor.unsqueeze(self, dim)
-        return unsqueeze_of_shards(self, dim)
-
-    def select(self, dim: int, index: int) -> Any:  # type: ignore[override]
-        """Like ``torch.select``; along another dim than the sharded one, no data moves (a
-        ShardedView when it requires grad, as :meth:`movedim`)."""
-        if records_views(self):
-            return torch.Tensor.select(self, dim, index)
-        return select_of_shards(self, dim, index)
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        if not records_views(self):  # a row read from its shard's piece (no autograd view to record)
-            return row_of_shards(self, index)
-        # as torch indexes: slices and integers are views (a ShardedView, writes reach the
-        # shards; a row of one shard reads that shard alone), advanced indexing a copy;
-        # bounds checked as torch checks them
-        return torch.Tensor.__getitem__(self, index)
+    # ------------------------------------------------------------------ views
+    # st[i], select, movedim, unsqueeze and iteration are torch's own: ShardedViews, autograd
+    # views of st (see ShardedView). The library's own reads that keep the sharding, where no
+    # user holds the result, are movedim_of_shards, select_of_shards, unsqueeze_of_shards and
+    # row_of_shards (below the class).
 
     def __setitem__(self, index: Any, value: Any) -> None:
         """``st[index] = value``: computed on the gathered value, written back into the shards."""
         updated = self.gather().clone()
         updated[index] = value
         self.copy_(updated)
-
-    def __iter__(self) -> Any:
-        if records_views(self):  # as a tensor iterates: the views of unbind(0)
-            return iter(torch.Tensor.unbind(self, 0))
-        return (self[i] for i in range(len(self)))
 
     def map_shards(self, view: Callable[[torch.Tensor], torch.Tensor], dim: int) -> ShardedTensor:
         """``view`` of every shard, on its own device, as a ShardedTensor split along
@@ -454,7 +426,60 @@ def _view_of(func: Any, args: tuple, kwargs: dict) -> Any:
         return type(meta)(
             ShardedView(base, _item(replay, i), m, _local_item(local, i)) for i, m in enumerate(meta)
         )
-    return ShardedView(base, replay, meta, cast("InShard | None", local))
+    return ShardedView(base, replay, meta, cast("InShard | None", local), _along(func, args, kwargs))
+
+
+_ALONG_IDENTITY = frozenset({torch.ops.aten.alias.default, torch.ops.aten.detach.default,
+                             torch.ops.aten.view_as_real.default})
+
+
+def _along(func: Any, args: tuple, kwargs: dict) -> int | None:
+    """The dim of a view op's result along which it is the same op applied to each shard
+    of its base, concatenated (the sharded dim, moved); ``None`` when the op reads across
+    shards or may (a reshape, a slice of the sharded dim, an expand, ``as_strided``). Only
+    ops that move the sharded dim or leave it whole qualify; their arguments never name
+    its size, so replaying them on one shard gives that shard's part."""
+    src = args[0]
+    if isinstance(src, ShardedView):
+        q = src.along
+    else:
+        q = None if has_nested_shards(src) else src.shard_dim
+    if q is None:
+        return None
+    rank, rest = src.dim(), list(args[1:])
+    aten = torch.ops.aten
+    try:
+        if func in _ALONG_IDENTITY:
+            return q
+        if func is aten.t.default:
+            return q if rank < 2 else 1 - q
+        if func is aten.transpose.int:
+            a, b = rest[0] % rank, rest[1] % rank
+            return b if q == a else a if q == b else q
+        if func is aten.permute.default:
+            return [d % rank for d in rest[0]].index(q)
+        if func is aten.select.int:
+            dim = rest[0] % rank
+            return None if dim == q else q - (dim < q)
+        if func is aten.slice.Tensor:
+            dim = (rest[0] if rest else kwargs.get("dim", 0)) % rank
+            if dim != q:
+                return q
+            start = rest[1] if len(rest) > 1 else kwargs.get("start")
+            end = rest[2] if len(rest) > 2 else kwargs.get("end")
+            step = rest[3] if len(rest) > 3 else kwargs.get("step", 1)
+            whole = start in (None, 0) and (end is None or end >= src.shape[q]) and step == 1
+            return q if whole else None
+        if func is aten.unsqueeze.default:
+            dim = rest[0] % (rank + 1)
+            return q + (dim <= q)
+        if func in (aten.squeeze.dim, aten.squeeze.dims):
+            dims = rest[0] if func is aten.squeeze.dims else [rest[0]]
+            gone = {d % rank for d in dims if src.shape[d % rank] == 1}
+            return None if q in gone else q - sum(d < q for d in gone)
+    except (IndexError, ValueError, TypeError):
+        return None
+    return None
 
 
 _SELECT = torch.ops.aten.select.int
@@ -511,10 +536,23 @@ def _local_item(local: InShard | list[InShard] | None, i: int) -> InShard | None
     return InShard(local.shard, lambda t: local.view(t)[i])
 
 
+def _holds_sharded(values: Any) -> bool:
+    """Whether an op's arguments (lists, tuples and dicts of them) hold a ShardedTensor or
+    ShardedView (without pytree's flatten: a view op's arguments are a few ints)."""
+    for v in values:
+        if isinstance(v, (ShardedTensor, ShardedView)):
+            return True
+        if isinstance(v, (list, tuple)) and _holds_sharded(v):
+            return True
+        if isinstance(v, dict) and _holds_sharded(v.values()):
+            return True
+    return False
+
+
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     """Every op on ShardedTensors and ShardedViews (see the module docstring)."""
     if args and isinstance(args[0], (ShardedTensor, ShardedView)) and _is_view(func):
-        if not any(isinstance(v, (ShardedTensor, ShardedView)) for v in pytree.tree_leaves((args[1:], kwargs))):
+        if not _holds_sharded(args[1:]) and not _holds_sharded(kwargs.values()):
             return _view_of(func, args, kwargs)
     written = _written(func, args, kwargs)
     if written and all(isinstance(w, ShardedView) and w.local is not None for w in written):
@@ -635,12 +673,34 @@ def _scatter(whole: torch.Tensor, st: ShardedTensor) -> None:
     Below autograd (in ``__torch_dispatch__``) a write does not bump its tensor's version
     counter: each shard's is bumped here, so that a backward that saved a shard (``exp``
     saves its result) raises "modified by an inplace operation", as on one device,
-    instead of differentiating with the overwritten values."""
+    instead of differentiating with the overwritten values. Under
+    :func:`rewriting_unchanged_quietly`, a shard that already holds its piece's values is
+    left alone."""
     pieces = whole.split([s.tensor.shape[st.shard_dim] for s in st.shards], st.shard_dim)
+    quiet = _rewriting_quietly.get()
     with torch.no_grad():
         for shard, piece in zip(st.shards, pieces):
+            if quiet and torch.equal(shard.tensor, piece):
+                continue
             shard.tensor.copy_(piece)
             torch.autograd.graph.increment_version(shard.tensor)
+
+
+_rewriting_quietly: contextvars.ContextVar[bool] = contextvars.ContextVar("rewriting_quietly", default=False)
+
+
+@contextlib.contextmanager
+def rewriting_unchanged_quietly() -> Iterator[None]:
+    """Writes into ShardedTensors that leave a shard's values as they are neither copy nor
+    bump its version counter. For an engine's write-back of what a function wrote into the
+    shard's own memory (a device's part taken in place, on the graph): autograd records
+    the write on the ShardedTensor, and a tensor the function saved from that memory stays
+    valid, as on one device, where the write was the function's only."""
+    token = _rewriting_quietly.set(True)
+    try:
+        yield
+    finally:
+        _rewriting_quietly.reset(token)
 
 
 def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -656,16 +716,6 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
         and a.alias_info.is_write
         and isinstance(v := values.get(a.name), (ShardedTensor, ShardedView))
     ]
-
-
-def records_views(st: ShardedTensor) -> bool:
-    """Whether a view of ``st`` must be one that autograd records: when it requires grad.
-    Then ``st[i]``, ``select``, ``movedim``, ``unsqueeze`` and iteration are
-    :class:`ShardedView` s (autograd views of ``st``, so that a write through one is
-    differentiated as a write through a view of a tensor, and a view made under
-    ``no_grad`` refuses a write in grad mode, as torch's do); else the cheaper pieces of
-    the shards (a row of one shard, a ShardedTensor of the shards' views)."""
-    return st.requires_grad
 
 
 # What the library uses where it builds a new result from another (nothing outside sees
@@ -805,29 +855,41 @@ class ShardedView(torch.Tensor):
     Attributes:
         base: the ShardedTensor it is a view of.
         replay: makes the view of a plain tensor laid out as ``base``.
-        local: where the view lies within one shard (``st[i]`` of a ShardedTensor that
-            requires grad, and views of it): it is read from that shard and written into
-            it, without a gather, and its device is that shard's. ``None`` for a view
-            across shards.
+        local: where the view lies within one shard (``st[i]``, and views of it): it is
+            read from that shard and written into it, without a gather, and its device
+            and ``data_ptr()`` are that shard's. ``None`` for a view across shards.
+        along: the dim along which it is ``replay`` of each shard, concatenated (a
+            column ``st[:, 0]``, ``st.t()``: the sharded dim, moved), so that a pmap
+            mapping it along that dim takes each device's part as a view of its shard
+            (:meth:`of_shard`); ``None`` for other views.
     """
 
     base: ShardedTensor
     replay: Callable[[torch.Tensor], torch.Tensor]
     local: InShard | None
+    along: int | None
     __torch_function__ = private.disabled_torch_function
 
     @staticmethod
     def __new__(
         cls, base: ShardedTensor, replay: Callable[[torch.Tensor], torch.Tensor], meta: torch.Tensor,
-        local: InShard | None = None,
+        local: InShard | None = None, along: int | None = None,
     ) -> ShardedView:
         device = base.shards[local.shard].tensor.device if local is not None else base.device
         out = private.make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride(), storage_offset=meta.storage_offset(), dtype=meta.dtype,
             device=device, requires_grad=False,
         )
-        out.base, out.replay, out.local = base, replay, local
+        out.base, out.replay, out.local, out.along = base, replay, local, along
         return out
+
+    def of_shard(self, dim: int, shard: int) -> torch.Tensor | None:
+        """Its part held by ``shard`` of its base along ``dim``: a view of that shard's
+        memory (outside autograd), where the view is its op on each shard concatenated
+        along ``dim`` (see ``along``); else ``None``."""
+        if self.along is None or dim % max(self.dim(), 1) != self.along:
+            return None
+        return self.replay(self.base.shards[shard].tensor.detach())
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]  # torch declares it without func
@@ -856,10 +918,18 @@ class ShardedView(torch.Tensor):
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
+    def data_ptr(self) -> int:
+        """Where its data lies: a view within one shard (a row) is that shard's memory,
+        as a tensor's view lies in its base's. A view across shards has no memory of its
+        own (its value is gathered when read): 0."""
+        return self.local.of(self.base).data_ptr() if self.local is not None else 0
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         body = repr(_materialized(self))[:-1]
         if self.grad_fn is not None:
             body += f", grad_fn=<{type(self.grad_fn).__name__}>"
+        if self.local is not None:
+            return f"{body}, a view of a ShardedTensor's shard on {self.base.devices()[self.local.shard]})"
         return f"{body}, a view of a ShardedTensor on devices={self.base.devices()})"
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # as its value (a copy): pickling keeps no view
