@@ -514,16 +514,23 @@ def test_torch_compile_never_returns_wrong_numbers(where):
         torch.testing.assert_close(torch.as_tensor(out), expected)
 
 
-def test_saved_tensor_hooks_around_a_pmap_are_refused_clearly():
-    """On one device, as torch.func.vmap refuses them (device threads never see the
-    caller's thread-local hooks)."""
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_saved_tensor_hooks_around_a_pmap_are_refused_clearly(four_devices, jit):
+    """As torch.func.vmap refuses them, on every placement: device threads never see the
+    caller's thread-local hooks, so four devices (and one compiled) ignored them where one
+    device refused them (a hook that changes what is saved changed nothing there;
+    ``torch.utils.checkpoint`` around the call saved no memory)."""
     x = torch.randn(4, 3, requires_grad=True)
-    with raises(RuntimeError, "saved tensor hooks", "save_on_cpu", "outside that context"):
+    for placement in (four_devices[:1], four_devices):
+        f = tp.pmap(lambda v: (v * v).sum(), devices=placement, jit=jit)
+        with raises(RuntimeError, "saved tensor hooks", "save_on_cpu", "outside that context"):
+            with torch.autograd.graph.save_on_cpu():
+                f(x)
+        with raises(RuntimeError, "saved tensor hooks"):
+            torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+        # and the hooks are on again afterwards
         with torch.autograd.graph.save_on_cpu():
-            tp.pmap(lambda v: (v * v).sum(), devices=tp.devices()[:1])(x)
-    # and the hooks are on again afterwards
-    with torch.autograd.graph.save_on_cpu():
-        (x * x).sum().backward()
+            (x * x).sum().backward()
 
 
 # --------------------------------------------------------------------------- messages that used to be torch's

@@ -87,6 +87,7 @@ def run(call: MappedCall) -> list[torch.Tensor]:
     a whole). The function's Python code then runs again: once for the failed attempt,
     then once per instance.
     """
+    vectorized.refuse_saved_tensor_hooks()  # every placement, as the vectorized engine's vmap refuses them
     if call.devices is not None and multi_process.active():  # several processes: one slice each (compiled or not)
         _log_engine(call, "distributed (this process' slice)")
         return _corrected(multi_process.run, call)

@@ -241,6 +241,19 @@ _NO_SAVED_TENSOR_HOOKS = (
 )
 
 
+def refuse_saved_tensor_hooks() -> None:
+    """Raises, as a vmap does, when the caller has set saved tensor hooks
+    (``save_on_cpu``, non-reentrant ``torch.utils.checkpoint``): device threads and
+    processes run without them (autograd keeps them per thread), so one device refused
+    them and several ignored them (a hook that changes what is saved changed nothing).
+    Checked on the caller's thread for every engine, as :func:`_vmap_flat` does."""
+    if private.saved_tensors_hooks_disabled_message() is None:  # else none can be set
+        try:
+            private.disable_saved_tensors_hooks(_NO_SAVED_TENSOR_HOOKS)  # raises (after disabling) if hooks are set
+        finally:
+            private.enable_saved_tensors_hooks()
+
+
 def _vmap_flat(
     fn: Callable[..., Any], size: int, inputs: Sequence[torch.Tensor], in_dims: Sequence[int], randomness: str
 ) -> list:
