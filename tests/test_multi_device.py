@@ -783,3 +783,29 @@ def test_mesh_axes_run_one_at_a_time_in_debug_mode_and_after_a_fallback(four_dev
                     nested(lambda x: x * 2)(torch.zeros(2, 4))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(debug, torch.as_tensor(nested(lambda x: tp.psum(x * 2, "j"))(x)).cpu())
+
+
+def _grad_enabled_inside(devices, n: int) -> tuple:
+    """A function that enables grad itself, called under the caller's no_grad."""
+
+    def f(v, w):
+        with torch.enable_grad():
+            return tp.psum(v * w, "i") * v
+
+    x, w = torch.arange(float(n)).requires_grad_(), torch.tensor(2.0, requires_grad=True)
+    with torch.no_grad():
+        r = tp.pmap(f, axis_name="i", in_axes=(0, None), devices=devices)(x, w)
+        plain = tp.pmap(lambda v: v * w, devices=devices)(x)  # without: nothing recorded
+    torch.as_tensor(r).sum().backward()
+    return r.requires_grad, x.grad.tolist(), w.grad.item(), plain.requires_grad
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_a_function_that_enables_grad_under_no_grad_differentiates_as_on_one_device(four_devices, n):
+    """A device holding one instance took its slice, and stacked its result, under the
+    caller's no_grad: the result required grad but its graph stopped there (x.grad and
+    w.grad None, no error), where one device's vmap differentiates into the arguments."""
+    want = _grad_enabled_inside(four_devices[:1], n)
+    total = n * (n - 1) / 2  # the loss is w * total**2: x.grad 2 w total each, w.grad total**2
+    assert want == (True, [4.0 * total] * n, total * total, False)
+    assert _grad_enabled_inside(four_devices, n) == want

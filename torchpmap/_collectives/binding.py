@@ -253,9 +253,12 @@ class _Bind(torch.autograd.Function):
         if not prim.frame.vectorized and private.current_vmap_level() is None:
             # plain autograd runs this node in one thread; the other devices' nodes would never meet it
             raise NotImplementedError(
-                f"torchpmap: .backward() through {prim.name} over mesh axis {prim.frame.name!r} called "
-                "under a torch.func transform inside the pmap is not supported. Differentiate inside the pmap "
-                "with torch.func.grad, or call the collective outside the inner transform."
+                f"torchpmap: the backward of {prim.name} over axis {prim.frame.name!r} ran through plain autograd "
+                "inside the map, on a device that holds one instance (no vmap level), where the other devices' "
+                "nodes would never meet it: not supported (a torch.func.vjp pullback called inside the map does "
+                "this; one device runs it). Differentiate inside the map with torch.func.grad or jacrev, or, in a "
+                "pmap, set torchpmap.config.bitwise_placement = True (every instance then runs in a vmap of its "
+                "own, as on one device)."
             )
         if not prim.frame.vectorized and threading.get_ident() != ctx.thread:
             # a transform around the map differentiates after its instances ran one at a time, each

@@ -145,10 +145,11 @@ def assembled(devices: Sequence[Device], per_device: Sequence[Sequence[torch.Ten
     or, when a torch.func transform encloses the call (it carries tensors only) or the
     outputs carry forward-mode tangents (the caller's own ``forward_ad.dual_level()``:
     a ShardedTensor has no tangent), the leaves concatenated on the first device."""
-    if private.current_vmap_level() is not None or any(map(_context.carries_tangent, itertools.chain(*per_device))):
-        first = devices[0].torch_device
-        return [_context.cat_as_they_are([o.to(first) for o in outs]) for outs in zip(*per_device)]
-    return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
+    with torch.enable_grad():  # a result the function computed with grad on (under the caller's no_grad) keeps it
+        if private.current_vmap_level() is not None or any(map(_context.carries_tangent, itertools.chain(*per_device))):
+            first = devices[0].torch_device
+            return [_context.cat_as_they_are([o.to(first) for o in outs]) for outs in zip(*per_device)]
+        return [ShardedTensor(list(zip(devices, outs))) for outs in zip(*per_device)]
 
 
 def check_replicated(call: MappedCall, per_thread: list[list[torch.Tensor]]) -> None:
@@ -287,7 +288,9 @@ def device_thread(
         whole = call.randomness == "per_instance"
         with cuda_device(device.torch_device), owned(mode), mode if whole else contextlib.nullcontext():
             pieces = call.pieces or [None] * len(call.mapped)
-            with views_recorded(call.mapped):
+            # the slices with grad on, as vmap's batch dims are: a function that enables grad
+            # itself under the caller's no_grad differentiates back into the arguments
+            with views_recorded(call.mapped), torch.enable_grad():
                 mapped = [
                     slice_for_device(t, dim, j, k, device, p) for t, dim, p in zip(call.mapped, call.in_dims, pieces)
                 ]

@@ -189,12 +189,13 @@ def run_one(
     instead of being gathered onto this device, and so does such an input.
     """
     device = call.devices[0].torch_device if call.devices else None
-    slices = [
-        select_of_shards(t, dim, 0) if keep_sharded and isinstance(t, ShardedTensor)
-        else place(t, device).select(dim, 0)
-        for t, dim in zip(call.mapped, call.in_dims)
-    ]
-    broadcast = [place(v, device) for v in call.broadcast]
+    with torch.enable_grad():  # as vmap's batch dims: see multi_device.device_thread
+        slices = [
+            select_of_shards(t, dim, 0) if keep_sharded and isinstance(t, ShardedTensor)
+            else place(t, device).select(dim, 0)
+            for t, dim in zip(call.mapped, call.in_dims)
+        ]
+        broadcast = [place(v, device) for v in call.broadcast]
     here = device if device is not None else torch.device("cpu")
     token = torch.zeros((), dtype=torch.long, device=here)
     frame = _axis_env.AxisFrame(call.axis_name, axis_size, token, 1, offset, exchange, vectorized=False, vma=call.vma)
@@ -212,11 +213,14 @@ def run_one(
                 outputs = call.body(slices, broadcast)
     finally:
         _devices.set_current_default(previous)
-    # a result that is (a view of) an argument is copied by the caller: see torchpmap._frontend.output_copies
-    return [
-        unsqueeze_of_shards(o, 0) if keep_sharded and isinstance(o, ShardedTensor) else as_local(o, here).unsqueeze(0)
-        for o in outputs
-    ]
+    # a result that is (a view of) an argument is copied by the caller: see torchpmap._frontend.output_copies;
+    # with grad on, as vmap's batch dims are: a result the function computed with grad on keeps its graph
+    with torch.enable_grad():
+        return [
+            unsqueeze_of_shards(o, 0) if keep_sharded and isinstance(o, ShardedTensor)
+            else as_local(o, here).unsqueeze(0)
+            for o in outputs
+        ]
 
 
 _tokens: dict[tuple[int, Any], torch.Tensor] = {}
