@@ -120,6 +120,21 @@ def test_backward_through_a_result(four_devices):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("size", [4, 8])
+def test_a_second_derivative_through_a_result_raises_on_every_placement(four_devices, size):
+    """One device's compiled program raises AOTAutograd's "does not currently support
+    double backward"; the compiled device slices gave the first derivative without a graph,
+    so the second came back None (``allow_unused``) or zeros, silently."""
+    for placement in (four_devices[:1], four_devices):
+        f = tp.pmap(lambda v: tp.psum(v**3, "i") * v, axis_name="i", jit=True, devices=placement)
+        x = torch.arange(float(size), requires_grad=True)
+        with pytest.raises(RuntimeError, match="does not currently support double backward"):
+            (g,) = torch.autograd.grad(torch.as_tensor(f(x)).sum(), x, create_graph=True)
+            torch.autograd.grad(g.sum(), x, allow_unused=True)
+        (g,) = torch.autograd.grad(torch.as_tensor(f(x)).sum(), x)  # a first derivative, as ever
+        assert torch.equal(g, 3 * x.detach() ** 2 * x.detach().sum() + (x.detach() ** 3).sum()), placement
+
+
 def test_nested_pmap_of_pmap(four_devices):
     xs = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(3))
     inner = lambda v: tp.psum(v, "j") * tp.axis_index("i") + tp.pmean(v, "i")  # noqa: E731

@@ -59,10 +59,33 @@ class _Segment(torch.nn.Module):
         if self.compiled is None:  # compiled in turn: one compilation at a time
             self.compiled = self.compile_segment(self.graph_module, args)
             with compiled_draws() if self.draws else contextlib.nullcontext():
-                return self.compiled(*args)
+                return _refusing_double_backward(self.compiled(*args))
         with thread_ops.turn_set_down():  # the devices' kernels run at once (module docstring)
             with compiled_draws() if self.draws else contextlib.nullcontext():
-                return self.compiled(*args)
+                return _refusing_double_backward(self.compiled(*args))
+
+
+_DOUBLE_BACKWARD = (
+    "torch.compile with aot_autograd does not currently support double backward: a pmap(jit=True) result "
+    "differentiated with create_graph=True (a second derivative through torch.autograd.grad). Differentiate "
+    "inside the map with torch.func (compiled with it), or call the pmap without jit=True"
+)
+
+
+def _refuse_double_backward(grad: torch.Tensor) -> None:
+    if torch.is_grad_enabled():  # the engine runs a backward with create_graph=True in grad mode
+        raise RuntimeError(_DOUBLE_BACKWARD)
+
+
+def _refusing_double_backward(outputs: Any) -> Any:
+    """``outputs``, each that requires grad hooked to raise in a backward that records a
+    graph: a segment's compiled backward gave a gradient without one there (a second
+    derivative came back None), where one device's program raises AOTAutograd's error."""
+    if torch.is_grad_enabled():
+        for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(_refuse_double_backward)
+    return outputs
 
 
 def split_at_exchanges(graph: torch.fx.GraphModule, compile_segment: CompileSegment) -> torch.fx.GraphModule:
