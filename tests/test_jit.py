@@ -704,3 +704,23 @@ def test_a_change_to_the_model_after_the_first_call_is_traced_anew(placement):
         torch.testing.assert_close(compiled, eager)
     for eager, compiled in zip(losses[False][3], losses[True][3]):
         torch.testing.assert_close(compiled, eager)
+
+
+def test_a_constant_made_inside_jacfwd_gives_values_not_meta_tensors(four_devices):
+    """Traced, a tensor made inside ``torch.func.jacfwd`` (its zero tangent) moved to the
+    meta device: one device's compiled program returned a meta tensor, which no read
+    could use (``torch.compile`` refuses the program). Such a program runs eagerly now,
+    with a JitFallbackWarning, and gives eager's numbers on every placement."""
+    from torch.func import jacfwd
+
+    def f(v, w):
+        return jacfwd(lambda w: (torch.outer(v, w) * torch.arange(4.0)[:, None]).sum())(w)
+
+    x, w = torch.arange(16.0).reshape(4, 4), torch.tensor([1.0, 2.0])
+    want = tp.pmap(f, in_axes=(0, None), devices=four_devices[:1])(x, w)
+    for placement in (four_devices[:1], four_devices):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", tp.JitFallbackWarning)
+            got = tp.pmap(f, in_axes=(0, None), devices=placement, jit=True)(x, w)
+        assert got.device.type == "cpu"
+        torch.testing.assert_close(torch.as_tensor(got), want)

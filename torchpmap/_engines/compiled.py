@@ -420,6 +420,7 @@ def trace_graph(call: MappedCall, engine: Engine) -> TracedGraph:
     graph_rewrites.fold_instance_sums(graph)  # per-instance products summed over instances -> one product
     graph_rewrites.split_sliced_products(graph)  # a bucket's rows of a weight gradient: their own product
     constants = _lift_constants(graph)
+    _refuse_meta_values(graph, constants, inputs)
     views = output_views.peel(graph)  # results that are views of the program's values: taken outside
     layout = dataclasses.replace(call.output_layout)
     baked = BakedIn(tuple(_leaf_signature(c) for c in constants), module_modes.modes_of(called))
@@ -749,6 +750,28 @@ def _written_arguments(func: Any) -> frozenset[str]:
     """The names of the arguments an op writes to (in-place and out= ops)."""
     arguments = getattr(private.op_schema(func), "arguments", ())
     return frozenset(a.name for a in arguments if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _refuse_meta_values(
+    graph: torch.fx.GraphModule, constants: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """Raises where the trace moved a value to the meta device or captured a meta tensor
+    while no input is one: the program would return values without data. A constant made
+    inside ``torch.func.jacfwd`` traces so (its zero tangent; torch 2.11-2.14), and the
+    program returned a meta tensor. ``torch.compile`` refuses such a program too; the call
+    runs eagerly, with a JitFallbackWarning."""
+    if any(t.device.type == "meta" for t in inputs):
+        return
+    moved = any(
+        isinstance(device := node.kwargs.get("device"), torch.device) and device.type == "meta"
+        for node in graph.graph.nodes
+        if node.op == "call_function"
+    )
+    if moved or any(c.device.type == "meta" for c in constants):
+        raise NotImplementedError(
+            "the trace moves a value to the meta device (as a tensor made inside torch.func.jacfwd traces), so "
+            "the program would return values without data"
+        )
 
 
 def _lift_constants(graph: torch.fx.GraphModule) -> list[torch.Tensor]:
