@@ -804,8 +804,13 @@ def _grad_enabled_inside(devices, n: int) -> tuple:
 def test_a_function_that_enables_grad_under_no_grad_differentiates_as_on_one_device(four_devices, n):
     """A device holding one instance took its slice, and stacked its result, under the
     caller's no_grad: the result required grad but its graph stopped there (x.grad and
-    w.grad None, no error), where one device's vmap differentiates into the arguments."""
+    w.grad None, no error), where one device's vmap differentiates into the arguments.
+    Debug mode on one device stacked the instances' results under no_grad (backward then
+    raised "does not require grad")."""
     want = _grad_enabled_inside(four_devices[:1], n)
     total = n * (n - 1) / 2  # the loss is w * total**2: x.grad 2 w total each, w.grad total**2
     assert want == (True, [4.0 * total] * n, total * total, False)
     assert _grad_enabled_inside(four_devices, n) == want
+    with tp.disable_vectorization():
+        assert _grad_enabled_inside(four_devices[:1], n) == want
+        assert _grad_enabled_inside(four_devices, n) == want

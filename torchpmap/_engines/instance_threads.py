@@ -19,8 +19,10 @@ within the same nested call: the meeting key is (axis, call path, other coordina
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -157,7 +159,7 @@ def run(
     # and where an instance read a value into Python (the same on its slice, maybe not the others')
     if (k == 1 and not call.vma) or batching_rules.value_reads() != reads:
         check_replicated(call, per_thread)
-    return _assemble(devices, per_thread)
+    return _assemble(devices, per_thread, call.mapped)
 
 
 def _run_single(
@@ -195,10 +197,24 @@ def _run_single(
     )
 
 
-def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]]) -> list:
+def _assemble(devices: list[Device], per_thread: list[list[torch.Tensor]], mapped: Sequence[Any] = ()) -> list:
     if len(set(devices)) == 1:  # debug mode on one device: plain tensors, as the vectorized engine returns
-        return [_expanded(outs) if _one_view(outs) else _context.cat_as_they_are(outs) for outs in zip(*per_thread)]
+        return [_stacked(outs, mapped) for outs in zip(*per_thread)]
     return assembled(devices, per_thread)  # as from the multi-device engine
+
+
+def _stacked(outs: Sequence[torch.Tensor], mapped: Sequence[Any]) -> torch.Tensor:
+    """The instances' values of one output, stacked. With grad on, as vmap stacks them,
+    where the caller runs under no_grad: a value the function computed with grad on (it
+    enabled grad itself) keeps its graph. A value that is a view of an argument (the
+    instance's slice, returned as it is) is stacked under the caller's grad mode, as the
+    copy vmap's result of it gets (see output_copies)."""
+    if _one_view(outs):
+        return _expanded(outs)
+    roots = {id(a._base if a._base is not None else a) for a in mapped if isinstance(a, torch.Tensor)}
+    of_arguments = any(o._base is not None and id(o._base) in roots for o in outs)
+    with contextlib.nullcontext() if of_arguments else torch.enable_grad():
+        return _context.cat_as_they_are(outs)
 
 
 def _one_view(outs: Sequence[torch.Tensor]) -> bool:
