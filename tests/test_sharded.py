@@ -789,3 +789,29 @@ def test_arguments_viewing_one_result_share_its_memory_as_on_one_device(devices,
     raised "modified by an inplace operation" on several devices at the write-back."""
     want = _aliased_arguments_written(devices[:1], case, n, requires_grad)
     assert _aliased_arguments_written(devices, case, n, requires_grad) == want
+
+
+def _numpy_conversions(devices) -> list:
+    """What numpy makes of a result (and its row), with and without grad."""
+    import numpy as np
+
+    def outcome(f) -> str:
+        try:
+            return type(f()).__name__
+        except (RuntimeError, ValueError) as error:
+            return f"{type(error).__name__}: {str(error)[:40]}"
+
+    outcomes = []
+    for requires_grad in (False, True):
+        x = torch.arange(12.0).reshape(4, 3).requires_grad_(requires_grad)
+        r = tp.pmap(lambda v: v * 3 + 1, devices=devices)(x)
+        for f in (r.numpy, lambda: np.asarray(r), lambda: r[1].numpy(), lambda: np.array(r, copy=False),
+                  lambda: np.array(r[1], copy=False), lambda: r.numpy(force=True), r.tolist):
+            outcomes.append(outcome(f))
+    return outcomes
+
+
+def test_numpy_refuses_what_it_refuses_on_one_device(devices):
+    """``.numpy()`` of a result that requires grad, and ``np.array(r, copy=False)``, raised
+    on one device (torch's and numpy's errors) and returned arrays on several."""
+    assert _numpy_conversions(devices) == _numpy_conversions(devices[:1])

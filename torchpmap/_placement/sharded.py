@@ -204,13 +204,18 @@ class ShardedTensor(torch.Tensor):
                 self.shards[k] = Shard(shard.device, piece.to(shard.tensor.device))
 
     def numpy(self, *, force: bool = False) -> Any:
-        """The gathered value as a NumPy array (detached, as ``.tolist()``)."""
+        """The gathered value as a NumPy array: a copy (the shards' memory is not one
+        array's), so a write into it does not reach the shards. Refused for a value that
+        requires grad unless ``force``, as torch refuses."""
+        _refuse_numpy_of_grad(self, force)
         return _concatenated(self, torch.device("cpu")).numpy()
 
     def tolist(self) -> Any:
         return _concatenated(self, torch.device("cpu")).tolist()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        if copy is False:  # as numpy answers for a tensor (torch's __array__ takes no copy)
+            raise ValueError("Unable to avoid copy while creating an array as requested.")
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
@@ -909,12 +914,18 @@ class ShardedView(torch.Tensor):
         )
 
     def numpy(self, *, force: bool = False) -> Any:
+        """Its value as a NumPy array: a row within a CPU shard shares the shard's memory,
+        any other view is a copy. Refused for a value that requires grad unless ``force``,
+        as torch refuses."""
+        _refuse_numpy_of_grad(self, force)
         return _materialized(self).cpu().numpy()
 
     def tolist(self) -> Any:
         return _materialized(self).tolist()
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Any:
+        if copy is False:  # as numpy answers for a tensor (torch's __array__ takes no copy)
+            raise ValueError("Unable to avoid copy while creating an array as requested.")
         out = self.numpy()
         return out.astype(dtype) if dtype is not None else out
 
@@ -937,6 +948,13 @@ class ShardedView(torch.Tensor):
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         return _materialized(self).detach().clone()
+
+
+def _refuse_numpy_of_grad(t: torch.Tensor, force: bool) -> None:
+    """torch's refusal of ``numpy()`` for a tensor that requires grad (one device raised it,
+    several devices returned the array)."""
+    if t.requires_grad and not force:
+        raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
 
 
 def as_local(value: Any, device: torch.device | None) -> Any:
